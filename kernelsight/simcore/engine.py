@@ -1,0 +1,279 @@
+"""The event engine: arrivals and steps on a virtual clock.
+
+One API serves both drivers: the real-time server (which sleeps until each step's virtual end time and
+streams its tokens) and fast-forward (which calls ``step`` back to back). A call to :meth:`Engine.step`
+runs one engine step, or, when allowed by ``max_steps``, a *window* of identical pure-decode steps:
+nothing changes between them but context growth, so they are computed at once (event skipping). A window
+always ends at the step during which the next arrival (or ``until_s``) falls, when a request finishes, or
+before the KV cache runs out, so the result is the same as stepping one by one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernelsight.simcore.kernels import FAMILIES
+from kernelsight.simcore.kv_cache import KVCacheManager
+from kernelsight.simcore.output_len import OutputLengthModel
+from kernelsight.simcore.request import FinishReason, Request, RequestStatus
+from kernelsight.simcore.scheduler import Scheduler, SchedulerConfig
+from kernelsight.simcore.step_model import StepModel
+
+SCHEDULED = "scheduled"
+FIRST_TOKEN = "first_token"
+TOKENS = "tokens"
+FINISHED = "finished"
+PREEMPTED = "preempted"
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """Something that happened to one sequence during a step result.
+
+    ``tokens`` events cover ``num_tokens`` tokens, one per consecutive step starting at ``step_offset``
+    (index into ``StepResult.step_end_s``); ``first_token`` is always one token.
+    """
+
+    kind: str
+    request_id: str
+    step_offset: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    parent_id: str | None = None
+    index: int = 0
+
+
+@dataclass(slots=True)
+class StepResult:
+    start_s: float
+    step_end_s: list[float]          # virtual end time of each step in this result
+    first_step_index: int            # global index of the first step
+    events: list[RequestEvent]
+    num_scheduled_tokens: int        # per step (identical across a window)
+    num_running: int
+    num_waiting: int
+    kv_usage: float                  # at the end of the result
+    breakdown_s: np.ndarray          # seconds per family, summed over the steps
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_end_s)
+
+    @property
+    def end_s(self) -> float:
+        return self.step_end_s[-1]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    busy_s: float = 0.0
+    breakdown_s: np.ndarray = field(default_factory=lambda: np.zeros(len(FAMILIES)))
+    num_preemptions: int = 0
+
+
+class Engine:
+    """vLLM's engine core on a virtual clock."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, step_model: StepModel,
+                 seed: int = 0, output_length_model: OutputLengthModel | None = None) -> None:
+        self.config = scheduler_config
+        self.kv = KVCacheManager(num_gpu_blocks, scheduler_config.block_size,
+                                 scheduler_config.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.step_model = step_model
+        self.now_s = 0.0
+        self.stats = EngineStats()
+        self._lengths = (output_length_model or OutputLengthModel()).sampler(seed)
+        self._arrivals: list[tuple[float, int, Request]] = []
+        self._seq = itertools.count()
+        self._requests: dict[str, Request] = {}          # live sequences by id
+        self._children: dict[str, list[str]] = {}        # parent id -> sequence ids (n > 1)
+        self._pending_events: list[RequestEvent] = []     # aborts between steps
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int, *,
+                    min_tokens: int = 0, ignore_eos: bool = False, n: int = 1, priority: int = 0,
+                    arrival_s: float | None = None, extra_keys: tuple | None = None,
+                    output_token_ids: Sequence[int] | None = None) -> list[str]:
+        """Queue a request (arriving now, or at ``arrival_s`` on the virtual clock). Returns sequence ids.
+
+        ``n > 1`` fans out into n sequences sharing the prompt (ids ``"{i}_{request_id}"`` as in vLLM).
+        """
+        plen = len(prompt_token_ids)
+        if plen == 0:
+            raise ValueError("prompt must contain at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        if request_id in self._requests or request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_len = self.config.max_model_len
+        if plen >= max_len:
+            raise ValueError(f"prompt of {plen} tokens does not fit max_model_len={max_len}")
+        t = self.now_s if arrival_s is None else arrival_s
+        ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        if n > 1:
+            self._children[request_id] = ids
+        for i, sid in enumerate(ids):
+            length, at_eos = self._lengths.draw(max_tokens, min_tokens, ignore_eos)
+            reason = FinishReason.STOP if at_eos else FinishReason.LENGTH
+            if plen + length > max_len:      # the context window ends generation
+                length, reason = max_len - plen, FinishReason.LENGTH
+            req = Request(sid, prompt_token_ids, max_tokens, length, reason, t, priority, next(self._seq),
+                          request_id if n > 1 else None, i, extra_keys, output_token_ids)
+            self._requests[sid] = req
+            if t <= self.now_s:
+                self.scheduler.add(req)
+            else:
+                heapq.heappush(self._arrivals, (t, req.seq_no, req))
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a sequence or all sequences of a parent id, wherever they are. False if unknown/done."""
+        ids = self._children.pop(request_id, None) or [request_id]
+        found = False
+        for sid in ids:
+            req = self._requests.pop(sid, None)
+            if req is None or req.is_finished:
+                continue
+            found = True
+            if req.status is RequestStatus.WAITING and req.arrival_s > self.now_s and req.block_ids == []:
+                # still in the future-arrivals heap: mark finished; it is skipped when it surfaces
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = FinishReason.ABORT
+            else:
+                self.scheduler.finish(req, FinishReason.ABORT)
+            self._pending_events.append(RequestEvent(FINISHED, sid, 0, 0, FinishReason.ABORT.value,
+                                                     req.parent_id, req.index))
+        return found
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # -- state --------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def next_arrival_s(self) -> float | None:
+        return self._arrivals[0][0] if self._arrivals else None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or bool(self._arrivals)
+
+    def _admit_arrivals(self) -> None:
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= self.now_s:
+            _, _, req = heapq.heappop(arrivals)
+            if not req.is_finished:
+                self.scheduler.add(req)
+
+    # -- stepping -----------------------------------------------------------------------------------
+    def step(self, max_steps: int = 1, until_s: float | None = None) -> StepResult | None:
+        """Run one step (or a window of up to ``max_steps`` identical decode steps).
+
+        When nothing is runnable the clock first jumps to the next arrival. Returns None when there is
+        no work at all (or the next arrival is after ``until_s``).
+        """
+        sched = self.scheduler
+        self._admit_arrivals()
+        if not sched.running and not len(sched.waiting):
+            nxt = self.next_arrival_s
+            if nxt is None or (until_s is not None and nxt > until_s):
+                return None
+            self.now_s = max(self.now_s, nxt)
+            self._admit_arrivals()
+
+        events = self._pending_events
+        self._pending_events = []
+        out = sched.schedule()
+        start = self.now_s
+        first_index = self.stats.num_steps
+        for req in out.preempted:
+            events.append(RequestEvent(PREEMPTED, req.request_id, 0, 0, None, req.parent_id, req.index))
+        for req in out.admitted:
+            if req.first_scheduled_s is None:
+                req.first_scheduled_s = start
+                events.append(RequestEvent(SCHEDULED, req.request_id, 0, 0, None, req.parent_id, req.index))
+
+        if not out.requests:
+            # Nothing fits (e.g. all blocks held by waiting-for-space requests): should not happen with a
+            # correctly sized cache; advance to the next arrival rather than spin.
+            nxt = self.next_arrival_s
+            if nxt is None:
+                raise RuntimeError("scheduler made no progress and no arrival can change that")
+            self.now_s = max(nxt, self.now_s)
+            return self.step(max_steps, until_s)
+
+        if max_steps > 1 and out.is_pure_decode and sched.all_running_scheduled(out):
+            return self._decode_window(out, events, start, first_index, max_steps, until_s)
+
+        breakdown = self.step_model.breakdown_s(out.batch)
+        duration = float(breakdown.sum())
+        end = start + duration
+        upd = sched.update(out)
+        for req in upd.first_tokens:
+            req.first_token_s = end
+            events.append(RequestEvent(FIRST_TOKEN, req.request_id, 0, 1, None, req.parent_id, req.index))
+        for req in upd.tokens:
+            events.append(RequestEvent(TOKENS, req.request_id, 0, 1, None, req.parent_id, req.index))
+        self._finish_events(upd.finished, events, 0)
+        return self._commit(start, [end], first_index, events, out.total_tokens, breakdown)
+
+    def _decode_window(self, out, events, start, first_index, max_steps, until_s) -> StepResult:
+        sched = self.scheduler
+        k_cap = sched.decode_window_limit(max_steps)
+        ctx0 = out.batch.decode_context_tokens
+        b = out.batch.num_decodes
+        durations, breakdown = self.step_model.decode_window(b, ctx0, k_cap)
+        k = k_cap
+        limit = self.next_arrival_s
+        if until_s is not None and (limit is None or until_s < limit):
+            limit = until_s
+        ends = start + np.cumsum(durations)
+        if limit is not None and k > 1:
+            # the window ends with the step during which the limit falls (the next schedule sees it)
+            k = min(k, int(np.searchsorted(ends, limit, side="left")) + 1)
+        while k > 1 and not sched.blocks_fit(k):
+            k //= 2
+        if k != k_cap:
+            durations, breakdown = self.step_model.decode_window(b, ctx0, k)
+            ends = start + np.cumsum(durations)
+        finished = sched.apply_decode_window(k)
+        for req in out.requests:
+            events.append(RequestEvent(TOKENS, req.request_id, 0, k, None, req.parent_id, req.index))
+        self._finish_events(finished, events, k - 1)
+        return self._commit(start, ends.tolist(), first_index, events, out.total_tokens, breakdown)
+
+    def _finish_events(self, finished: list[Request], events: list[RequestEvent], offset: int) -> None:
+        for req in finished:
+            self._requests.pop(req.request_id, None)
+            if req.parent_id is not None:
+                siblings = self._children.get(req.parent_id)
+                if siblings is not None and all(s not in self._requests for s in siblings):
+                    del self._children[req.parent_id]
+            events.append(RequestEvent(FINISHED, req.request_id, offset, 0, req.finish_reason.value,
+                                       req.parent_id, req.index))
+
+    def _commit(self, start: float, ends: list[float], first_index: int, events: list[RequestEvent],
+                tokens: int, breakdown: np.ndarray) -> StepResult:
+        self.now_s = ends[-1]
+        st = self.stats
+        st.num_steps += len(ends)
+        st.busy_s += ends[-1] - start
+        st.breakdown_s += breakdown
+        st.num_preemptions = self.scheduler.num_preemptions
+        return StepResult(start, ends, first_index, events, tokens, len(self.scheduler.running),
+                          len(self.scheduler.waiting), self.kv.usage, breakdown)

@@ -1,0 +1,165 @@
+"""Engine arguments as vLLM takes them, resolved into a complete configuration (defaults as vLLM's)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.engine import Engine
+from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.memory import MemoryPlan, plan_memory
+from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.precision import Precision, resolve_precision
+from kernelsight.simcore.scheduler import FCFS, PRIORITY, SchedulerConfig
+from kernelsight.simcore.step_model import StepConfig, StepModel, default_cudagraph_capture_sizes
+
+GIB = 1024**3
+VALID_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """The subset of ``vllm serve`` engine flags the simulator honours (None = vLLM's default)."""
+
+    model: str = "meta-llama/Llama-3.1-8B"
+    hardware: str = "h100"
+    tensor_parallel_size: int = 1
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    scheduling_policy: str = FCFS
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
+    long_prefill_token_threshold: int = 0
+    calibration: str | None = None       # path to a calibration JSON (default: the bundled one)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything resolved: what the engine runs with, reported in results as ``config``."""
+
+    args: EngineArgs
+    model: ModelSpec
+    hardware: HardwareSpec
+    calibration: Calibration
+    precision: Precision
+    scheduler: SchedulerConfig
+    memory: MemoryPlan
+    cudagraph_capture_sizes: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.memory.num_gpu_blocks
+
+    def summary(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "model": self.model.name, "hardware": self.hardware.name,
+            "tensor_parallel_size": self.args.tensor_parallel_size,
+            "dtype": self.precision.act_dtype, "quantization": self.args.quantization,
+            "kv_cache_dtype": self.precision.kv_dtype,
+            "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+            "max_model_len": s.max_model_len, "block_size": s.block_size,
+            "enable_prefix_caching": s.enable_prefix_caching, "enable_chunked_prefill": s.enable_chunked_prefill,
+            "scheduling_policy": s.policy, "gpu_memory_utilization": self.args.gpu_memory_utilization,
+            "num_gpu_blocks": self.memory.num_gpu_blocks,
+            "kv_cache_tokens": self.memory.num_gpu_blocks * s.block_size,
+            "max_concurrency": round(self.memory.max_concurrency(s.max_model_len, s.block_size), 2),
+            "weight_bytes_per_gpu": int(self.memory.weight_bytes),
+            "enforce_eager": self.args.enforce_eager,
+            "max_cudagraph_capture_size": self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0,
+            "calibration_tier": self.calibration.tier, "seed": self.args.seed,
+        }
+
+    def args_dict(self) -> dict[str, Any]:
+        return asdict(self.args)
+
+
+def default_batch_limits(hw: HardwareSpec) -> tuple[int, int]:
+    """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs) by device memory."""
+    mem_gib = hw.mem_capacity_bytes / GIB
+    if mem_gib >= 160:
+        return 16384, 1024
+    if mem_gib >= 70 and not hw.name.lower().startswith("a100"):
+        return 8192, 1024
+    return 2048, 256
+
+
+def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
+                          calib: Calibration) -> EngineConfig:
+    """Validate the arguments and fill vLLM's defaults. Raises ValueError with vLLM-style messages."""
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be ≥ 1, got {tp}")
+    if tp > hw.gpus_per_node:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {hw.gpus_per_node} GPUs of one {hw.name} node")
+    if model.num_attention_heads % tp:
+        raise ValueError(f"Total number of attention heads ({model.num_attention_heads}) must be divisible by "
+                         f"tensor parallel size ({tp}).")
+    if args.block_size not in VALID_BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {args.block_size}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.scheduling_policy not in (FCFS, PRIORITY):
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
+    quant = args.quantization or model.quantization
+    precision = resolve_precision(args.dtype if args.dtype != "auto" else model.torch_dtype, quant,
+                                  args.kv_cache_dtype)
+
+    max_model_len = args.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+                         f"max_model_len (max_position_embeddings={model.max_position_embeddings} in the model's "
+                         "config.json).")
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be ≥ 2, got {max_model_len}")
+    default_tokens, default_seqs = default_batch_limits(hw)
+    max_num_seqs = args.max_num_seqs or default_seqs
+    if args.max_num_batched_tokens is not None:
+        max_tokens = args.max_num_batched_tokens
+    elif args.enable_chunked_prefill:
+        max_tokens = default_tokens
+    else:
+        max_tokens = max(max_model_len, default_tokens)
+    if max_num_seqs < 1 or max_tokens < 1:
+        raise ValueError("max_num_seqs and max_num_batched_tokens must be ≥ 1")
+    if not args.enable_chunked_prefill and max_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_tokens}) is smaller than max_model_len ({max_model_len}). "
+                         "This effectively limits the maximum sequence length to max_num_batched_tokens and makes "
+                         "vLLM reject longer sequences. Please increase max_num_batched_tokens or decrease "
+                         "max_model_len.")
+    max_tokens = min(max_tokens, max_num_seqs * max_model_len)
+    max_num_seqs = min(max_num_seqs, max_tokens)
+
+    memory = plan_memory(model, hw, precision, tp=tp, block_size=args.block_size,
+                         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_model_len,
+                         max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs,
+                         num_gpu_blocks_override=args.num_gpu_blocks_override)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                            max_model_len=max_model_len, block_size=args.block_size,
+                            enable_prefix_caching=args.enable_prefix_caching,
+                            enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling_policy,
+                            long_prefill_token_threshold=args.long_prefill_token_threshold)
+    capture = () if args.enforce_eager else default_cudagraph_capture_sizes(max_num_seqs,
+                                                                           args.max_cudagraph_capture_size)
+    return EngineConfig(args, model, hw, calib, precision, sched, memory, capture)
+
+
+def build_step_model(cfg: EngineConfig) -> StepModel:
+    return StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
+                     StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+                                enforce_eager=cfg.args.enforce_eager))
+
+
+def build_engine(cfg: EngineConfig) -> Engine:
+    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, build_step_model(cfg), seed=cfg.args.seed)

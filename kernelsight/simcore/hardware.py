@@ -1,0 +1,106 @@
+"""GPU specs: the datasheet numbers the roofline needs, loaded from bundled profiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    """One GPU model (per device), as on its datasheet.
+
+    FLOP/s are dense tensor-core peaks (no sparsity). ``None`` means the chip has no such unit.
+    """
+
+    name: str                      # canonical id, e.g. "h100-sxm"
+    display_name: str              # e.g. "NVIDIA H100 SXM5 80GB"
+    vendor: str                    # "nvidia" | "amd"
+    bf16_flops_per_s: float
+    fp16_flops_per_s: float
+    fp8_flops_per_s: float | None
+    int8_ops_per_s: float | None
+    fp4_flops_per_s: float | None
+    mem_bytes_per_s: float         # HBM/GDDR bandwidth
+    mem_capacity_bytes: int        # usable device memory as the driver reports it
+    num_sms: int                   # SMs (NVIDIA) or CUs (AMD)
+    l2_bytes: int
+    boost_clock_hz: float
+    intra_node_bytes_per_s: float  # NVLink / xGMI / PCIe per GPU, one direction
+    pcie_bytes_per_s: float
+    gpus_per_node: int
+    compute_capability: str        # "9.0", "8.9", "gfx942" ...
+    aliases: tuple[str, ...] = ()
+    sources: dict[str, str] = field(default_factory=dict)  # field name -> where the number came from
+
+    def peak_flops_per_s(self, dtype: str) -> float:
+        """Tensor-core peak for a compute dtype; fp8/int8/fp4 fall back to bf16 when absent."""
+        peak = {
+            "bf16": self.bf16_flops_per_s,
+            "fp16": self.fp16_flops_per_s,
+            "fp8": self.fp8_flops_per_s,
+            "int8": self.int8_ops_per_s,
+            "fp4": self.fp4_flops_per_s,
+        }[dtype]
+        return peak if peak else self.bf16_flops_per_s
+
+    @property
+    def machine_balance_flops_per_byte(self) -> float:
+        return self.bf16_flops_per_s / self.mem_bytes_per_s
+
+
+_REQUIRED_FIELDS: tuple[str, ...] = (
+    "name", "display_name", "vendor", "bf16_flops_per_s", "fp16_flops_per_s", "mem_bytes_per_s",
+    "mem_capacity_bytes", "num_sms", "l2_bytes", "boost_clock_hz", "intra_node_bytes_per_s",
+    "pcie_bytes_per_s", "gpus_per_node", "compute_capability",
+)
+# Peaks a chip may lack (e.g. no FP8 tensor cores on Ampere): null/absent -> None.
+_OPTIONAL_PEAKS: tuple[str, ...] = ("fp8_flops_per_s", "int8_ops_per_s", "fp4_flops_per_s")
+_FLOAT_FIELDS: tuple[str, ...] = (
+    "bf16_flops_per_s", "fp16_flops_per_s", "mem_bytes_per_s", "boost_clock_hz",
+    "intra_node_bytes_per_s", "pcie_bytes_per_s",
+)
+_INT_FIELDS: tuple[str, ...] = ("mem_capacity_bytes", "num_sms", "l2_bytes", "gpus_per_node")
+_ALLOWED_KEYS = frozenset(_REQUIRED_FIELDS + _OPTIONAL_PEAKS + ("aliases", "sources"))
+
+
+def _positive_number(d: dict, key: str) -> float:
+    value = d[key]
+    # bool is an int subclass: reject it explicitly so `true` in a JSON never passes as 1.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"hardware spec field {key!r} must be a positive number, got {value!r}")
+    return value
+
+
+def hardware_spec_from_dict(d: dict) -> HardwareSpec:
+    """Build a HardwareSpec from a profile dict (the bundled JSON schema). Pure: no I/O.
+
+    Keys starting with ``_`` are comments and ignored; any other unknown key is an error, so a typo
+    in a user-supplied profile (e.g. ``bf16_flops``) cannot silently leave a field at a wrong value.
+    """
+    missing = [k for k in _REQUIRED_FIELDS if k not in d or d[k] is None]
+    if missing:
+        raise ValueError(f"hardware spec {d.get('name', '?')!r} is missing required fields: {missing}")
+    unknown = sorted(k for k in d if k not in _ALLOWED_KEYS and not k.startswith("_"))
+    if unknown:
+        raise ValueError(f"hardware spec {d['name']!r} has unknown fields: {unknown}")
+
+    kwargs: dict = {k: str(d[k]) for k in ("name", "display_name", "vendor", "compute_capability")}
+    for key in _FLOAT_FIELDS:
+        kwargs[key] = float(_positive_number(d, key))
+    for key in _INT_FIELDS:
+        value = _positive_number(d, key)
+        if value != int(value):
+            raise ValueError(f"hardware spec field {key!r} must be an integer, got {value!r}")
+        kwargs[key] = int(value)
+    for key in _OPTIONAL_PEAKS:
+        kwargs[key] = float(_positive_number(d, key)) if d.get(key) is not None else None
+
+    aliases = d.get("aliases", ())
+    sources = d.get("sources", {})
+    if isinstance(aliases, str) or not all(isinstance(a, str) for a in aliases):
+        raise ValueError(f"hardware spec {d['name']!r}: 'aliases' must be a list of strings")
+    if not isinstance(sources, dict):
+        raise ValueError(f"hardware spec {d['name']!r}: 'sources' must be a dict field -> source")
+    kwargs["aliases"] = tuple(aliases)
+    kwargs["sources"] = {str(k): str(v) for k, v in sources.items()}
+    return HardwareSpec(**kwargs)

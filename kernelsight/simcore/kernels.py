@@ -1,0 +1,302 @@
+"""Decompose one engine step into kernels: family, FLOPs, bytes moved, tiles, η features.
+
+A step runs one forward pass over a *batch composition*: prefill chunks (each with the number of tokens
+already in the KV cache before it) and decodes (each attending its own context). Per layer of a dense
+decoder with tensor-parallel degree T (all shapes per rank):
+
+    norm → QKV GEMM → RoPE → KV-cache write → attention (prefill part, decode part) → O GEMM →
+    [all-reduce] → norm → gate_up GEMM → SiLU·mul → down GEMM → [all-reduce]
+
+MoE layers replace the MLP with a router GEMM and grouped expert GEMMs. After the last layer: final norm,
+the LM head over the rows that sample only, and the sampler.
+
+η features per family (what calibration fits on):
+    gemm, lm_head       (m, n, k, format code)      format code: GEMM_FORMAT_CODES (bf16 0, fp8 1, fp8_block 2)
+    moe_gemm            (tokens per active expert, n, k, active experts)
+    attn_prefill        (num_seqs, mean new tokens, mean context, q heads, kv heads, head_dim,
+                         kv bytes per element, sliding window or 0)
+    attn_decode         (num_seqs, mean context, q heads, kv heads, head_dim,
+                         kv bytes per element, sliding window or 0)
+    elementwise kinds   (bytes moved,)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.precision import Precision
+
+GEMM = "gemm"
+MOE_GEMM = "moe_gemm"
+ATTN_PREFILL = "attn_prefill"
+ATTN_DECODE = "attn_decode"
+KV_WRITE = "kv_write"
+ROPE = "rope"
+NORM = "norm"
+ACTIVATION = "activation"
+EMBEDDING = "embedding"
+SAMPLER = "sampler"
+ALL_REDUCE = "all_reduce"
+LAUNCH = "launch"
+HOST = "host"
+
+#: Every family a step breakdown reports, in a fixed order (GPU kernels, then communication, then CPU).
+FAMILIES: tuple[str, ...] = (GEMM, MOE_GEMM, ATTN_PREFILL, ATTN_DECODE, KV_WRITE, ROPE, NORM, ACTIVATION,
+                             EMBEDDING, SAMPLER, ALL_REDUCE, LAUNCH, HOST)
+FAMILY_INDEX = {f: i for i, f in enumerate(FAMILIES)}
+
+_GEMM_TILE = 128          # CUTLASS/cuBLAS-class tile edge for large GEMMs
+_GEMM_TILE_SMALL_M = 64   # skinny GEMMs use shorter tiles along m
+_ATTN_Q_TILE = 128        # FlashAttention query tile
+_FP32_BYTES = 4.0
+
+#: GEMM weight/compute formats told apart by η (they run different kernels): 4th gemm feature.
+GEMM_FORMAT_CODES: dict[str, int] = {"bf16": 0, "fp16": 0, "fp8": 1, "fp8_block": 2, "int8": 3}
+#: Tensor-core dtype each format computes in (block-scaled fp8 runs the fp8 peak).
+GEMM_COMPUTE_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8_block": "fp8",
+                                      "int8": "int8"}
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One kernel launch (``count`` identical launches, e.g. one per layer)."""
+
+    name: str
+    family: str
+    flops: float
+    bytes_moved: float
+    tiles: int
+    dtype: str
+    features: tuple[float, ...]
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """A chunk of one request's prompt computed this step."""
+
+    num_new_tokens: int
+    num_cached_tokens: int   # tokens already in the KV cache before this chunk (prefix hits + earlier chunks)
+    samples: bool            # the chunk completes the prompt, so a token is sampled for it
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What the forward pass of one step computes."""
+
+    prefills: tuple[PrefillChunk, ...] = ()
+    num_decodes: int = 0
+    decode_context_tokens: int = 0   # Σ over decodes of the tokens each attends (incl. the new one)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decodes + sum(p.num_new_tokens for p in self.prefills)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return self.num_decodes + sum(1 for p in self.prefills if p.samples)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + len(self.prefills)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return not self.prefills
+
+
+def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, weight_bytes_per_param: float,
+                act_bytes: float, count: int = 1, family: str = GEMM) -> Kernel:
+    """y[m,n] = x[m,k]·W[k,n]: reads x and W once, writes y.
+
+    ``dtype`` is the format (``bf16``, ``fp16``, ``fp8`` per-tensor W8A8, ``fp8_block`` block-scaled W8A8,
+    ``int8``); the kernel's compute dtype is the tensor-core peak that format runs at.
+    """
+    flops = 2.0 * m * n * k
+    in_bytes = gemm_input_bytes(dtype, act_bytes)
+    bytes_moved = m * k * in_bytes + k * n * weight_bytes_per_param + m * n * act_bytes
+    tiles = gemm_tiles(m, n)
+    features = (float(m), float(n), float(k), float(GEMM_FORMAT_CODES.get(dtype, 0)))
+    return Kernel(name, family, flops, bytes_moved, tiles, GEMM_COMPUTE_DTYPE.get(dtype, dtype), features, count)
+
+
+def gemm_input_bytes(dtype: str, act_bytes: float) -> float:
+    """Bytes per input activation element: W8A8 formats quantize activations to 1 byte first."""
+    return 1.0 if dtype in ("fp8", "fp8_block", "int8") else act_bytes
+
+
+def gemm_tiles(m: int, n: int) -> int:
+    tile_m = _GEMM_TILE_SMALL_M if m <= _GEMM_TILE_SMALL_M else _GEMM_TILE
+    return math.ceil(m / tile_m) * math.ceil(n / _GEMM_TILE)
+
+
+def elementwise_kernel(name: str, family: str, bytes_moved: float, dtype: str, count: int = 1) -> Kernel:
+    # Bandwidth-bound: FLOPs are negligible next to bytes; tiles only matter for the compute roof.
+    return Kernel(name, family, 0.0, bytes_moved, 1, dtype, (float(bytes_moved),), count)
+
+
+def attention_prefill_kernel(chunks: tuple[PrefillChunk, ...], q_heads: int, kv_heads: int, head_dim: int,
+                             act_bytes: float, kv_bytes: float, window: int | None = None,
+                             count: int = 1) -> Kernel:
+    """Causal attention of each chunk's new queries over its cached prefix plus itself."""
+    pairs = 0.0
+    kv_tokens = 0
+    tiles = 0
+    new_tokens = 0
+    for c in chunks:
+        q, p = c.num_new_tokens, c.num_cached_tokens
+        # query i (0-based) attends p + i + 1 keys (capped by the sliding window)
+        full = q * p + q * (q + 1) / 2.0
+        pairs += min(full, q * window) if window else full
+        kv_tokens += p + q
+        tiles += math.ceil(q / _ATTN_Q_TILE)
+        new_tokens += q
+    flops = 4.0 * q_heads * head_dim * pairs
+    bytes_moved = (2.0 * new_tokens * q_heads * head_dim * act_bytes
+                   + kv_tokens * 2.0 * kv_heads * head_dim * kv_bytes)
+    n = max(len(chunks), 1)
+    features = (float(len(chunks)), new_tokens / n, kv_tokens / n, float(q_heads), float(kv_heads),
+                float(head_dim), float(kv_bytes), float(window or 0))
+    return Kernel("attention_prefill", ATTN_PREFILL, flops, bytes_moved, max(tiles * q_heads, 1), "bf16",
+                  features, count)
+
+
+def attention_decode_kernel(num_decodes: int, context_tokens: int, q_heads: int, kv_heads: int,
+                            head_dim: int, act_bytes: float, kv_bytes: float, count: int = 1,
+                            window: int | None = None) -> Kernel:
+    """One query per sequence over its own context: reads the whole KV of every sequence once.
+
+    With a sliding window each sequence reads at most ``window`` keys (ragged contexts are approximated
+    by their mean when capping).
+    """
+    features = (float(num_decodes), context_tokens / max(num_decodes, 1), float(q_heads), float(kv_heads),
+                float(head_dim), float(kv_bytes), float(window or 0))
+    if window and num_decodes:
+        context_tokens = int(min(context_tokens, num_decodes * window))
+    flops = 4.0 * q_heads * head_dim * context_tokens
+    bytes_moved = (context_tokens * 2.0 * kv_heads * head_dim * kv_bytes
+                   + 2.0 * num_decodes * q_heads * head_dim * act_bytes)
+    return Kernel("attention_decode", ATTN_DECODE, flops, bytes_moved, max(num_decodes * q_heads, 1), "bf16",
+                  features, count)
+
+
+def expected_active_experts(num_experts: int, top_k: int, routed_tokens: int) -> float:
+    """Experts hit at least once when ``routed_tokens`` tokens each pick top_k of num_experts uniformly."""
+    if routed_tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** routed_tokens)
+
+
+def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
+    """The token-parallel (non-attention, non-MoE) kernels of ``n_layers`` layers over ``m`` rows."""
+    h = model.hidden_size
+    a = precision.act_bytes
+    w = precision.weight_bytes_per_param
+    g = precision.gemm_dtype
+    q_heads = model.num_attention_heads // tp
+    kv_heads = max(model.num_kv_heads // tp, 1)   # vLLM replicates KV heads when T > num_kv_heads
+    d = model.head_dim
+    qkv_n = (q_heads + 2 * kv_heads) * d
+    out = [
+        elementwise_kernel("input_norm", NORM, 3.0 * m * h * a, g, n_layers),
+        gemm_kernel("qkv_proj", m, qkv_n, h, g, w, a, n_layers),
+        elementwise_kernel("rope", ROPE, 2.0 * m * (q_heads + kv_heads) * d * a, g, n_layers),
+        elementwise_kernel("kv_cache_write", KV_WRITE,
+                           m * 2.0 * kv_heads * d * (a + precision.kv_bytes_per_element), g, n_layers),
+        gemm_kernel("o_proj", m, h, q_heads * d, g, w, a, n_layers),
+        elementwise_kernel("post_attention_norm", NORM, 3.0 * m * h * a, g, n_layers),
+    ]
+    return out
+
+
+def mlp_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
+    a, w, g = precision.act_bytes, precision.weight_bytes_per_param, precision.gemm_dtype
+    inter = model.intermediate_size // tp
+    h = model.hidden_size
+    return [
+        gemm_kernel("gate_up_proj", m, 2 * inter, h, g, w, a, n_layers),
+        elementwise_kernel("silu_and_mul", ACTIVATION, 3.0 * m * inter * a, g, n_layers),
+        gemm_kernel("down_proj", m, h, inter, g, w, a, n_layers),
+    ]
+
+
+def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
+    """Router + grouped expert GEMMs: weight traffic scales with the experts actually hit."""
+    a, w, g = precision.act_bytes, precision.weight_bytes_per_param, precision.gemm_dtype
+    h = model.hidden_size
+    e, k = model.num_experts, model.experts_per_token
+    inter = model.moe_intermediate_size // tp
+    routed = m * k
+    active = expected_active_experts(e, k, routed)
+    per_expert = routed / max(active, 1.0)
+    tile_m = _GEMM_TILE_SMALL_M if per_expert <= _GEMM_TILE_SMALL_M else _GEMM_TILE
+    m_tiles = math.ceil(per_expert / tile_m) * max(active, 1.0)
+    out = [gemm_kernel("moe_router", m, e, h, "bf16", 2.0, a, n_layers)]
+    for name, n_out, k_in in (("moe_gate_up", 2 * inter, h), ("moe_down", h, inter)):
+        flops = 2.0 * routed * n_out * k_in
+        bytes_moved = active * k_in * n_out * w + routed * (k_in + n_out) * a
+        tiles = int(m_tiles * math.ceil(n_out / _GEMM_TILE))
+        out.append(Kernel(name, MOE_GEMM, flops, bytes_moved, max(tiles, 1), g,
+                          (per_expert, float(n_out), float(k_in), active), n_layers))
+    out.append(elementwise_kernel("moe_silu_and_mul", ACTIVATION, 3.0 * routed * inter * a, g, n_layers))
+    if model.shared_expert_intermediate_size:
+        s = model.shared_expert_intermediate_size // tp
+        out += [gemm_kernel("shared_expert_gate_up", m, 2 * s, h, g, w, a, n_layers),
+                gemm_kernel("shared_expert_down", m, h, s, g, w, a, n_layers)]
+    return out
+
+
+def token_kernels(model: ModelSpec, m: int, sampling_rows: int, tp: int, precision: Precision) -> list[Kernel]:
+    """All kernels whose shape depends only on the (padded) token count and the sampling rows."""
+    a = precision.act_bytes
+    h = model.hidden_size
+    n_moe = model.num_moe_layers if model.is_moe else 0
+    n_dense_mlp = model.num_layers - n_moe
+    out = [elementwise_kernel("embedding", EMBEDDING, 2.0 * m * h * a, "bf16")]
+    out += dense_layer_kernels(model, m, tp, precision, model.num_layers)
+    if n_dense_mlp:
+        out += mlp_kernels(model, m, tp, precision, n_dense_mlp)
+    if n_moe:
+        out += moe_kernels(model, m, tp, precision, n_moe)
+    out.append(elementwise_kernel("final_norm", NORM, 3.0 * m * h * a, "bf16"))
+    if sampling_rows:
+        # The LM head stays bf16 under fp8 quantization in vLLM; it runs only over rows that sample.
+        vocab = math.ceil(model.vocab_size / tp)
+        out.append(gemm_kernel("lm_head", sampling_rows, vocab, h, "bf16", 2.0, a))
+        out.append(elementwise_kernel("sampler", SAMPLER, 3.0 * sampling_rows * model.vocab_size * _FP32_BYTES,
+                                      "bf16"))
+    return out
+
+
+def attention_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: Precision) -> list[Kernel]:
+    q_heads = model.num_attention_heads // tp
+    kv_heads = max(model.num_kv_heads // tp, 1)
+    out = []
+    if batch.prefills:
+        out.append(attention_prefill_kernel(batch.prefills, q_heads, kv_heads, model.head_dim, precision.act_bytes,
+                                            precision.kv_bytes_per_element, model.sliding_window,
+                                            model.num_layers))
+    if batch.num_decodes:
+        out.append(attention_decode_kernel(batch.num_decodes, batch.decode_context_tokens, q_heads, kv_heads,
+                                           model.head_dim, precision.act_bytes, precision.kv_bytes_per_element,
+                                           model.num_layers, window=model.sliding_window))
+    return out
+
+
+def decompose_step(model: ModelSpec, batch: BatchShape, tp: int, precision: Precision,
+                   padded_tokens: int | None = None) -> list[Kernel]:
+    """Every kernel of one step. ``padded_tokens`` is the CUDA-graph size the token rows are padded to."""
+    m = padded_tokens if padded_tokens is not None else batch.num_tokens
+    return token_kernels(model, m, batch.num_sampling_rows, tp, precision) + attention_kernels(
+        model, batch, tp, precision)
+
+
+def allreduce_message_bytes(model: ModelSpec, m: int, precision: Precision) -> float:
+    """Bytes of one tensor-parallel all-reduce (the hidden states of every row)."""
+    return float(m * model.hidden_size * precision.act_bytes)
+
+
+def allreduces_per_step(model: ModelSpec) -> int:
+    return 2 * model.num_layers

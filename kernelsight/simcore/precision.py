@@ -1,0 +1,60 @@
+"""Numeric formats: which tensor-core peak a GEMM uses and how many bytes weights and KV take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "fp4": 0.5, "fp32": 4.0}
+
+SUPPORTED_QUANTIZATION = (None, "fp8")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """Weight/activation format of the linear layers and the KV-cache element format."""
+
+    weight_dtype: str = "bf16"   # "bf16" | "fp16" | "fp8" (W8A8)
+    act_dtype: str = "bf16"      # activations between kernels (fp8 GEMMs still emit bf16)
+    kv_dtype: str = "bf16"
+
+    @property
+    def gemm_dtype(self) -> str:
+        """Tensor-core dtype the linear layers run in (W8A8 runs the fp8 peak)."""
+        return self.weight_dtype
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        return _BYTES_PER_ELEMENT[self.weight_dtype]
+
+    @property
+    def act_bytes(self) -> float:
+        return _BYTES_PER_ELEMENT[self.act_dtype]
+
+    @property
+    def kv_bytes_per_element(self) -> float:
+        return _BYTES_PER_ELEMENT[self.kv_dtype]
+
+
+def resolve_precision(
+    model_dtype: str = "bfloat16", quantization: str | None = None, kv_cache_dtype: str = "auto"
+) -> Precision:
+    """Map vLLM's ``--dtype/--quantization/--kv-cache-dtype`` onto a Precision.
+
+    Raises ValueError for formats the kernel model does not implement, rather than guessing.
+    """
+    base = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+            "auto": "bf16"}.get(model_dtype)
+    if base is None:
+        raise ValueError(f"unsupported dtype {model_dtype!r}: expected bfloat16 or float16")
+    if quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"unsupported quantization {quantization!r}: supported are none and 'fp8'")
+    if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unsupported kv-cache-dtype {kv_cache_dtype!r}: choose from {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+        )
+    kv = base if kv_cache_dtype in ("auto", "bf16", "fp16") else "fp8"
+    if kv_cache_dtype in ("bf16", "fp16"):
+        kv = kv_cache_dtype
+    weight = "fp8" if quantization == "fp8" else base
+    return Precision(weight_dtype=weight, act_dtype=base, kv_dtype=kv)

@@ -1,0 +1,84 @@
+"""A request as the engine tracks it: prompt, progress, KV blocks and timing."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # the model emitted EOS (from the output-length model)
+    LENGTH = "length"    # max_tokens or max_model_len reached
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated (a parent request with ``n > 1`` becomes n of these)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    target_output_len: int          # tokens this request will generate before finishing
+    finish_reason_at_target: FinishReason
+    arrival_s: float
+    priority: int = 0
+    seq_no: int = 0                 # admission order tie-breaker, unique per engine
+    parent_id: str | None = None
+    index: int = 0                  # position among the parent's n sequences
+    extra_keys: tuple | None = None  # e.g. ("lora", name) / cache salt: enters the first block hash
+    output_token_ids: Sequence[int] | None = None  # when the driver knows them (prefix-caches generated text)
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = -1     # prefix-cache hit at first admission (-1: not yet admitted)
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_hashed_blocks_cached: int = 0   # leading blocks of block_ids registered in the prefix cache
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what the KV cache must eventually hold."""
+        return len(self.prompt_token_ids) + self.num_output_tokens
+
+    @property
+    def remaining_output_tokens(self) -> int:
+        return self.target_output_len - self.num_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def block_content(self, block_index: int, block_size: int) -> tuple:
+        """The token content of a full block, as the hash input.
+
+        Generated tokens whose ids the engine does not know are keyed by (request, position): such blocks
+        can only ever be reused by the same request (after preemption), never falsely shared.
+        """
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        plen = len(self.prompt_token_ids)
+        if end <= plen:
+            return tuple(self.prompt_token_ids[start:end])
+        outs = self.output_token_ids
+        if outs is not None and end - plen <= len(outs):
+            head = tuple(self.prompt_token_ids[start:plen]) if start < plen else ()
+            return head + tuple(outs[max(start - plen, 0):end - plen])
+        head = tuple(self.prompt_token_ids[start:plen]) if start < plen else ()
+        return head + (("gen", self.request_id, block_index),)

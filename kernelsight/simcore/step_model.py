@@ -1,0 +1,147 @@
+"""Step time: Σ kernel times (roofline / η + fixed latency) + all-reduces + exposed launch + host.
+
+The token-parallel part of a step (GEMMs, norms, activations, LM head...) depends only on the padded
+token count, the sampling rows and the graph mode, so it is cached by that signature; attention is
+computed per step from the batch composition. Decode-only windows (the hot path of fast-forward) are
+evaluated for many steps at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernelsight.simcore import kernels as K
+from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.comm import allreduce_s
+from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel
+from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.precision import Precision
+from kernelsight.simcore.roofline import kernel_roofline_s
+
+
+def default_cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> tuple[int, ...]:
+    """vLLM's capture list: 1, 2, 4, then steps of 8 to 256, then steps of 16, up to the max size.
+
+    The max defaults to min(2 · max_num_seqs, 512) as in vLLM.
+    """
+    cap = max_capture_size if max_capture_size is not None else min(2 * max_num_seqs, 512)
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max(cap, 272) + 1, 16))
+    return tuple(s for s in sizes if s <= cap)
+
+
+FULL_GRAPH = "full"
+PIECEWISE = "piecewise"
+EAGER = "eager"
+
+
+@dataclass(frozen=True, slots=True)
+class StepConfig:
+    tp: int = 1
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+    enforce_eager: bool = False
+
+
+class StepModel:
+    """Predicts the duration of one engine step on one GPU model."""
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, calib: Calibration, precision: Precision,
+                 config: StepConfig) -> None:
+        self.model, self.hw, self.calib, self.precision, self.config = model, hw, calib, precision, config
+        self._capture = tuple(sorted(config.cudagraph_capture_sizes))
+        self._token_cache: dict[tuple[int, int, str], np.ndarray] = {}
+        self._n_families = len(FAMILIES)
+
+    # -- single kernels --------------------------------------------------------------------------
+    def kernel_time_s(self, k: Kernel) -> float:
+        """Time of all ``k.count`` launches of one kernel: roofline / η + fixed latency."""
+        roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
+        eta = self.calib.kernel_eta(k.family, k.features)
+        return (roof / eta + self.calib.kernel_overhead_s(k.family)) * k.count
+
+    # -- graph mode and padding --------------------------------------------------------------------
+    def graph_mode(self, batch: BatchShape) -> tuple[str, int]:
+        """(mode, padded token rows). Decode-only batches replay a full graph, mixed ones piecewise."""
+        m = batch.num_tokens
+        if self.config.enforce_eager or not self._capture or m > self._capture[-1]:
+            return EAGER, m
+        padded = self._capture[bisect.bisect_left(self._capture, m)]
+        return (FULL_GRAPH if batch.is_decode_only else PIECEWISE), padded
+
+    # -- the cached token-parallel part -------------------------------------------------------------
+    def _token_part(self, m_padded: int, sampling_rows: int, mode: str) -> np.ndarray:
+        key = (m_padded, sampling_rows, mode)
+        cached = self._token_cache.get(key)
+        if cached is not None:
+            return cached
+        out = np.zeros(self._n_families)
+        n_launches = 0
+        for k in K.token_kernels(self.model, m_padded, sampling_rows, self.config.tp, self.precision):
+            out[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
+            n_launches += k.count
+        tp = self.config.tp
+        if tp > 1:
+            msg = K.allreduce_message_bytes(self.model, m_padded, self.precision)
+            out[FAMILY_INDEX[K.ALL_REDUCE]] = K.allreduces_per_step(self.model) * allreduce_s(msg, tp, self.hw,
+                                                                                              self.calib)
+        host = self.calib.host
+        out[FAMILY_INDEX[K.HOST]] = host.base_s + host.per_seq_s * sampling_rows + host.per_token_s * m_padded
+        self._token_cache[key] = out
+        return out
+
+    def _launch_s(self, mode: str, gpu_s: float) -> float:
+        """CPU launch time not hidden behind GPU work (launches run ahead of the GPU asynchronously)."""
+        lm = self.calib.launch
+        if mode == FULL_GRAPH:
+            return lm.full_graph_step_s
+        if mode == PIECEWISE:
+            cpu_s = lm.piecewise_per_layer_s * self.model.num_layers
+        else:
+            cpu_s = lm.eager_per_kernel_s * self.model.num_layers * 14
+        return max(cpu_s - gpu_s, 0.0) + lm.full_graph_step_s
+
+    # -- public step API ----------------------------------------------------------------------------
+    def breakdown_s(self, batch: BatchShape) -> np.ndarray:
+        """Seconds per family (ordered as ``kernels.FAMILIES``) for one step."""
+        mode, m_padded = self.graph_mode(batch)
+        out = self._token_part(m_padded, batch.num_sampling_rows, mode).copy()
+        for k in K.attention_kernels(self.model, batch, self.config.tp, self.precision):
+            out[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
+        gpu_s = out.sum() - out[FAMILY_INDEX[K.HOST]]
+        out[FAMILY_INDEX[K.LAUNCH]] = self._launch_s(mode, gpu_s)
+        return out
+
+    def step_time_s(self, batch: BatchShape) -> float:
+        return float(self.breakdown_s(batch).sum())
+
+    def breakdown_dict(self, batch: BatchShape) -> dict[str, float]:
+        return dict(zip(FAMILIES, self.breakdown_s(batch).tolist(), strict=True))
+
+    def decode_window(self, num_decodes: int, context_tokens_start: int, num_steps: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Durations of ``num_steps`` consecutive decode-only steps of the same ``num_decodes`` requests.
+
+        Each step every request's context grows by one token. Attention time is exact at the first and
+        last step and linear in between (it is linear in context bytes; η varies slowly over a window).
+        Returns (per-step seconds, summed breakdown per family).
+        """
+        first = BatchShape((), num_decodes, context_tokens_start)
+        b0 = self.breakdown_s(first)
+        if num_steps == 1:
+            return np.array([b0.sum()]), b0
+        last = BatchShape((), num_decodes, context_tokens_start + (num_steps - 1) * num_decodes)
+        b1 = self.breakdown_s(last)
+        frac = np.linspace(0.0, 1.0, num_steps)
+        t0, t1 = float(b0.sum()), float(b1.sum())
+        durations = t0 + (t1 - t0) * frac
+        total = (b0 + b1) * (num_steps / 2.0)
+        return durations, total
+
+
+def sum_breakdowns(parts: Sequence[np.ndarray]) -> dict[str, float]:
+    total = np.sum(parts, axis=0) if parts else np.zeros(len(FAMILIES))
+    return dict(zip(FAMILIES, total.tolist(), strict=True))
