@@ -59,7 +59,8 @@ _DENSE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
 _MOE_ARCHS = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"})
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_DENSE_ARCHS | _MOE_ARCHS))
 # Qwen gates its sliding window behind use_sliding_window; Mistral-family uses it whenever it is set.
-_QWEN_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+_QWEN_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                         "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 def _unsupported(name: str, arch: str, why: str) -> UnsupportedArchitectureError:
@@ -96,7 +97,7 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     archs = config.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else str(config.get("model_type", "<none>"))
     if config.get("kv_lora_rank") is not None:
-        # MLA (DeepSeek-V2/V3, Kimi K2 ...) compresses KV into a latent: different attention kernels and KV size.
+        # MLA (DeepSeek-V2/V3, Kimi K2 ...) compresses KV into a latent: other kernels, other KV size.
         raise _unsupported(name, arch, "multi-head latent attention (kv_lora_rank) is not modelled")
     if not (isinstance(archs, list) and archs):
         raise _unsupported(name, arch, "config.json has no 'architectures' entry")
@@ -108,13 +109,13 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     heads = _int(config, "num_attention_heads", name, arch)
     kv_heads = _int(config, "num_key_value_heads", name, arch, default=heads)  # HF default: MHA
     if heads % kv_heads:
-        raise _unsupported(name, arch, f"num_attention_heads {heads} is not a multiple of kv heads {kv_heads}")
+        raise _unsupported(name, arch, f"{heads} attention heads not a multiple of {kv_heads} kv heads")
     if config.get("head_dim") is not None:
         head_dim = _int(config, "head_dim", name, arch)
     elif hidden % heads == 0:
         head_dim = hidden // heads
     else:
-        raise _unsupported(name, arch, f"hidden_size {hidden} is not divisible by {heads} heads and no head_dim")
+        raise _unsupported(name, arch, f"no head_dim and hidden_size {hidden} not divisible by {heads} heads")
     vocab = _int(config, "vocab_size", name, arch)
     max_pos = _int(config, "max_position_embeddings", name, arch)
     intermediate = _int(config, "intermediate_size", name, arch)

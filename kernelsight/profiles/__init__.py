@@ -1,0 +1,244 @@
+"""Bundled hardware and model profiles, and the loaders that read them (all file I/O lives here).
+
+simcore stays pure: it parses dicts (``hardware_spec_from_dict``, ``model_spec_from_hf_config``);
+this module finds the files (package data, local paths, the local HuggingFace cache) and reads them.
+Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+from kernelsight.simcore.calibration import Calibration, calibration_from_dict, default_calibration
+from kernelsight.simcore.hardware import HardwareSpec, hardware_spec_from_dict
+from kernelsight.simcore.model_spec import ModelSpec, model_spec_from_hf_config
+
+__all__ = [
+    "UnknownHardwareError",
+    "UnknownModelError",
+    "hf_hub_cache_dir",
+    "list_hardware",
+    "list_models",
+    "load_hardware",
+    "load_model",
+    "model_config_path",
+]
+
+
+class UnknownHardwareError(ValueError):
+    """No bundled hardware profile (or JSON file) matches the requested name."""
+
+
+class UnknownModelError(ValueError):
+    """The model is neither bundled, a local directory with config.json, nor in the local HF cache."""
+
+
+def _package_dir(sub: str) -> Traversable:
+    return resources.files(__name__).joinpath(sub)
+
+
+def _read_json(source: Traversable | Path) -> dict[str, Any]:
+    data = json.loads(source.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a JSON object")
+    return data
+
+
+# ----------------------------------------------------------------------------------------- hardware
+
+def _hw_key(name: str) -> str:
+    # Case-, '-'/'_'- and space-insensitive, so "H100_SXM", "h100-sxm" and "NVIDIA H100 80GB HBM3" all work.
+    return re.sub(r"[\s_\-]+", "", name.strip().lower())
+
+
+@functools.cache
+def _bundled_hardware() -> dict[str, dict[str, Any]]:
+    """canonical name -> raw profile dict, for every bundled hardware/*.json."""
+    out: dict[str, dict[str, Any]] = {}
+    for entry in _package_dir("hardware").iterdir():
+        if entry.name.endswith(".json"):
+            data = _read_json(entry)
+            out[data["name"]] = data
+    return out
+
+
+@functools.cache
+def _hardware_lookup() -> dict[str, str]:
+    """normalised name / alias / display name -> canonical name."""
+    lookup: dict[str, str] = {}
+    for name, data in _bundled_hardware().items():
+        for key in (name, data.get("display_name", ""), *data.get("aliases", ())):
+            norm = _hw_key(key)
+            if not norm:
+                continue
+            if lookup.get(norm, name) != name:
+                # Two profiles claiming one alias would make lookups order-dependent: refuse.
+                raise ValueError(f"hardware alias {key!r} is claimed by both {lookup[norm]!r} and {name!r}")
+            lookup[norm] = name
+    return lookup
+
+
+def list_hardware() -> list[str]:
+    """Canonical names of the bundled hardware profiles, sorted."""
+    return sorted(_bundled_hardware())
+
+
+def load_hardware(name_or_path: str) -> HardwareSpec:
+    """Load a bundled GPU profile by name/alias (case-, '-'/'_'-insensitive) or a JSON file path."""
+    canonical = _hardware_lookup().get(_hw_key(name_or_path))
+    if canonical is not None:
+        return hardware_spec_from_dict(_bundled_hardware()[canonical])
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return hardware_spec_from_dict(_read_json(path))
+    hint = "no such file; " if name_or_path.endswith(".json") else ""
+    raise UnknownHardwareError(
+        f"unknown hardware {name_or_path!r} ({hint}not a bundled profile or a JSON file). "
+        f"Bundled: {', '.join(list_hardware())}"
+    )
+
+
+# ------------------------------------------------------------------------------------------- models
+
+@functools.cache
+def _model_index() -> dict[str, Any]:
+    return _read_json(_package_dir("models").joinpath("index.json"))
+
+
+@functools.cache
+def _model_lookup() -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """lower-cased id/alias -> (name to report, bundled file, config overrides).
+
+    Aliases name the same repo, so they report the canonical id; variants (e.g. -Instruct) are other
+    repos with the same architecture, so they report their own id and may override a few keys (eos).
+    """
+    lookup: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    for entry in _model_index()["models"]:
+        target = (entry["id"], entry["file"], {})
+        for key in (entry["id"], *entry.get("aliases", ())):
+            lookup[key.lower()] = target
+        for vid, variant in entry.get("variants", {}).items():
+            vtarget = (vid, entry["file"], dict(variant.get("overrides", {})))
+            for key in (vid, *variant.get("aliases", ())):
+                lookup[key.lower()] = vtarget
+    return lookup
+
+
+def list_models() -> list[str]:
+    """Canonical ids of the bundled model configs (aliases and -Instruct variants not listed)."""
+    return sorted(entry["id"] for entry in _model_index()["models"])
+
+
+def hf_hub_cache_dir() -> Path:
+    """The local HF hub cache, resolved the way huggingface_hub does (without importing it)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def _hf_cache_config(model_id: str) -> Path | None:
+    """config.json of ``org/name`` in the local HF cache, preferring the snapshot refs/main points to."""
+    parts = model_id.split("/")
+    if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts):
+        return None
+    hub = hf_hub_cache_dir()
+    repo_dir = hub / f"models--{parts[0]}--{parts[1]}"
+    if not repo_dir.is_dir() and hub.is_dir():
+        # Hub ids are case-insensitive; the cache directory keeps whatever casing was downloaded.
+        wanted = repo_dir.name.lower()
+        repo_dir = next((d for d in hub.iterdir() if d.name.lower() == wanted and d.is_dir()), repo_dir)
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo_dir / "refs" / "main"
+    if ref.is_file():
+        candidate = snapshots / ref.read_text(encoding="utf-8").strip() / "config.json"
+        if candidate.is_file():
+            return candidate
+    # No (valid) refs/main, e.g. a revision-pinned download: take the newest snapshot that has a config.
+    found = [p for p in snapshots.glob("*/config.json") if p.is_file()]
+    return max(found, key=lambda p: (p.stat().st_mtime, str(p))) if found else None
+
+
+def _local_config(model: str) -> Path | None:
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        return path
+    return None
+
+
+def model_config_path(model: str) -> Path | None:
+    """Where load_model would read the config from (tokenizer files may sit next to it), else None.
+
+    Bundled configs return their package-data path (no tokenizer next to those).
+    """
+    hit = _model_lookup().get(model.strip().lower())
+    if hit is not None:
+        bundled = _package_dir("models").joinpath(hit[1])
+        return bundled if isinstance(bundled, Path) else Path(str(bundled))
+    return _local_config(model) or _hf_cache_config(model.strip())
+
+
+def _merge_hf_quant_config(config: dict[str, Any], config_path: Path) -> dict[str, Any]:
+    """Fold a ModelOpt ``hf_quant_config.json`` beside config.json into ``quantization_config``."""
+    hq_path = config_path.with_name("hf_quant_config.json")
+    if "quantization_config" in config or not hq_path.is_file():
+        return config
+    quant = _read_json(hq_path).get("quantization", {})
+    algo = quant.get("quant_algo")
+    if not algo:
+        return config
+    return {**config, "quantization_config": {"quant_method": str(algo).lower(), **quant}}
+
+
+def load_model(model: str) -> ModelSpec:
+    """Resolve a model id or path to a ModelSpec. Never touches the network.
+
+    Order: (1) bundled id/alias (case-insensitive); (2) a local directory holding config.json (or a
+    config JSON file); (3) ``org/name`` in the local HF cache. Raises UnknownModelError otherwise, and
+    UnsupportedArchitectureError for configs the kernel model cannot simulate.
+    """
+    hit = _model_lookup().get(model.strip().lower())
+    if hit is not None:
+        name, fname, overrides = hit
+        config = {**_read_json(_package_dir("models").joinpath(fname)), **overrides}
+        return model_spec_from_hf_config(config, name)
+    path = _local_config(model) or _hf_cache_config(model.strip())
+    if path is not None:
+        return model_spec_from_hf_config(_merge_hf_quant_config(_read_json(path), path), model)
+    raise UnknownModelError(
+        f"unknown model {model!r}: not bundled, not a local directory with config.json, and not in the "
+        f"local HuggingFace cache ({hf_hub_cache_dir()}). Bundled: {', '.join(list_models())}"
+    )
+
+
+# -- calibrations ---------------------------------------------------------------------------------
+def list_calibrations() -> list[str]:
+    """Hardware names that ship a fitted calibration table."""
+    return sorted(p.name[: -len(".json")] for p in _package_dir("calibration").iterdir()
+                  if p.name.endswith(".json"))
+
+
+def load_calibration(hardware: str, path: str | os.PathLike[str] | None = None) -> Calibration:
+    """The calibration for a GPU: ``path`` if given, else the bundled table, else documented defaults."""
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"calibration file not found: {p}")
+        return calibration_from_dict(_read_json(p))
+    canonical = load_hardware(hardware).name
+    bundled = _package_dir("calibration") / f"{canonical}.json"
+    if bundled.is_file():
+        return calibration_from_dict(_read_json(bundled))
+    return default_calibration(canonical)
