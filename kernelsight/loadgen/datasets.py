@@ -1,0 +1,200 @@
+"""Workload datasets for the load generator (spec §7.2).
+
+Two sources:
+
+* ``random_dataset`` -- the ``vllm bench serve --dataset-name random`` workload, in token ids only
+  (no tokenizer here, so there is no decode/re-encode round trip: lengths are exact).
+* ``trace_dataset`` -- a JSONL (optionally gzip) trace with per-request arrival offsets and exact
+  input/output lengths, e.g. ``sharegpt-llama-3.1-8b-300-sps10.jsonl.gz``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import IO
+
+import numpy as np
+
+__all__ = ["SampleRequest", "random_dataset", "trace_dataset"]
+
+_GZIP_MAGIC = b"\x1f\x8b"
+# Synthetic ids avoid the lowest ids, where small vocabularies keep special tokens (bos/eos/unk).
+_SYNTH_LOW_ID = 100
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    prompt_token_ids: list[int] | None  # exact ids when known (trace with input_tok_ids, random)
+    prompt_len: int
+    expected_output_len: int
+    arrival_offset_s: float | None = None  # trace datasets carry their own timing
+    prompt: str | None = None  # text, when the dataset has text
+
+
+# --------------------------------------------------------------------------------------------
+# random
+# --------------------------------------------------------------------------------------------
+
+
+def _len_bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    """Integer range [floor(L(1-r)), ceil(L(1+r))] that vllm bench serve samples lengths from."""
+    return math.floor(length * (1.0 - range_ratio)), math.ceil(length * (1.0 + range_ratio))
+
+
+def random_dataset(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    seed: int,
+    prefix_len: int = 0,
+) -> list[SampleRequest]:
+    """Synthetic token-id prompts like ``vllm bench serve --dataset-name random``.
+
+    ``input_len`` is the length of the per-request body; the prompt is ``prefix_len`` shared tokens
+    followed by the body, so ``prompt_len = prefix_len + body_len`` (as in vLLM). Deterministic for a
+    given ``seed`` (numpy ``default_rng``).
+    """
+    if num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    if input_len < 1:
+        raise ValueError(f"input_len must be >= 1, got {input_len}")
+    if output_len < 1:
+        raise ValueError(f"output_len must be >= 1, got {output_len}")
+    if not (0.0 <= range_ratio < 1.0):
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+
+    rng = np.random.default_rng(seed)
+    # Same draw order as vLLM: shared prefix, then input lengths, output lengths, offsets.
+    prefix_ids: list[int] = rng.integers(0, vocab_size, size=prefix_len).tolist()
+
+    in_low, in_high = _len_bounds(input_len, range_ratio)
+    out_low, out_high = _len_bounds(output_len, range_ratio)
+    out_low = max(out_low, 1)  # a request must generate at least one token
+    if prefix_len == 0:
+        in_low = max(in_low, 1)  # an empty prompt is not a request
+    input_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
+    output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
+    offsets = rng.integers(0, vocab_size, size=num_prompts)
+
+    requests: list[SampleRequest] = []
+    for i in range(num_prompts):
+        body_len = int(input_lens[i])
+        # Consecutive ids from a per-request offset: cheap, and distinct bodies across requests.
+        body = ((int(offsets[i]) + i + np.arange(body_len)) % vocab_size).tolist()
+        ids = prefix_ids + body
+        requests.append(
+            SampleRequest(
+                prompt_token_ids=ids,
+                prompt_len=len(ids),
+                expected_output_len=int(output_lens[i]),
+            )
+        )
+    return requests
+
+
+# --------------------------------------------------------------------------------------------
+# trace
+# --------------------------------------------------------------------------------------------
+
+
+def _open_text(path: str | os.PathLike) -> IO[str]:
+    """Open plain or gzip text, deciding by the magic bytes rather than the file extension."""
+    with open(path, "rb") as fh:
+        magic = fh.read(2)
+    if magic == _GZIP_MAGIC:
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _synth_ids(line_index: int, n_tokens: int, vocab_size: int) -> list[int]:
+    """Deterministic pseudo-random ids for one trace line.
+
+    Seeded by the line index, so two requests share no prefix (beyond chance on the first token),
+    which keeps a prefix cache from finding sharing the trace does not have.
+    """
+    rng = np.random.default_rng([0x6B73, line_index])
+    return rng.integers(_SYNTH_LOW_ID, vocab_size, size=n_tokens).tolist()
+
+
+def _req_int(obj: dict, key: str, lineno: int, minimum: int) -> int:
+    if key not in obj:
+        raise ValueError(f"trace line {lineno}: missing required key {key!r}")
+    val = obj[key]
+    if isinstance(val, bool) or not isinstance(val, int | float) or val != int(val):
+        raise ValueError(f"trace line {lineno}: {key!r} must be an integer, got {val!r}")
+    val = int(val)
+    if val < minimum:
+        raise ValueError(f"trace line {lineno}: {key!r} must be >= {minimum}, got {val}")
+    return val
+
+
+def trace_dataset(
+    path: str | os.PathLike,
+    num_prompts: int | None = None,
+    *,
+    synth_vocab_size: int = 32000,
+) -> list[SampleRequest]:
+    """Read a JSONL trace (plain or gzip): one object per line with ``arrival_time_ns`` (offset from
+    the start), ``input_toks``, ``output_toks`` (generated exactly) and optional ``input_tok_ids``.
+
+    Requests are sorted by arrival (stable), and ``num_prompts`` keeps the first N of them. A trace is
+    never oversampled: asking for more requests than it has returns all of them. When ids are absent
+    they are synthesized (ids in ``[100, synth_vocab_size)``), distinct per request.
+    """
+    if num_prompts is not None and num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0 or None, got {num_prompts}")
+    if synth_vocab_size <= _SYNTH_LOW_ID:
+        raise ValueError(f"synth_vocab_size must be > {_SYNTH_LOW_ID}, got {synth_vocab_size}")
+
+    rows: list[tuple[int, int, int, int, list[int] | None]] = []  # (arrival_ns, lineno, in, out, ids)
+    with _open_text(path) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"trace line {lineno}: invalid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict):
+                raise ValueError(f"trace line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            arrival_ns = _req_int(obj, "arrival_time_ns", lineno, 0)
+            n_in = _req_int(obj, "input_toks", lineno, 1)
+            n_out = _req_int(obj, "output_toks", lineno, 1)
+            ids = obj.get("input_tok_ids")
+            if ids is not None:
+                if not isinstance(ids, list):
+                    raise ValueError(f"trace line {lineno}: 'input_tok_ids' must be a list")
+                if len(ids) != n_in:
+                    raise ValueError(
+                        f"trace line {lineno}: len(input_tok_ids)={len(ids)} != input_toks={n_in}"
+                    )
+            rows.append((arrival_ns, lineno, n_in, n_out, ids))
+
+    rows.sort(key=lambda r: (r[0], r[1]))  # by arrival; file order breaks ties
+    if num_prompts is not None:
+        rows = rows[:num_prompts]
+
+    out: list[SampleRequest] = []
+    for arrival_ns, lineno, n_in, n_out, ids in rows:
+        if ids is None:
+            ids = _synth_ids(lineno, n_in, synth_vocab_size)
+        out.append(
+            SampleRequest(
+                prompt_token_ids=ids,
+                prompt_len=n_in,
+                expected_output_len=n_out,
+                arrival_offset_s=arrival_ns / 1e9,
+            )
+        )
+    return out
