@@ -33,15 +33,16 @@ PREEMPTED = "preempted"
 
 @dataclass(slots=True)
 class RequestEvent:
-    """Something that happened to one sequence during a step result.
+    """Something that happened to one sequence.
 
-    ``tokens`` events cover ``num_tokens`` tokens, one per consecutive step starting at ``step_offset``
-    (index into ``StepResult.step_end_s``); ``first_token`` is always one token.
+    ``step_index`` is the global index of the step it happened in; ``tokens`` events cover ``num_tokens``
+    tokens, one per consecutive step starting at ``step_index`` (with per-token events off, a run may
+    start in an earlier result); ``first_token`` is always one token.
     """
 
     kind: str
     request_id: str
-    step_offset: int = 0
+    step_index: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
     parent_id: str | None = None
@@ -81,12 +82,17 @@ class Engine:
     """vLLM's engine core on a virtual clock."""
 
     def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, step_model: StepModel,
-                 seed: int = 0, output_length_model: OutputLengthModel | None = None) -> None:
+                 seed: int = 0, output_length_model: OutputLengthModel | None = None,
+                 per_token_events: bool = True, use_decode_group: bool = True) -> None:
         self.config = scheduler_config
         self.kv = KVCacheManager(num_gpu_blocks, scheduler_config.block_size,
                                  scheduler_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        # the decode group is an exact optimization; turning it off is for equivalence tests
+        self.scheduler = Scheduler(scheduler_config, self.kv, use_decode_group)
         self.step_model = step_model
+        # True: a TOKENS event per sequence per step (the real-time server streams them). False: one
+        # TOKENS event per run of consecutive steps, emitted when the run ends (fast-forward).
+        self.per_token_events = per_token_events
         self.now_s = 0.0
         self.stats = EngineStats()
         self._lengths = (output_length_model or OutputLengthModel()).sampler(seed)
@@ -118,6 +124,7 @@ class Engine:
         if plen >= max_len:
             raise ValueError(f"prompt of {plen} tokens does not fit max_model_len={max_len}")
         t = self.now_s if arrival_s is None else arrival_s
+        prompt = tuple(prompt_token_ids)   # immutable: block hashes are taken over slices of it
         ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         if n > 1:
             self._children[request_id] = ids
@@ -126,7 +133,7 @@ class Engine:
             reason = FinishReason.STOP if at_eos else FinishReason.LENGTH
             if plen + length > max_len:      # the context window ends generation
                 length, reason = max_len - plen, FinishReason.LENGTH
-            req = Request(sid, prompt_token_ids, max_tokens, length, reason, t, priority, next(self._seq),
+            req = Request(sid, prompt, max_tokens, length, reason, t, priority, next(self._seq),
                           request_id if n > 1 else None, i, extra_keys, output_token_ids)
             self._requests[sid] = req
             if t <= self.now_s:
@@ -144,14 +151,18 @@ class Engine:
             if req is None or req.is_finished:
                 continue
             found = True
+            join = req.decode_join_step
             if req.status is RequestStatus.WAITING and req.arrival_s > self.now_s and req.block_ids == []:
                 # still in the future-arrivals heap: mark finished; it is skipped when it surfaces
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = FinishReason.ABORT
             else:
-                self.scheduler.finish(req, FinishReason.ABORT)
-            self._pending_events.append(RequestEvent(FINISHED, sid, 0, 0, FinishReason.ABORT.value,
-                                                     req.parent_id, req.index))
+                run = self.scheduler.finish(req, FinishReason.ABORT)
+                if run and not self.per_token_events:
+                    self._pending_events.append(RequestEvent(TOKENS, sid, join, run, None, req.parent_id,
+                                                             req.index))
+            self._pending_events.append(RequestEvent(FINISHED, sid, self.scheduler.step_index, 0,
+                                                     FinishReason.ABORT.value, req.parent_id, req.index))
         return found
 
     def get_request(self, request_id: str) -> Request | None:
@@ -189,8 +200,8 @@ class Engine:
         """
         sched = self.scheduler
         self._admit_arrivals()
-        if not sched.running and not len(sched.waiting):
-            nxt = self.next_arrival_s
+        while not sched.running and not len(sched.waiting):
+            nxt = self.next_arrival_s      # idle: jump to the next arrival (aborted ones are skipped)
             if nxt is None or (until_s is not None and nxt > until_s):
                 return None
             self.now_s = max(self.now_s, nxt)
@@ -200,72 +211,84 @@ class Engine:
         self._pending_events = []
         out = sched.schedule()
         start = self.now_s
-        first_index = self.stats.num_steps
+        first_index = sched.step_index
+        per_token = self.per_token_events
         for req in out.preempted:
-            events.append(RequestEvent(PREEMPTED, req.request_id, 0, 0, None, req.parent_id, req.index))
+            events.append(RequestEvent(PREEMPTED, req.request_id, first_index, 0, None, req.parent_id, req.index))
+        if not per_token:
+            for req, join, run in out.dissolved:
+                if run:
+                    events.append(RequestEvent(TOKENS, req.request_id, join, run, None, req.parent_id, req.index))
         for req in out.admitted:
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = start
-                events.append(RequestEvent(SCHEDULED, req.request_id, 0, 0, None, req.parent_id, req.index))
-
-        if not out.requests:
-            # Nothing fits (e.g. all blocks held by waiting-for-space requests): should not happen with a
-            # correctly sized cache; advance to the next arrival rather than spin.
+                events.append(RequestEvent(SCHEDULED, req.request_id, first_index, 0, None, req.parent_id,
+                                           req.index))
+        if not out.requests and not out.group_size:
+            # Nothing could be scheduled (every block held, nothing running to preempt): only an abort or
+            # a new arrival can change that, so jump to the next arrival instead of spinning.
             nxt = self.next_arrival_s
             if nxt is None:
                 raise RuntimeError("scheduler made no progress and no arrival can change that")
+            self._pending_events = events
             self.now_s = max(nxt, self.now_s)
             return self.step(max_steps, until_s)
 
-        if max_steps > 1 and out.is_pure_decode and sched.all_running_scheduled(out):
-            return self._decode_window(out, events, start, first_index, max_steps, until_s)
-
-        breakdown = self.step_model.breakdown_s(out.batch)
-        duration = float(breakdown.sum())
-        end = start + duration
-        upd = sched.update(out)
+        k = sched.window_limit(out, max_steps)
+        if k > 1:
+            durations, breakdown = self._window(out, start, k, until_s)
+        else:
+            breakdown = self.step_model.breakdown_s(out.batch)
+            durations = [float(breakdown.sum())]
+        k = len(durations)
+        ends = (start + np.cumsum(durations)).tolist() if k > 1 else [start + durations[0]]
+        snapshot = list(sched.members) if per_token else ()
+        upd = sched.update(out, k)
         for req in upd.first_tokens:
-            req.first_token_s = end
-            events.append(RequestEvent(FIRST_TOKEN, req.request_id, 0, 1, None, req.parent_id, req.index))
+            req.first_token_s = ends[0]
+            events.append(RequestEvent(FIRST_TOKEN, req.request_id, first_index, 1, None, req.parent_id,
+                                       req.index))
         for req in upd.tokens:
-            events.append(RequestEvent(TOKENS, req.request_id, 0, 1, None, req.parent_id, req.index))
-        self._finish_events(upd.finished, events, 0)
-        return self._commit(start, [end], first_index, events, out.total_tokens, breakdown)
+            events.append(RequestEvent(TOKENS, req.request_id, first_index, 1, None, req.parent_id, req.index))
+        if per_token:
+            for req in snapshot:
+                events.append(RequestEvent(TOKENS, req.request_id, first_index, k, None, req.parent_id,
+                                           req.index))
+        else:
+            for req, join, run in upd.runs:
+                if run:
+                    events.append(RequestEvent(TOKENS, req.request_id, join, run, None, req.parent_id,
+                                               req.index))
+        last_index = first_index + k - 1
+        for req in upd.finished:
+            self._forget(req)
+            events.append(RequestEvent(FINISHED, req.request_id, last_index, 0, req.finish_reason.value,
+                                       req.parent_id, req.index))
+        return self._commit(start, ends, first_index, events, out.total_tokens, breakdown)
 
-    def _decode_window(self, out, events, start, first_index, max_steps, until_s) -> StepResult:
-        sched = self.scheduler
-        k_cap = sched.decode_window_limit(max_steps)
-        ctx0 = out.batch.decode_context_tokens
-        b = out.batch.num_decodes
-        durations, breakdown = self.step_model.decode_window(b, ctx0, k_cap)
-        k = k_cap
+    def _window(self, out, start: float, k: int, until_s: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """Durations of a window of up to k pure-decode steps, cut at the step during which the next
+        arrival (or until_s) falls and where the KV cache can no longer feed the group."""
+        b, ctx0 = out.batch.num_decodes, out.batch.decode_context_tokens
+        durations, breakdown = self.step_model.decode_window(b, ctx0, k)
         limit = self.next_arrival_s
         if until_s is not None and (limit is None or until_s < limit):
             limit = until_s
-        ends = start + np.cumsum(durations)
-        if limit is not None and k > 1:
-            # the window ends with the step during which the limit falls (the next schedule sees it)
-            k = min(k, int(np.searchsorted(ends, limit, side="left")) + 1)
-        while k > 1 and not sched.blocks_fit(k):
-            k //= 2
-        if k != k_cap:
-            durations, breakdown = self.step_model.decode_window(b, ctx0, k)
+        k_cut = k
+        if limit is not None:
             ends = start + np.cumsum(durations)
-        finished = sched.apply_decode_window(k)
-        for req in out.requests:
-            events.append(RequestEvent(TOKENS, req.request_id, 0, k, None, req.parent_id, req.index))
-        self._finish_events(finished, events, k - 1)
-        return self._commit(start, ends.tolist(), first_index, events, out.total_tokens, breakdown)
+            k_cut = min(k, int(np.searchsorted(ends, limit, side="left")) + 1)
+        k_cut = self.scheduler.extend_window(k_cut)
+        if k_cut != k:
+            durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut)
+        return durations, breakdown
 
-    def _finish_events(self, finished: list[Request], events: list[RequestEvent], offset: int) -> None:
-        for req in finished:
-            self._requests.pop(req.request_id, None)
-            if req.parent_id is not None:
-                siblings = self._children.get(req.parent_id)
-                if siblings is not None and all(s not in self._requests for s in siblings):
-                    del self._children[req.parent_id]
-            events.append(RequestEvent(FINISHED, req.request_id, offset, 0, req.finish_reason.value,
-                                       req.parent_id, req.index))
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        if req.parent_id is not None:
+            siblings = self._children.get(req.parent_id)
+            if siblings is not None and all(s not in self._requests for s in siblings):
+                del self._children[req.parent_id]
 
     def _commit(self, start: float, ends: list[float], first_index: int, events: list[RequestEvent],
                 tokens: int, breakdown: np.ndarray) -> StepResult:

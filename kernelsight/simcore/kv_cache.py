@@ -13,9 +13,80 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from kernelsight.simcore.request import Request
 
-NONE_HASH = hash(("kernelsight-none-hash",))
+_MASK = (1 << 64) - 1
+
+
+class BlockHasher:
+    """Chained block hashes, computed for a whole prompt at once with numpy.
+
+        content_i = mix(Σ_k token_k · K_k)             (K: fixed random 64-bit key per in-block offset)
+        hash_i    = hash_{i−1} + content_i · R_i  mod 2⁶⁴   (R: fixed random key per block position)
+
+    hash_i therefore depends on every token of blocks 0..i in order, like vLLM's
+    ``H((parent, tokens, extra))``, but a 1,000-token prompt costs a few numpy calls instead of 60
+    Python tuple hashes. Keys come from a fixed seed, so hashes are identical across runs.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        rng = np.random.default_rng(0x6B65726E656C)
+        self.block_size = block_size
+        self._k = rng.integers(1, 2**63, size=block_size, dtype=np.uint64) | np.uint64(1)
+        self._k_list = [int(x) for x in self._k]
+        self._r = np.zeros(0, dtype=np.uint64)
+        self._r_list: list[int] = []
+        self._ensure_positions(4096)
+
+    def _ensure_positions(self, n: int) -> None:
+        if n <= len(self._r):
+            return
+        size = max(n, 2 * len(self._r))
+        # regenerate from the seed: the first values are the same for any size, so hashes stay stable
+        self._r = np.random.default_rng(0x706F73).integers(1, 2**63, size=size, dtype=np.uint64) | np.uint64(1)
+        self._r_list = [int(x) for x in self._r]
+
+    @staticmethod
+    def _mix(x):
+        # splitmix64 finalizer: spreads content bits so that the linear chaining does not collide
+        x = x ^ (x >> 30)
+        x = x * 0xBF58476D1CE4E5B9
+        x = x ^ (x >> 27)
+        x = x * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    def start(self, extra_keys: tuple | None) -> int:
+        return hash(("kernelsight-none-hash", extra_keys)) & _MASK
+
+    def chain_tokens(self, parent: int, first_block: int, tokens: np.ndarray) -> list[int]:
+        """Hashes of consecutive full blocks of ``tokens`` (length a multiple of block_size)."""
+        nb = len(tokens) // self.block_size
+        self._ensure_positions(first_block + nb)
+        with np.errstate(over="ignore"):
+            content = tokens.reshape(nb, self.block_size).astype(np.uint64) @ self._k
+            c = content ^ (content >> np.uint64(30))
+            c = c * np.uint64(0xBF58476D1CE4E5B9)
+            c = c ^ (c >> np.uint64(27))
+            c = c * np.uint64(0x94D049BB133111EB)
+            c = c ^ (c >> np.uint64(31))
+            h = np.cumsum(c * self._r[first_block:first_block + nb], dtype=np.uint64) + np.uint64(parent)
+        return h.tolist()
+
+    def chain_one(self, parent: int, block_index: int, content: tuple) -> int:
+        """Hash of one block from Python: known token ids hash exactly like ``chain_tokens``."""
+        self._ensure_positions(block_index + 1)
+        if all(type(t) is int for t in content):
+            c = sum(t * k for t, k in zip(content, self._k_list, strict=True)) & _MASK
+        else:                            # synthetic generated-token key: private to its request
+            c = hash(content) & _MASK
+        c ^= c >> 30
+        c = (c * 0xBF58476D1CE4E5B9) & _MASK
+        c ^= c >> 27
+        c = (c * 0x94D049BB133111EB) & _MASK
+        c ^= c >> 31
+        return (parent + c * self._r_list[block_index]) & _MASK
 
 
 class BlockPool:
@@ -41,15 +112,16 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         out = []
-        free_queue, block_hash, cached = self.free_queue, self.block_hash, self.cached
+        popitem = self.free_queue.popitem
+        block_hash, cached, ref_cnt = self.block_hash, self.cached, self.ref_cnt
         for _ in range(n):
-            b, _ = free_queue.popitem(last=False)
+            b = popitem(last=False)[0]
             h = block_hash[b]
             if h is not None:          # evict its cached content
                 if cached.get(h) == b:
                     del cached[h]
                 block_hash[b] = None
-            self.ref_cnt[b] = 1
+            ref_cnt[b] = 1
             out.append(b)
         return out
 
@@ -61,10 +133,12 @@ class BlockPool:
             self.ref_cnt[b] += 1
 
     def release(self, blocks_in_eviction_order: list[int]) -> None:
+        ref_cnt, free_queue = self.ref_cnt, self.free_queue
         for b in blocks_in_eviction_order:
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                self.free_queue[b] = None
+            c = ref_cnt[b] - 1
+            ref_cnt[b] = c
+            if c == 0:
+                free_queue[b] = None
 
     def cache(self, block: int, h: int) -> None:
         if self.block_hash[block] is None:
@@ -76,6 +150,7 @@ class KVCacheManager:
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.pool = BlockPool(num_gpu_blocks)
         self.block_size = block_size
+        self.hasher = BlockHasher(block_size)
         self.enable_caching = enable_caching
         # prefix-cache counters as vLLM reports them (queries/hits in tokens)
         self.prefix_queries_tokens = 0
@@ -91,13 +166,30 @@ class KVCacheManager:
 
     def _ensure_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
         hashes = req.block_hashes
+        if len(hashes) >= num_full_blocks:
+            return hashes
         bs = self.block_size
+        hasher = self.hasher
+        if not hashes:
+            prompt_blocks = len(req.prompt_token_ids) // bs
+            if prompt_blocks:
+                tokens = np.asarray(req.prompt_token_ids[: prompt_blocks * bs], dtype=np.int64)
+                hashes.extend(hasher.chain_tokens(hasher.start(req.extra_keys), 0, tokens))
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else NONE_HASH
-            extra = req.extra_keys if i == 0 else None
-            hashes.append(hash((parent, req.block_content(i, bs), extra)))
+            parent = hashes[-1] if hashes else hasher.start(req.extra_keys)
+            hashes.append(hasher.chain_one(parent, i, req.block_content(i, bs)))
         return hashes
+
+    def shareable_blocks(self, req: Request, num_tokens: int) -> int:
+        """Full blocks whose content another request could also have: prompt blocks, and generated
+        blocks whose token ids are known. Blocks keyed by (request, position) are registered only when
+        the request is preempted, the one time they can be hit again."""
+        full = num_tokens // self.block_size
+        if req.output_token_ids is None:
+            return min(full, len(req.prompt_token_ids) // self.block_size)
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)
+        return min(full, known // self.block_size)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -149,17 +241,33 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Register blocks that become full once ``num_tokens`` are computed (vLLM does it at allocation)."""
-        full = num_tokens // self.block_size
+        full = self.shareable_blocks(req, num_tokens)
         start = req.num_hashed_blocks_cached
         if full <= start:
             return
         hashes = self._ensure_hashes(req, full)
+        block_ids = req.block_ids
+        block_hash, cached = self.pool.block_hash, self.pool.cached
         for i in range(start, full):
-            self.pool.cache(req.block_ids[i], hashes[i])
+            b = block_ids[i]
+            if block_hash[b] is None:
+                h = hashes[i]
+                block_hash[b] = h
+                if h not in cached:
+                    cached[h] = b
         req.num_hashed_blocks_cached = full
 
-    def free(self, req: Request) -> None:
-        """Release all of a request's blocks, tail first (so its prefix is evicted last)."""
+    def free(self, req: Request, preempted: bool = False) -> None:
+        """Release all of a request's blocks, tail first (so its prefix is evicted last).
+
+        A preempted request first registers every computed full block, so that its recompute can hit
+        them (including generated blocks that only it can ever match)."""
+        if preempted and self.enable_caching and req.block_ids:
+            full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+            if full > req.num_hashed_blocks_cached:
+                hashes = self._ensure_hashes(req, full)
+                for i in range(req.num_hashed_blocks_cached, full):
+                    self.pool.cache(req.block_ids[i], hashes[i])
         if req.block_ids:
             self.pool.release(req.block_ids[::-1])
             req.block_ids = []

@@ -14,7 +14,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"        # the model emitted EOS (from the output-length model)
     LENGTH = "length"    # max_tokens or max_model_len reached
     ABORT = "abort"
@@ -45,6 +45,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks_cached: int = 0   # leading blocks of block_ids registered in the prefix cache
+    decode_join_step: int = -1          # step it joined the scheduler's decode group (-1: not a member)
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
@@ -75,10 +76,10 @@ class Request:
         start, end = block_index * block_size, (block_index + 1) * block_size
         plen = len(self.prompt_token_ids)
         if end <= plen:
-            return tuple(self.prompt_token_ids[start:end])
+            return self.prompt_token_ids[start:end]
         outs = self.output_token_ids
         if outs is not None and end - plen <= len(outs):
             head = tuple(self.prompt_token_ids[start:plen]) if start < plen else ()
-            return head + tuple(outs[max(start - plen, 0):end - plen])
+            return head + tuple(outs[max(start - plen, 0):end - plen])  # noqa: RUF005
         head = tuple(self.prompt_token_ids[start:plen]) if start < plen else ()
         return head + (("gen", self.request_id, block_index),)

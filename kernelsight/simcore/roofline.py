@@ -9,6 +9,8 @@ the step model's fast path share one definition.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kernelsight.simcore.hardware import HardwareSpec
@@ -38,5 +40,12 @@ def roofline_s(
 
 
 def kernel_roofline_s(flops: float, bytes_moved: float, tiles: float, dtype: str, hw: HardwareSpec) -> float:
-    """Roofline of one kernel on a given GPU, using the tensor-core peak of its compute dtype."""
-    return roofline_s(flops, bytes_moved, tiles, hw.peak_flops_per_s(dtype), hw.mem_bytes_per_s, hw.num_sms)
+    """Roofline of one kernel on a given GPU, using the tensor-core peak of its compute dtype.
+
+    Scalar twin of :func:`roofline_s` (same formula) without numpy's per-call overhead: the step model
+    calls it on the simulator's hot path.
+    """
+    tiles = max(float(tiles), 1.0)
+    n = hw.num_sms
+    wave_u = math.ceil(tiles / n) * n / tiles
+    return max(flops * wave_u / hw.peak_flops_per_s(dtype), bytes_moved / hw.mem_bytes_per_s)

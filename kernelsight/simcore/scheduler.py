@@ -43,10 +43,9 @@ class SchedulerOutput:
     admitted: list[Request]
     batch: BatchShape
     total_tokens: int
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return not self.batch.prefills and not self.preempted and not self.admitted
+    group_size: int = 0               # decode-group members that take a token this step
+    # members dissolved back to per-request scheduling (or preempted) this step: (req, join step, tokens)
+    dissolved: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -56,6 +55,7 @@ class StepUpdate:
     first_tokens: list[Request] = field(default_factory=list)
     tokens: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    runs: list[tuple[Request, int, int]] = field(default_factory=list)  # group members' (req, join, tokens)
 
 
 class WaitingQueue:
@@ -108,32 +108,64 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    """Schedules steps; steady decoders are tracked as a group so a step costs O(changes), not O(batch).
+
+    A running request that is decoding takes exactly one token per step until it finishes, is preempted
+    or aborted. Such requests join the *decode group*: their progress is implied by the global step
+    index (``computed = computed_at_join + steps since join``), and only two heaps are touched per step:
+    the steps at which members need a new KV block, and the steps at which they finish. Requests that
+    are prefilling (or everything, in the exact slow mode used under KV pressure) are "individuals",
+    scheduled one by one exactly as vLLM does. The group is only used when it cannot change the result:
+    all members fit the token budget, and their block needs fit the free blocks; otherwise it is
+    dissolved and vLLM's per-request loop (with preemption) runs until the pressure is gone.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, use_decode_group: bool = True) -> None:
         self.config = config
         self.kv = kv
-        self.running: list[Request] = []
+        self.running: list[Request] = []          # admission order (preemption picks from the end)
+        self.individuals: list[Request] = []      # running requests outside the decode group, same order
         self.waiting = WaitingQueue(config.policy)
         self.num_preemptions = 0
+        self.step_index = 0                       # index of the next step to run
+        # decode group
+        self.members: dict[Request, None] = {}
+        self._ctx_base = 0                        # Σ over members of (computed_at_join + 1 − join_step)
+        self._finish_heap: list[tuple[int, int, int, Request]] = []
+        self._block_heap: list[tuple[int, int, int, Request]] = []
+        # multi-token chunks per request (threshold) break the "prefills are a suffix" ordering the
+        # group relies on, so that configuration always runs the exact per-request loop
+        self._group_allowed = use_decode_group and config.long_prefill_token_threshold == 0
+        self._group_on = self._group_allowed
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.add(req)
 
-    def finish(self, req: Request, reason: FinishReason) -> None:
-        """Take a request out of whichever queue holds it and free its blocks (abort or completion)."""
+    def finish(self, req: Request, reason: FinishReason) -> int:
+        """Take a request out of whichever queue holds it and free its blocks (abort or completion).
+
+        Returns how many group tokens it had produced since joining (0 if it was not a member).
+        """
         if req.status is RequestStatus.FINISHED:
-            return
+            return 0
+        run = 0
         if req.status is RequestStatus.RUNNING:
+            if req.decode_join_step >= 0:
+                run = self._leave_group(req)
+            else:
+                self.individuals.remove(req)
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        return run
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.kv.free(req, preempted=True)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -145,6 +177,68 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_s, r.seq_no))
         return self.running[-1]
 
+    # -- decode group -------------------------------------------------------------------------------
+    def _join_group(self, req: Request, join_step: int) -> None:
+        req.decode_join_step = join_step
+        self.members[req] = None
+        self._ctx_base += req.num_computed_tokens + 1 - join_step
+        if req.target_output_len > req.num_output_tokens:
+            last = join_step + req.target_output_len - req.num_output_tokens - 1
+            heapq.heappush(self._finish_heap, (last, req.seq_no, join_step, req))
+        due = join_step + len(req.block_ids) * self.kv.block_size - req.num_computed_tokens
+        heapq.heappush(self._block_heap, (due, req.seq_no, join_step, req))
+
+    def _leave_group(self, req: Request) -> int:
+        """Materialize a member's progress at the current step index; returns tokens produced in the group."""
+        join = req.decode_join_step
+        run = self.step_index - join
+        self._ctx_base -= req.num_computed_tokens + 1 - join
+        req.num_computed_tokens += run
+        req.num_output_tokens += run
+        req.decode_join_step = -1
+        del self.members[req]
+        return run
+
+    def group_runs_on_dissolve(self) -> list[tuple[Request, int, int]]:
+        """Dissolve the group (all members back to the exact per-request loop). Returns their runs."""
+        runs = []
+        for req in list(self.members):
+            join = req.decode_join_step
+            runs.append((req, join, self._leave_group(req)))
+        self._finish_heap.clear()
+        self._block_heap.clear()
+        self.individuals = list(self.running)
+        self._group_on = False
+        return runs
+
+    def member_computed_tokens(self, req: Request) -> int:
+        return req.num_computed_tokens + (self.step_index - req.decode_join_step if req.decode_join_step >= 0 else 0)
+
+    def _allocate_group_blocks(self, last_step: int) -> int:
+        """Give members every block they need for steps ≤ last_step, in due order, while blocks last.
+
+        Returns the first step whose needs could not be met (last_step + 1 when all were)."""
+        heap = self._block_heap
+        pool = self.kv.pool
+        bs = self.kv.block_size
+        caching = self.kv.enable_caching
+        while heap and heap[0][0] <= last_step:
+            due, seq, join, req = heap[0]
+            if req.decode_join_step != join or req.status is not RequestStatus.RUNNING:
+                heapq.heappop(heap)        # stale: the request left the group
+                continue
+            if not pool.free_queue:
+                return due
+            heapq.heapreplace(heap, (due + bs, seq, join, req))
+            req.block_ids.extend(pool.allocate(1))
+            if caching and req.output_token_ids is not None:
+                # tokens computed once step `due` runs: everything before the new block is full
+                self.kv._cache_full_blocks(req, req.num_computed_tokens + (due - join) + 1)
+        return last_step + 1
+
+    def _group_block_need(self, step: int) -> int:
+        return sum(1 for e in self._block_heap if e[0] <= step and e[3].decode_join_step == e[2])
+
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg, kv = self.config, self.kv
@@ -155,10 +249,26 @@ class Scheduler:
         preempted: list[Request] = []
         admitted: list[Request] = []
         running = self.running
+        dissolved: list[tuple[Request, int, int]] = []
+        S = self.step_index
 
+        if self.members:
+            n_members = len(self.members)
+            # a member needs at most one block per step, so the heap scan only runs under pressure
+            if n_members > budget or (kv.num_free_blocks < n_members
+                                      and self._group_block_need(S) > kv.num_free_blocks):
+                dissolved = self.group_runs_on_dissolve()
+            else:
+                self._allocate_group_blocks(S)
+                budget -= len(self.members)
+        elif (not self._group_on and self._group_allowed and len(running) <= budget
+              and kv.num_free_blocks >= len(running)):
+            self._group_on = True          # pressure gone: decoders rejoin as they sample
+
+        individuals = self.individuals
         i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        while i < len(individuals) and budget > 0:
+            req = individuals[i]
             num_new = req.num_tokens - req.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -170,15 +280,22 @@ class Scheduler:
             req_preempted = False
             while not kv.allocate_slots(req, num_new):
                 victim = self._pick_victim()
-                vi = running.index(victim)
-                running.pop(vi)
-                if victim in scheduled:        # priority policy may evict an already-scheduled request
-                    j = scheduled.index(victim)
-                    budget += counts[j]
-                    scheduled.pop(j)
-                    counts.pop(j)
-                if vi < i:
-                    i -= 1
+                if victim.decode_join_step >= 0:
+                    run_join = victim.decode_join_step
+                    dissolved.append((victim, run_join, self._leave_group(victim)))
+                    budget += 1
+                    running.remove(victim)
+                else:
+                    running.remove(victim)
+                    vi = individuals.index(victim)
+                    individuals.pop(vi)
+                    if victim in scheduled:    # priority policy may evict an already-scheduled request
+                        j = scheduled.index(victim)
+                        budget += counts[j]
+                        scheduled.pop(j)
+                        counts.pop(j)
+                    if vi < i:
+                        i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -215,14 +332,15 @@ class Scheduler:
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 running.append(req)
+                individuals.append(req)
                 admitted.append(req)
                 scheduled.append(req)
                 counts.append(num_new)
                 budget -= num_new
 
         prefills = []
-        num_decodes = 0
-        decode_ctx = 0
+        num_decodes = len(self.members)
+        decode_ctx = self._ctx_base + num_decodes * S
         for req, n in zip(scheduled, counts, strict=True):
             if n == 1 and req.num_output_tokens > 0:
                 num_decodes += 1
@@ -232,11 +350,33 @@ class Scheduler:
                                              req.num_computed_tokens + n >= req.num_tokens))
         batch = BatchShape(tuple(prefills), num_decodes, decode_ctx)
         return SchedulerOutput(scheduled, counts, preempted, admitted, batch,
-                               cfg.max_num_batched_tokens - budget)
+                               cfg.max_num_batched_tokens - budget, len(self.members), dissolved)
 
-    def update(self, out: SchedulerOutput) -> StepUpdate:
-        """Apply a finished step: advance computed tokens, sample one token where a sequence caught up."""
+    def window_limit(self, out: SchedulerOutput, max_steps: int) -> int:
+        """Steps (≥ 1) this schedule can be repeated unchanged: only a decode group, nothing admitted,
+        preempted or prefilling, capped by the first member to finish (its last step included)."""
+        if max_steps <= 1 or out.requests or out.preempted or not self.members:
+            return 1
+        k = max_steps
+        heap = self._finish_heap
+        while heap and (heap[0][3].decode_join_step != heap[0][2]
+                        or heap[0][3].status is not RequestStatus.RUNNING):
+            heapq.heappop(heap)
+        if heap:
+            k = min(k, heap[0][0] - self.step_index + 1)
+        return max(k, 1)
+
+    def extend_window(self, k: int) -> int:
+        """Allocate the group's blocks for steps 1..k−1 of a window; returns how many steps fit."""
+        if k <= 1:
+            return 1
+        first_unmet = self._allocate_group_blocks(self.step_index + k - 1)
+        return max(1, min(k, first_unmet - self.step_index))
+
+    def update(self, out: SchedulerOutput, num_steps: int = 1) -> StepUpdate:
+        """Apply executed steps: advance tokens, sample where a sequence caught up, finish, join the group."""
         upd = StepUpdate()
+        S = self.step_index
         for req, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
             if req.status is not RequestStatus.RUNNING:
                 continue
@@ -247,45 +387,25 @@ class Scheduler:
             (upd.tokens if req.first_token_s is not None else upd.first_tokens).append(req)
             if req.num_output_tokens >= req.target_output_len:
                 upd.finished.append(req)
-        for req in upd.finished:
+        individual_finished = list(upd.finished)
+        last = S + num_steps - 1
+        heap = self._finish_heap
+        finished_members = []
+        while heap and heap[0][0] <= last:
+            _, _, join, req = heapq.heappop(heap)
+            if req.decode_join_step == join and req.status is RequestStatus.RUNNING:
+                finished_members.append(req)
+        self.step_index = S + num_steps
+        for req in finished_members:
+            join = req.decode_join_step
+            run = self.finish(req, req.finish_reason_at_target)
+            upd.runs.append((req, join, run))
+            upd.finished.append(req)
+        for req in individual_finished:
             self.finish(req, req.finish_reason_at_target)
+        if self._group_on:
+            for req in upd.first_tokens + upd.tokens:
+                if req.status is RequestStatus.RUNNING:
+                    self.individuals.remove(req)
+                    self._join_group(req, self.step_index)
         return upd
-
-    # -- fast path: many identical decode steps ------------------------------------------------------
-    def decode_window_limit(self, max_steps: int) -> int:
-        """How many pure-decode steps (≤ max_steps) the current running set can take before anything
-        other than context growth changes: a request finishing (its last step included) or blocks
-        running out. Called right after ``schedule()`` returned a pure-decode step of all running."""
-        k = max_steps
-        for r in self.running:
-            if r.remaining_output_tokens < k:
-                k = r.remaining_output_tokens
-        return max(k, 1)
-
-    def blocks_fit(self, k: int) -> bool:
-        """Whether every running request can hold k more tokens (beyond its computed ones)."""
-        bs = self.kv.block_size
-        need = 0
-        for r in self.running:
-            extra = -(-(r.num_computed_tokens + k) // bs) - len(r.block_ids)
-            if extra > 0:
-                need += extra
-        return need <= self.kv.num_free_blocks
-
-    def apply_decode_window(self, k: int) -> list[Request]:
-        """Advance every running request by k decode steps at once; returns the requests that finished."""
-        kv = self.kv
-        finished = []
-        for r in self.running:
-            if not kv.allocate_slots(r, k):      # checked by blocks_fit: cannot fail
-                raise RuntimeError("decode window overran the KV cache")
-            r.num_computed_tokens += k
-            r.num_output_tokens += k
-            if r.num_output_tokens >= r.target_output_len:
-                finished.append(r)
-        for r in finished:
-            self.finish(r, r.finish_reason_at_target)
-        return finished
-
-    def all_running_scheduled(self, out: SchedulerOutput) -> bool:
-        return len(out.requests) == len(self.running)

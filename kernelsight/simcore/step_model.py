@@ -34,6 +34,11 @@ def default_cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | N
     return tuple(s for s in sizes if s <= cap)
 
 
+_I_ATTN_PREFILL = FAMILY_INDEX[K.ATTN_PREFILL]
+_I_ATTN_DECODE = FAMILY_INDEX[K.ATTN_DECODE]
+_I_LAUNCH = FAMILY_INDEX[K.LAUNCH]
+_I_HOST = FAMILY_INDEX[K.HOST]
+
 FULL_GRAPH = "full"
 PIECEWISE = "piecewise"
 EAGER = "eager"
@@ -109,11 +114,24 @@ class StepModel:
         """Seconds per family (ordered as ``kernels.FAMILIES``) for one step."""
         mode, m_padded = self.graph_mode(batch)
         out = self._token_part(m_padded, batch.num_sampling_rows, mode).copy()
-        for k in K.attention_kernels(self.model, batch, self.config.tp, self.precision):
-            out[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
-        gpu_s = out.sum() - out[FAMILY_INDEX[K.HOST]]
-        out[FAMILY_INDEX[K.LAUNCH]] = self._launch_s(mode, gpu_s)
+        if batch.prefills:
+            out[_I_ATTN_PREFILL] += self.kernel_time_s(self._prefill_attention_kernel(batch))
+        if batch.num_decodes:
+            out[_I_ATTN_DECODE] += self._decode_attention_s(batch.num_decodes, batch.decode_context_tokens)
+        out[_I_LAUNCH] = self._launch_s(mode, float(out.sum()) - out[_I_HOST])
         return out
+
+    def _prefill_attention_kernel(self, batch: BatchShape) -> Kernel:
+        m, tp, p = self.model, self.config.tp, self.precision
+        return K.attention_prefill_kernel(batch.prefills, m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1),
+                                          m.head_dim, p.act_bytes, p.kv_bytes_per_element, m.sliding_window,
+                                          m.num_layers)
+
+    def _decode_attention_s(self, num_decodes: int, context_tokens: int) -> float:
+        m, tp, p = self.model, self.config.tp, self.precision
+        return self.kernel_time_s(K.attention_decode_kernel(
+            num_decodes, context_tokens, m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1), m.head_dim,
+            p.act_bytes, p.kv_bytes_per_element, m.num_layers))
 
     def step_time_s(self, batch: BatchShape) -> float:
         return float(self.breakdown_s(batch).sum())
@@ -131,15 +149,21 @@ class StepModel:
         """
         first = BatchShape((), num_decodes, context_tokens_start)
         b0 = self.breakdown_s(first)
+        t0 = float(b0.sum())
         if num_steps == 1:
-            return np.array([b0.sum()]), b0
-        last = BatchShape((), num_decodes, context_tokens_start + (num_steps - 1) * num_decodes)
-        b1 = self.breakdown_s(last)
-        frac = np.linspace(0.0, 1.0, num_steps)
-        t0, t1 = float(b0.sum()), float(b1.sum())
-        durations = t0 + (t1 - t0) * frac
-        total = (b0 + b1) * (num_steps / 2.0)
-        return durations, total
+            return np.array([t0]), b0
+        ctx_last = context_tokens_start + (num_steps - 1) * num_decodes
+        if self.graph_mode(first)[0] == FULL_GRAPH:
+            # only attention changes along the window (launch cost of a full graph is constant)
+            delta = self._decode_attention_s(num_decodes, ctx_last) - b0[_I_ATTN_DECODE]
+            durations = t0 + delta * (np.arange(num_steps) / (num_steps - 1))
+            total = b0 * num_steps
+            total[_I_ATTN_DECODE] += delta * num_steps / 2.0
+            return durations, total
+        b1 = self.breakdown_s(BatchShape((), num_decodes, ctx_last))
+        t1 = float(b1.sum())
+        durations = t0 + (t1 - t0) * (np.arange(num_steps) / (num_steps - 1))
+        return durations, (b0 + b1) * (num_steps / 2.0)
 
 
 def sum_breakdowns(parts: Sequence[np.ndarray]) -> dict[str, float]:
