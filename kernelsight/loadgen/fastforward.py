@@ -1,0 +1,177 @@
+"""Fast-forward: run a whole workload through the engine's virtual clock, no HTTP, and measure it the way
+``vllm bench serve`` measures a server (TTFT/TPOT/ITL/E2EL from each request's send time).
+
+Clients follow bench serve's arrival process: open loop at the scheduled times, or, with
+``max_concurrency``, at most C requests in flight (a request waits for a free slot, then is sent).
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernelsight.loadgen.datasets import SampleRequest
+from kernelsight.loadgen.metrics import RequestRecord
+from kernelsight.runtime import create_engine
+from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, StepResult
+from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.kernels import FAMILIES
+
+#: Steps a decode window may cover at once (bounded so a window's linear attention ramp stays exact).
+MAX_WINDOW_STEPS = 256
+TIMELINE_COLUMNS = ("time_s", "running", "waiting", "kv_cache_usage", "scheduled_tokens", "step_s")
+
+
+@dataclass(slots=True)
+class _Tracker:
+    sample: SampleRequest
+    send_s: float
+    arrival_s: float
+    first_step: int = -1
+    segments: list[list[int]] = field(default_factory=list)   # [start step, count], contiguous runs
+    finished: bool = False
+    finish_reason: str = ""
+    num_tokens: int = 0
+
+    def add_tokens(self, start: int, count: int) -> None:
+        segs = self.segments
+        if segs and segs[-1][0] + segs[-1][1] == start:
+            segs[-1][1] += count
+        else:
+            segs.append([start, count])
+        self.num_tokens += count
+
+
+@dataclass(slots=True)
+class FastForwardResult:
+    records: list[RequestRecord]
+    duration_s: float
+    wall_s: float
+    num_steps: int
+    breakdown_s: dict[str, float]
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    finish_reasons: dict[str, int]
+    timeline: list[tuple] | None = None
+
+    def simulator_stats(self) -> dict[str, Any]:
+        wall = max(self.wall_s, 1e-9)
+        return {"wall_s": round(self.wall_s, 4), "num_steps": self.num_steps,
+                "simulated_s_per_wall_s": round(self.duration_s / wall, 2),
+                "steps_per_wall_s": round(self.num_steps / wall, 1),
+                "num_preemptions": self.num_preemptions,
+                "prefix_cache_hit_rate": round(self.prefix_cache_hit_rate, 4),
+                "finish_reasons": self.finish_reasons}
+
+
+def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float], *,
+                     max_concurrency: int | None = None, ignore_eos: bool = True,
+                     record_timeline: bool = False) -> FastForwardResult:
+    """Simulate ``samples`` sent at ``arrivals_s`` (seconds from the start) and measure every request."""
+    if len(samples) != len(arrivals_s):
+        raise ValueError("one arrival time per sample is required")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be ≥ 1, got {max_concurrency}")
+    wall0 = time.perf_counter()
+    engine = create_engine(config, per_token_events=False)
+    order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
+    pending = deque(order)
+    trackers: dict[str, _Tracker] = {}
+    limit = max_concurrency if max_concurrency is not None else len(samples) + 1
+    in_flight = 0
+
+    def send(now_s: float) -> None:
+        nonlocal in_flight
+        while pending and in_flight < limit:
+            i = pending.popleft()
+            s = samples[i]
+            send_s = max(float(arrivals_s[i]), now_s)
+            rid = f"ff-{i}"
+            trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]))
+            engine.add_request(rid, s.prompt_token_ids, s.expected_output_len, ignore_eos=ignore_eos,
+                               arrival_s=send_s)
+            in_flight += 1
+
+    send(0.0)
+    ends: list[float] = []
+    timeline: list[tuple] | None = [] if record_timeline else None
+    window = MAX_WINDOW_STEPS
+    while True:
+        res: StepResult | None = engine.step(max_steps=window)
+        if res is None:
+            if not pending:
+                break
+            send(engine.now_s)   # only reachable with nothing in flight
+            continue
+        ends.extend(res.step_end_s)
+        freed = False
+        for ev in res.events:
+            tr = trackers[ev.request_id]
+            kind = ev.kind
+            if kind == TOKENS:
+                tr.add_tokens(ev.step_index, ev.num_tokens)
+            elif kind == FIRST_TOKEN:
+                tr.first_step = ev.step_index
+                tr.add_tokens(ev.step_index, 1)
+            elif kind == FINISHED:
+                tr.finished = True
+                tr.finish_reason = ev.finish_reason or ""
+                in_flight -= 1
+                freed = True
+        if timeline is not None:
+            _extend_timeline(timeline, res)
+        if freed and pending:
+            send(res.end_s)
+
+    ends_arr = np.asarray(ends)
+    records = []
+    reasons: dict[str, int] = {}
+    for tr in trackers.values():
+        reasons[tr.finish_reason] = reasons.get(tr.finish_reason, 0) + 1
+        records.append(_record(tr, ends_arr))
+    kv = engine.kv
+    hit_rate = kv.prefix_hits_tokens / kv.prefix_queries_tokens if kv.prefix_queries_tokens else 0.0
+    duration = max((r.start_s + r.latency_s for r in records if r.success), default=0.0)
+    return FastForwardResult(
+        records=records, duration_s=duration, wall_s=time.perf_counter() - wall0,
+        num_steps=engine.stats.num_steps,
+        breakdown_s=dict(zip(FAMILIES, engine.stats.breakdown_s.tolist(), strict=True)),
+        num_preemptions=engine.stats.num_preemptions, prefix_cache_hit_rate=hit_rate,
+        finish_reasons=reasons, timeline=timeline)
+
+
+def _record(tr: _Tracker, ends: np.ndarray) -> RequestRecord:
+    s = tr.sample
+    if not tr.finished or tr.num_tokens == 0:
+        return RequestRecord(False, s.prompt_len, 0, 0.0, [], 0.0, tr.send_s, tr.send_s - tr.arrival_s,
+                             "request did not finish")
+    if len(tr.segments) == 1:
+        start, count = tr.segments[0]
+        times = ends[start:start + count]
+    else:
+        times = np.concatenate([ends[a:a + c] for a, c in tr.segments])
+    ttft = float(times[0]) - tr.send_s
+    return RequestRecord(True, s.prompt_len, tr.num_tokens, ttft, np.diff(times), float(times[-1]) - tr.send_s,
+                         tr.send_s, tr.send_s - tr.arrival_s)
+
+
+def _extend_timeline(rows: list[tuple], res: StepResult) -> None:
+    prev = res.start_s
+    for end in res.step_end_s:
+        rows.append((round(end, 6), res.num_running, res.num_waiting, round(res.kv_usage, 5),
+                     res.num_scheduled_tokens, round(end - prev, 7)))
+        prev = end
+
+
+def write_timeline(path: str | Path, rows: list[tuple]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(TIMELINE_COLUMNS)
+        w.writerows(rows)
