@@ -1,0 +1,89 @@
+"""Replay the shared ShareGPT trace with the RTX 4090 run's engine args; compare with the measured vLLM run.
+
+Measured (vLLM 0.19, Llama-3.1-8B bf16, one RTX 4090): per request TTFT = first_token_ts − queued_ts,
+TPOT = (last_token_ts − first_token_ts)/(output_toks − 1), E2EL = last_token_ts − queued_ts.
+Simulated: the same trace (arrival times, exact output lengths, real token ids) through `simulate`'s
+fast-forward driver on the rtx-4090 profile with its bundled calibration (no RTX 4090 kernel data
+exists, so that is the cross-generation tier). Prints mean / median / p90 / p99 side by side with the %
+error and writes benchmarks/results/replay_rtx4090.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import SHARED_DATA, pct_error, write_result  # noqa: E402
+
+from kernelsight.loadgen.datasets import trace_dataset  # noqa: E402
+from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
+from kernelsight.loadgen.report import format_table  # noqa: E402
+from kernelsight.runtime import create_engine_config  # noqa: E402
+from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
+
+RUN = SHARED_DATA / "e2e" / "llmservingsim_rtx4090_llama31_8b"
+TRACE = SHARED_DATA / "e2e" / "sharegpt-llama-3.1-8b-300-sps10.jsonl.gz"
+STATS = (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),
+         ("p99", lambda a: np.percentile(a, 99)))
+
+
+def measured_metrics() -> dict[str, np.ndarray]:
+    ttft, tpot, e2el = [], [], []
+    with open(RUN / "requests.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            ttft.append(r["first_token_ts"] - r["queued_ts"])
+            e2el.append(r["last_token_ts"] - r["queued_ts"])
+            if r["output_toks"] > 1:
+                tpot.append((r["last_token_ts"] - r["first_token_ts"]) / (r["output_toks"] - 1))
+    return {"ttft": np.array(ttft), "tpot": np.array(tpot), "e2el": np.array(e2el)}
+
+
+def simulated_metrics(calibration: str | None) -> tuple[dict[str, np.ndarray], dict]:
+    meta = json.loads((RUN / "meta.json").read_text())
+    ek = meta["engine_kwargs"]
+    kv = meta["kv_cache"]
+    args = EngineArgs(model=ek["model"], hardware="rtx-4090", tensor_parallel_size=ek["tensor_parallel_size"],
+                      max_num_seqs=ek["max_num_seqs"], max_num_batched_tokens=ek["max_num_batched_tokens"],
+                      max_model_len=ek["max_model_len"], gpu_memory_utilization=kv["gpu_memory_utilization"],
+                      block_size=kv["block_size"], enable_prefix_caching=kv["enable_prefix_caching"],
+                      seed=ek["seed"], calibration=calibration)
+    cfg = create_engine_config(args)
+    samples = trace_dataset(TRACE)
+    res = run_fast_forward(cfg, samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos=True)
+    ok = [r for r in res.records if r.success]
+    out = {"ttft": np.array([r.ttft_s for r in ok]), "e2el": np.array([r.latency_s for r in ok]),
+           "tpot": np.array([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1])}
+    info = {"config": cfg.summary(), "measured_num_gpu_blocks": kv["num_gpu_blocks"],
+            "simulator": res.simulator_stats()}
+    return out, info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--calibration", default=None, help="calibration JSON (default: bundled rtx-4090)")
+    ns = ap.parse_args()
+    real = measured_metrics()
+    sim, info = simulated_metrics(ns.calibration)
+    rows = []
+    for metric in ("ttft", "tpot", "e2el"):
+        for stat, fn in STATS:
+            r, s = float(fn(real[metric])) * 1e3, float(fn(sim[metric])) * 1e3
+            rows.append({"metric": metric, "stat": stat, "measured_ms": r, "simulated_ms": s,
+                         "error_pct": pct_error(s, r)})
+    print(f"RTX 4090 trace replay: {len(sim['ttft'])} requests simulated, calibration tier "
+          f"{info['config']['calibration_tier']}, num_gpu_blocks {info['config']['num_gpu_blocks']} "
+          f"(measured {info['measured_num_gpu_blocks']})")
+    print(format_table(rows, ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]))
+    path = write_result("replay_rtx4090", {"rows": rows, **info})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`kernelsight simulate` from the command line: flags, errors, outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kernelsight.cli import build_parser, main
+
+
+def _simulate_parser():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sub.choices["simulate"]
+
+
+def test_help_documents_every_flag(capsys):
+    p = _simulate_parser()
+    with pytest.raises(SystemExit):
+        p.parse_args(["--help"])
+    text = capsys.readouterr().out
+    flags = [s for a in p._actions for s in a.option_strings if s.startswith("--")]
+    assert len(flags) > 35
+    for a in p._actions:
+        if a.option_strings and a.option_strings[0] != "--help":
+            assert a.help, f"{a.option_strings} has no help"
+    for flag in flags:
+        assert flag in text, flag
+    for required in ("--dataset-name", "--request-rate", "--burstiness", "--max-concurrency", "--ignore-eos",
+                     "--tensor-parallel-size", "--no-enable-prefix-caching", "--kv-cache-dtype", "--timeline",
+                     "--result-json", "--random-range-ratio", "--gpu-memory-utilization"):
+        assert required in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["--request-rate", "-1"],
+    ["--num-prompts", "0"],
+    ["--gpu-memory-utilization", "2"],
+    ["--random-range-ratio", "1.5"],
+    ["--dataset-name", "nope"],
+    ["--model", "no-such-org/no-such-model"],
+    ["--hardware", "tpu-v9"],
+    ["--dataset-name", "trace", "--dataset-path", "/nonexistent.jsonl"],
+    ["--model", "deepseek-ai/DeepSeek-V3"],
+    ["--hardware", "4090"],          # Llama-3.1-8B's 128k context does not fit a 4090's KV cache
+])
+def test_bad_values_get_one_line_errors(argv):
+    proc = subprocess.run([sys.executable, "-m", "kernelsight.cli", "simulate", *argv, "--num-prompts", "2"]
+                          if "--num-prompts" not in argv else [sys.executable, "-m", "kernelsight.cli", "simulate",
+                                                               *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "error" in lines[0]
+
+
+def test_unknown_model_error_lists_bundled_ids(capsys):
+    assert main(["simulate", "--model", "acme/unknown", "--num-prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "meta-llama/Llama-3.1-8B" in err and "Qwen/Qwen3-8B" in err
+
+
+def test_trace_replay_writes_result_and_timeline(tmp_path, shared_data, capsys):
+    out = tmp_path / "r.json"
+    tl = tmp_path / "t.csv"
+    rc = main(["simulate", "--dataset-name", "trace", "--dataset-path",
+               str(shared_data / "e2e/sharegpt-llama-3.1-8b-300-sps10.jsonl.gz"), "--num-prompts", "40",
+               "--hardware", "4090", "--max-model-len", "32768", "--max-num-seqs", "256",
+               "--max-num-batched-tokens", "2048", "--result-json", str(out), "--timeline", str(tl)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Simulated Serving Benchmark Result" in text and "Mean TTFT (ms)" in text
+    result = json.loads(out.read_text())
+    for key in ("completed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
+                "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "mean_e2el_ms",
+                "total_input_tokens", "total_output_tokens"):
+        assert key in result, key
+    assert result["completed"] == 40
+    assert 2400 < result["config"]["num_gpu_blocks"] < 2700
+    assert result["config"]["max_num_batched_tokens"] == 2048
+    assert result["kernel_time_breakdown"]["gemm"]["seconds"] > 0
+    assert sum(v["fraction"] for v in result["kernel_time_breakdown"].values()) == pytest.approx(1.0, abs=1e-3)
+    with open(tl) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["time_s", "running", "waiting", "kv_cache_usage", "scheduled_tokens", "step_s"]
+    assert len(rows) == result["simulator"]["num_steps"]
+    times = [float(r["time_s"]) for r in rows]
+    assert times == sorted(times)
+    assert all(0 <= float(r["kv_cache_usage"]) <= 1 for r in rows)
+    # the trace's output lengths are generated exactly
+    from kernelsight.loadgen.datasets import trace_dataset
+
+    expected = trace_dataset(shared_data / "e2e/sharegpt-llama-3.1-8b-300-sps10.jsonl.gz", 40)
+    assert result["total_output_tokens"] == sum(s.expected_output_len for s in expected)
+    assert result["total_input_tokens"] == sum(s.prompt_len for s in expected)
+    assert result["simulator"]["finish_reasons"] == {"length": 40}
+
+
+def test_same_seed_identical_result_json(tmp_path):
+    outs = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.json"
+        assert main(["simulate", "--num-prompts", "60", "--request-rate", "15", "--random-input-len", "300",
+                     "--random-output-len", "50", "--random-range-ratio", "0.5", "--no-ignore-eos", "--seed", "9",
+                     "--max-model-len", "4096", "--result-json", str(path)]) == 0
+        r = json.loads(path.read_text())
+        for volatile in ("date", "simulator"):
+            r.pop(volatile)
+        outs.append(r)
+    assert outs[0] == outs[1]
