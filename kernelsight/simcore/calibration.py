@@ -11,6 +11,7 @@ faster than the roofline divided by the largest η seen in calibration.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -47,8 +48,14 @@ class LogisticEta:
         return self.lo + (self.hi - self.lo) / (1.0 + (self.x0 / x) ** self.slope)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"form": "logistic", "lo": self.lo, "hi": self.hi, "x0": self.x0, "slope": self.slope,
-                "index": self.index}
+        return {
+            "form": "logistic",
+            "lo": self.lo,
+            "hi": self.hi,
+            "x0": self.x0,
+            "slope": self.slope,
+            "index": self.index,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +74,9 @@ class ConstantEta:
 #
 #     z   = basis(features, device)                  (log-features; some divided by spec constants)
 #     s   = β · [1, ẑ, ẑ_i ẑ_j (i ≤ j)]            ẑ = (z − center) / scale
-#     η   = lo + (hi − lo) · sigmoid(s) · exp(g(z))  g = optional residual grid (target tier only)
+#     η   = lo + (hi − lo) · sigmoid(s)
+#   kernel_s = (roof_s / η + overhead_s) · exp(g(z))      g = optional residual lattice (target tier)
+#   i.e. the model reports η·exp(−g) and overhead_s·exp(g), so both terms scale together
 #
 # Why this form: latency/roofline is governed by a few ratios — arithmetic intensity against the
 # machine balance (which roof binds and how close to the ridge), work per SM (tail waves, occupancy),
@@ -76,8 +85,11 @@ class ConstantEta:
 # space squashed by a sigmoid fits it with few parameters, cannot leave [lo, hi], and does not
 # oscillate between measured shapes. Expressing the device-dependent axes relative to the spec
 # (balance, SM count, L2) is what lets coefficients learned on one GPU transfer to another
-# (``eta_transfer``). The residual grid is a multilinear (continuous, bounded) correction of log η on
-# a coarse log-spaced lattice of the raw shape, fitted only when the target GPU itself was measured.
+# (``eta_transfer``). The residual lattice is a multilinear (continuous, bounded) correction of the
+# log kernel time on a one-knot-per-octave lattice of the raw shape, fitted only when the target GPU
+# itself was measured: it captures library kernel-selection effects (split-K, tile configs, which fp8
+# kernel vLLM dispatches) that no smooth law of the shape can, and that do not transfer anyway.
+# Scaling the fixed latency too is what lets it correct small, latency-bound shapes.
 # ---------------------------------------------------------------------------------------------------
 
 _TINY = 1e-30
@@ -88,14 +100,29 @@ def _log(x: np.ndarray | float) -> np.ndarray:
 
 
 def _gemm_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
-    """GEMM features (m, n, k[, code]) → [log m, log n, log k, log AI/balance, log tiles/SMs, log bytes/L2]."""
+    """GEMM (m, n, k[, code]) → log m, n, k, AI/balance, tiles/SMs, bytes/L2, tile-padding ratios."""
     m, n, k = F[:, 0], F[:, 1], F[:, 2]
     bytes_moved = m * k * dev["in_bytes"] + k * n * dev["weight_bytes"] + m * n * dev["out_bytes"]
     ai = 2.0 * m * n * k / bytes_moved
     tile_m = np.where(m <= 64, 64.0, 128.0)
-    tiles = np.ceil(m / tile_m) * np.ceil(n / 128.0)
-    return np.column_stack([_log(m), _log(n), _log(k), _log(ai / dev["balance"]), _log(tiles / dev["num_sms"]),
-                            _log(bytes_moved / dev["l2_bytes"])])
+    tiles = np.ceil(m / tile_m) * np.ceil(n / 128.0) * np.ceil(k / 64.0)  # as kernels.gemm_tiles
+    # Padding waste of the last tile row/column: m = 4097 costs a whole extra 128-row tile of work.
+    pad_m64 = np.ceil(m / 64.0) * 64.0 / m
+    pad_m128 = np.ceil(m / 128.0) * 128.0 / m
+    pad_n128 = np.ceil(n / 128.0) * 128.0 / n
+    return np.column_stack(
+        [
+            _log(m),
+            _log(n),
+            _log(k),
+            _log(ai / dev["balance"]),
+            _log(tiles / dev["num_sms"]),
+            _log(bytes_moved / dev["l2_bytes"]),
+            np.log(pad_m64),
+            np.log(pad_m128),
+            np.log(pad_n128),
+        ]
+    )
 
 
 def _eff_ctx(ctx: np.ndarray, window: np.ndarray) -> np.ndarray:
@@ -113,9 +140,19 @@ def _attn_prefill_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
     q_bytes = seqs * new * 2.0 * qh * hd * 2.0
     ai = 4.0 * qh * hd * pairs / (kv_bytes + q_bytes)
     ctas = seqs * np.ceil(new / 128.0) * qh
-    return np.column_stack([_log(seqs), _log(new), _log(eff), _log(qh), _log(qh / kvh), _log(hd / 128.0),
-                            _log(ai / dev["balance"]), _log(ctas / dev["num_sms"]),
-                            _log((kv_bytes + q_bytes) / dev["l2_bytes"])])
+    return np.column_stack(
+        [
+            _log(seqs),
+            _log(new),
+            _log(eff),
+            _log(qh),
+            _log(qh / kvh),
+            _log(hd / 128.0),
+            _log(ai / dev["balance"]),
+            _log(ctas / dev["num_sms"]),
+            _log((kv_bytes + q_bytes) / dev["l2_bytes"]),
+        ]
+    )
 
 
 def _attn_decode_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
@@ -126,19 +163,61 @@ def _attn_decode_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
     eff = _eff_ctx(ctx, win)
     kv_bytes = seqs * eff * 2.0 * kvh * hd * kvb
     ctas = seqs * kvh
-    return np.column_stack([_log(seqs), _log(eff), _log(qh), _log(qh / kvh), _log(hd / 128.0),
-                            _log(ctas / dev["num_sms"]), _log(kv_bytes / dev["l2_bytes"])])
+    return np.column_stack(
+        [
+            _log(seqs),
+            _log(eff),
+            _log(qh),
+            _log(qh / kvh),
+            _log(hd / 128.0),
+            _log(ctas / dev["num_sms"]),
+            _log(kv_bytes / dev["l2_bytes"]),
+        ]
+    )
 
 
 #: basis name → (function, names of its log-features)
 BASES: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "gemm": (_gemm_basis, ("log_m", "log_n", "log_k", "log_ai_over_balance", "log_tiles_per_sm",
-                           "log_bytes_over_l2")),
-    "attn_prefill": (_attn_prefill_basis, ("log_seqs", "log_new", "log_ctx", "log_q_heads", "log_gqa",
-                                           "log_head_dim", "log_ai_over_balance", "log_ctas_per_sm",
-                                           "log_bytes_over_l2")),
-    "attn_decode": (_attn_decode_basis, ("log_seqs", "log_ctx", "log_q_heads", "log_gqa", "log_head_dim",
-                                         "log_ctas_per_sm", "log_bytes_over_l2")),
+    "gemm": (
+        _gemm_basis,
+        (
+            "log_m",
+            "log_n",
+            "log_k",
+            "log_ai_over_balance",
+            "log_tiles_per_sm",
+            "log_bytes_over_l2",
+            "log_pad_m64",
+            "log_pad_m128",
+            "log_pad_n128",
+        ),
+    ),
+    "attn_prefill": (
+        _attn_prefill_basis,
+        (
+            "log_seqs",
+            "log_new",
+            "log_ctx",
+            "log_q_heads",
+            "log_gqa",
+            "log_head_dim",
+            "log_ai_over_balance",
+            "log_ctas_per_sm",
+            "log_bytes_over_l2",
+        ),
+    ),
+    "attn_decode": (
+        _attn_decode_basis,
+        (
+            "log_seqs",
+            "log_ctx",
+            "log_q_heads",
+            "log_gqa",
+            "log_head_dim",
+            "log_ctas_per_sm",
+            "log_bytes_over_l2",
+        ),
+    ),
 }
 
 
@@ -148,10 +227,21 @@ def basis_matrix(basis: str, features: np.ndarray, device: dict[str, float]) -> 
     return BASES[basis][0](F, device)
 
 
+@functools.lru_cache(maxsize=16)
+def _corner_bits(d: int) -> np.ndarray:
+    """The 2^d corners of a unit cell as 0/1 offsets."""
+    return (np.arange(1 << d)[:, None] >> np.arange(d)[None, :]) & 1
+
+
+@functools.lru_cache(maxsize=32)
+def _triu(d: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(d)
+
+
 def quadratic_design(zhat: np.ndarray) -> np.ndarray:
     """[1, ẑ, ẑ_i ẑ_j for i ≤ j]: the polynomial terms β multiplies."""
     n, d = zhat.shape
-    iu, ju = np.triu_indices(d)
+    iu, ju = _triu(d)
     return np.column_stack([np.ones(n), zhat, zhat[:, iu] * zhat[:, ju]])
 
 
@@ -168,29 +258,32 @@ class ResidualGrid:
     step: tuple[float, ...]
     shape: tuple[int, ...]
     values: tuple[float, ...]
+    _vals: np.ndarray = field(init=False, repr=False, compare=False)   # cached lattice array
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_vals", np.asarray(self.values, dtype=float).reshape(self.shape))
 
     def __call__(self, z: np.ndarray) -> np.ndarray:
-        vals = np.asarray(self.values).reshape(self.shape)
         idx0, frac = grid_coordinates(z[:, list(self.dims)], self.lo, self.step, self.shape)
-        out = np.zeros(len(z))
-        d = len(self.dims)
-        for corner in range(1 << d):
-            w = np.ones(len(z))
-            ii = []
-            for j in range(d):
-                bit = (corner >> j) & 1
-                w = w * (frac[:, j] if bit else 1.0 - frac[:, j])
-                ii.append(np.minimum(idx0[:, j] + bit, self.shape[j] - 1))
-            out += w * vals[tuple(ii)]
-        return out
+        bits = _corner_bits(len(self.dims))                                   # (C, d)
+        w = np.where(bits[None, :, :], frac[:, None, :], 1.0 - frac[:, None, :]).prod(axis=2)   # (n, C)
+        idx = np.minimum(idx0[:, None, :] + bits[None, :, :], np.asarray(self.shape) - 1)       # (n, C, d)
+        flat = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), self.shape)
+        return (w * self._vals.ravel()[flat]).sum(axis=1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dims": list(self.dims), "lo": list(self.lo), "step": list(self.step),
-                "shape": list(self.shape), "values": [round(v, 5) for v in self.values]}
+        return {
+            "dims": list(self.dims),
+            "lo": list(self.lo),
+            "step": list(self.step),
+            "shape": list(self.shape),
+            "values": [round(v, 5) for v in self.values],
+        }
 
 
-def grid_coordinates(zs: np.ndarray, lo: tuple[float, ...], step: tuple[float, ...], shape: tuple[int, ...]
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def grid_coordinates(
+    zs: np.ndarray, lo: tuple[float, ...], step: tuple[float, ...], shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
     """Lower knot index and fractional position of each point along each grid dim (clamped)."""
     pos = (zs - np.asarray(lo)) / np.asarray(step)
     pos = np.clip(pos, 0.0, np.asarray(shape, dtype=float) - 1.0)
@@ -200,7 +293,7 @@ def grid_coordinates(zs: np.ndarray, lo: tuple[float, ...], step: tuple[float, .
 
 @dataclass(frozen=True, slots=True)
 class LogPolyEta:
-    """η = lo + (hi − lo)·sigmoid(β·quad(ẑ))·exp(grid(z)), clipped to [lo, hi] (see the block comment)."""
+    """η = lo + (hi − lo)·sigmoid(β·quad(ẑ)), time scaled by exp(grid(z)) (see the block comment)."""
 
     basis: str
     device: dict[str, float]
@@ -209,32 +302,58 @@ class LogPolyEta:
     coef: tuple[float, ...]
     lo: float = 0.01
     hi: float = 1.5
-    overhead_s: float | None = None      # fixed latency of kernels this model covers (None: family's)
+    overhead_s: float | None = None  # fixed latency of kernels this model covers (None: family's)
     grid: ResidualGrid | None = None
+    _arrays: tuple[np.ndarray, ...] = field(init=False, repr=False, compare=False)  # center, scale, coef
+
+    def __post_init__(self) -> None:
+        arrays = tuple(np.asarray(v, dtype=float) for v in (self.center, self.scale, self.coef))
+        object.__setattr__(self, "_arrays", arrays)
 
     def eta_array(self, features: np.ndarray) -> np.ndarray:
-        z = basis_matrix(self.basis, features, self.device)
-        return self.eta_from_basis(z)
+        return self.eta_and_overhead_array(features)[0]
 
-    def eta_from_basis(self, z: np.ndarray) -> np.ndarray:
-        zhat = (z - np.asarray(self.center)) / np.asarray(self.scale)
-        s = quadratic_design(zhat) @ np.asarray(self.coef)
-        eta = self.lo + (self.hi - self.lo) / (1.0 + np.exp(-np.clip(s, -40.0, 40.0)))
+    def eta_and_overhead_array(self, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(η, overhead_s) per feature row, residual lattice applied to both."""
+        z = basis_matrix(self.basis, features, self.device)
+        return self.from_basis(z)
+
+    def smooth_eta(self, z: np.ndarray) -> np.ndarray:
+        center, scale, coef = self._arrays
+        zhat = (z - center) / scale
+        s = quadratic_design(zhat) @ coef
+        return self.lo + (self.hi - self.lo) / (1.0 + np.exp(-np.clip(s, -40.0, 40.0)))
+
+    def from_basis(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        eta = self.smooth_eta(z)
+        ovh = np.full(len(z), self.overhead_s or 0.0)
         if self.grid is not None:
-            eta = eta * np.exp(self.grid(z))
-        return np.clip(eta, self.lo, self.hi)
+            scale = np.exp(np.clip(self.grid(z), -3.0, 3.0))
+            eta, ovh = eta / scale, ovh * scale
+        return eta, ovh
 
     def eta(self, features: tuple[float, ...]) -> float:
         return float(self.eta_array(np.asarray(features, dtype=float)[None, :])[0])
 
     def overhead(self, features: tuple[float, ...]) -> float | None:
-        return self.overhead_s
+        if self.overhead_s is None:
+            return None
+        if self.grid is None:
+            return self.overhead_s
+        return float(self.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])[1][0])
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"form": "logpoly", "basis": self.basis, "device": dict(self.device),
-                             "center": list(self.center), "scale": list(self.scale),
-                             "coef": list(self.coef), "lo": self.lo, "hi": self.hi,
-                             "overhead_s": self.overhead_s}
+        d: dict[str, Any] = {
+            "form": "logpoly",
+            "basis": self.basis,
+            "device": dict(self.device),
+            "center": list(self.center),
+            "scale": list(self.scale),
+            "coef": list(self.coef),
+            "lo": self.lo,
+            "hi": self.hi,
+            "overhead_s": self.overhead_s,
+        }
         if self.grid is not None:
             d["grid"] = self.grid.to_dict()
         return d
@@ -242,11 +361,28 @@ class LogPolyEta:
 
 def _logpoly_from_dict(d: dict[str, Any]) -> LogPolyEta:
     g = d.get("grid")
-    grid = None if g is None else ResidualGrid(tuple(g["dims"]), tuple(g["lo"]), tuple(g["step"]),
-                                               tuple(g["shape"]), tuple(float(v) for v in g["values"]))
-    return LogPolyEta(d["basis"], {k: float(v) for k, v in d["device"].items()}, tuple(d["center"]),
-                      tuple(d["scale"]), tuple(d["coef"]), float(d.get("lo", 0.01)), float(d.get("hi", 1.5)),
-                      None if d.get("overhead_s") is None else float(d["overhead_s"]), grid)
+    grid = (
+        None
+        if g is None
+        else ResidualGrid(
+            tuple(g["dims"]),
+            tuple(g["lo"]),
+            tuple(g["step"]),
+            tuple(g["shape"]),
+            tuple(float(v) for v in g["values"]),
+        )
+    )
+    return LogPolyEta(
+        d["basis"],
+        {k: float(v) for k, v in d["device"].items()},
+        tuple(d["center"]),
+        tuple(d["scale"]),
+        tuple(d["coef"]),
+        float(d.get("lo", 0.01)),
+        float(d.get("hi", 1.5)),
+        None if d.get("overhead_s") is None else float(d["overhead_s"]),
+        grid,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +390,7 @@ class SwitchEta:
     """Dispatch on a categorical feature (GEMM format code, KV bytes per element) to sub-models."""
 
     index: int
-    models: dict[str, EtaModel]   # key: the feature value formatted with ``switch_key``
+    models: dict[str, EtaModel]  # key: the feature value formatted with ``switch_key``
     default: str
 
     def pick(self, features: tuple[float, ...]) -> EtaModel:
@@ -269,8 +405,50 @@ class SwitchEta:
         return m.overhead(features) if hasattr(m, "overhead") else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"form": "switch", "index": self.index, "default": self.default,
-                "models": {k: v.to_dict() for k, v in self.models.items()}}
+        return {
+            "form": "switch",
+            "index": self.index,
+            "default": self.default,
+            "models": {k: v.to_dict() for k, v in self.models.items()},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EnsembleEta:
+    """Weighted geometric mean of member models' η and fixed latency (cross-generation tier).
+
+    log η = Σ wᵢ log ηᵢ, log overhead = Σ wᵢ log overheadᵢ with Σ wᵢ = 1; bounded by the members' bounds.
+    """
+
+    members: tuple[EtaModel, ...]
+    weights: tuple[float, ...]
+
+    def eta_and_overhead_array(self, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        F = np.atleast_2d(np.asarray(features, dtype=float))
+        log_eta = np.zeros(len(F))
+        log_ovh = np.zeros(len(F))
+        for m, w in zip(self.members, self.weights, strict=True):
+            if hasattr(m, "eta_and_overhead_array"):
+                e, o = m.eta_and_overhead_array(F)
+            else:
+                e = np.array([m.eta(tuple(f)) for f in F])
+                o = np.full(len(F), 0.0)
+            log_eta += w * np.log(np.maximum(e, _TINY))
+            log_ovh += w * np.log(np.maximum(o, 1e-12))
+        return np.exp(log_eta), np.exp(log_ovh)
+
+    def eta(self, features: tuple[float, ...]) -> float:
+        return float(self.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])[0][0])
+
+    def overhead(self, features: tuple[float, ...]) -> float | None:
+        return float(self.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])[1][0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "form": "ensemble",
+            "weights": list(self.weights),
+            "members": [m.to_dict() for m in self.members],
+        }
 
 
 def switch_key(value: float) -> str:
@@ -282,8 +460,12 @@ ETA_FORMS: dict[str, Any] = {
     "logistic": lambda d: LogisticEta(d["lo"], d["hi"], d["x0"], d.get("slope", 1.0), d.get("index", 0)),
     "constant": lambda d: ConstantEta(d["value"]),
     "logpoly": _logpoly_from_dict,
-    "switch": lambda d: SwitchEta(int(d["index"]), {k: eta_model_from_dict(v) for k, v in d["models"].items()},
-                                  str(d["default"])),
+    "ensemble": lambda d: EnsembleEta(
+        tuple(eta_model_from_dict(m) for m in d["members"]), tuple(float(w) for w in d["weights"])
+    ),
+    "switch": lambda d: SwitchEta(
+        int(d["index"]), {k: eta_model_from_dict(v) for k, v in d["models"].items()}, str(d["default"])
+    ),
 }
 
 
@@ -309,7 +491,10 @@ class CommModel:
         return self.alpha_s_by_gpus.get(str(int(num_gpus)), self.alpha_s)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"alpha_s": self.alpha_s, "bus_bytes_per_s_fraction": self.bus_bytes_per_s_fraction}
+        d: dict[str, Any] = {
+            "alpha_s": self.alpha_s,
+            "bus_bytes_per_s_fraction": self.bus_bytes_per_s_fraction,
+        }
         if self.alpha_s_by_gpus:
             d["alpha_s_by_gpus"] = dict(self.alpha_s_by_gpus)
         return d
@@ -345,9 +530,11 @@ class LaunchModel:
     eager_per_kernel_s: float = 3.0e-6
 
     def to_dict(self) -> dict[str, float]:
-        return {"full_graph_step_s": self.full_graph_step_s,
-                "piecewise_per_layer_s": self.piecewise_per_layer_s,
-                "eager_per_kernel_s": self.eager_per_kernel_s}
+        return {
+            "full_graph_step_s": self.full_graph_step_s,
+            "piecewise_per_layer_s": self.piecewise_per_layer_s,
+            "eager_per_kernel_s": self.eager_per_kernel_s,
+        }
 
 
 @dataclass(slots=True)
@@ -355,53 +542,93 @@ class Calibration:
     """Everything fitted (or defaulted) for one GPU."""
 
     hardware: str
-    tier: str                                  # "default" | "target-measured" | "cross-generation"
+    tier: str  # "default" | "target-measured" | "cross-generation"
     eta: dict[str, EtaModel]
-    overhead_s: dict[str, float]               # fixed per-kernel GPU latency by family
-    eta_max: float = 1.0                       # largest η seen in calibration (physics floor)
+    overhead_s: dict[str, float]  # fixed per-kernel GPU latency by family
+    eta_max: float = 1.0  # largest η seen in calibration (physics floor)
     eta_floor: float = 0.02
-    comm: dict[str, CommModel] = field(default_factory=dict)   # by backend name
+    comm: dict[str, CommModel] = field(default_factory=dict)  # by backend name
     host: HostModel = field(default_factory=HostModel)
     launch: LaunchModel = field(default_factory=LaunchModel)
     source: str = ""
     licence: str = ""
     notes: str = ""
+    _memo: dict[tuple[str, tuple[float, ...]], tuple[float, float | None]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def kernel_eta(self, family: str, features: tuple[float, ...]) -> float:
-        model = self.eta.get(family) or self.eta["default"]
-        return min(max(model.eta(features), self.eta_floor), self.eta_max)
+        """η of one kernel, clipped to [eta_floor, eta_max] (memoized: the step model asks repeatedly)."""
+        return self._eta_overhead(family, features)[0]
 
     def kernel_overhead_s(self, family: str, features: tuple[float, ...] | None = None) -> float:
-        """Fixed per-launch latency; a fitted η model may carry its own (e.g. per GEMM format)."""
+        """Fixed per-launch latency; a fitted η model may carry its own (per GEMM format, per shape)."""
         if features is not None:
-            model = self.eta.get(family)
-            own = model.overhead(features) if model is not None and hasattr(model, "overhead") else None
+            own = self._eta_overhead(family, features)[1]
             if own is not None:
                 return own
         return self.overhead_s.get(family, self.overhead_s.get("default", 0.0))
 
+    def _eta_overhead(self, family: str, features: tuple[float, ...]) -> tuple[float, float | None]:
+        key = (family, features)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        model = self.eta.get(family) or self.eta["default"]
+        if isinstance(model, SwitchEta):
+            model = model.pick(features)
+        own: float | None = None
+        if hasattr(model, "eta_and_overhead_array"):
+            e_arr, o_arr = model.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])
+            eta = float(e_arr[0])
+            if not (isinstance(model, LogPolyEta) and model.overhead_s is None):
+                own = float(o_arr[0])
+        else:
+            eta = model.eta(features)
+        if len(self._memo) > 200_000:   # bounded: decode contexts make many distinct keys
+            self._memo.clear()
+        out = (min(max(eta, self.eta_floor), self.eta_max), own)
+        self._memo[key] = out
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "hardware": self.hardware, "tier": self.tier, "source": self.source, "licence": self.licence,
-            "notes": self.notes, "eta_max": self.eta_max, "eta_floor": self.eta_floor,
+            "hardware": self.hardware,
+            "tier": self.tier,
+            "source": self.source,
+            "licence": self.licence,
+            "notes": self.notes,
+            "eta_max": self.eta_max,
+            "eta_floor": self.eta_floor,
             "eta": {k: v.to_dict() for k, v in self.eta.items()},
             "overhead_s": dict(self.overhead_s),
             "comm": {k: v.to_dict() for k, v in self.comm.items()},
-            "host": self.host.to_dict(), "launch": self.launch.to_dict(),
+            "host": self.host.to_dict(),
+            "launch": self.launch.to_dict(),
         }
 
 
 def calibration_from_dict(d: dict[str, Any]) -> Calibration:
     return Calibration(
-        hardware=d["hardware"], tier=d["tier"],
+        hardware=d["hardware"],
+        tier=d["tier"],
         eta={k: eta_model_from_dict(v) for k, v in d["eta"].items()},
         overhead_s={k: float(v) for k, v in d["overhead_s"].items()},
-        eta_max=float(d.get("eta_max", 1.0)), eta_floor=float(d.get("eta_floor", 0.02)),
-        comm={k: CommModel(float(v["alpha_s"]), float(v["bus_bytes_per_s_fraction"]),
-                           {str(g): float(a) for g, a in v.get("alpha_s_by_gpus", {}).items()})
-              for k, v in d.get("comm", {}).items()},
-        host=HostModel(**d.get("host", {})), launch=LaunchModel(**d.get("launch", {})),
-        source=d.get("source", ""), licence=d.get("licence", ""), notes=d.get("notes", ""),
+        eta_max=float(d.get("eta_max", 1.0)),
+        eta_floor=float(d.get("eta_floor", 0.02)),
+        comm={
+            k: CommModel(
+                float(v["alpha_s"]),
+                float(v["bus_bytes_per_s_fraction"]),
+                {str(g): float(a) for g, a in v.get("alpha_s_by_gpus", {}).items()},
+            )
+            for k, v in d.get("comm", {}).items()
+        },
+        host=HostModel(**d.get("host", {})),
+        launch=LaunchModel(**d.get("launch", {})),
+        source=d.get("source", ""),
+        licence=d.get("licence", ""),
+        notes=d.get("notes", ""),
     )
 
 
@@ -421,12 +648,17 @@ def default_calibration(hardware: str) -> Calibration:
         "default": ConstantEta(0.7),
     }
     return Calibration(
-        hardware=hardware, tier="default", eta=eta,
+        hardware=hardware,
+        tier="default",
+        eta=eta,
         overhead_s={"default": 2.0e-6, "gemm": 3.0e-6, "attn_prefill": 5.0e-6, "attn_decode": 5.0e-6},
         eta_max=1.0,
-        comm={"nccl": CommModel(alpha_s=1.5e-5, bus_bytes_per_s_fraction=0.7),
-              "custom": CommModel(alpha_s=6.0e-6, bus_bytes_per_s_fraction=0.6)},
-        source="kernelsight built-in defaults (no measurements)", licence="Apache-2.0",
+        comm={
+            "nccl": CommModel(alpha_s=1.5e-5, bus_bytes_per_s_fraction=0.7),
+            "custom": CommModel(alpha_s=6.0e-6, bus_bytes_per_s_fraction=0.6),
+        },
+        source="kernelsight built-in defaults (no measurements)",
+        licence="Apache-2.0",
     )
 
 
@@ -436,7 +668,22 @@ def sanity_check_eta(value: float) -> None:
 
 
 __all__ = [
-    "BASES", "Calibration", "CommModel", "ConstantEta", "EtaModel", "HostModel", "LaunchModel", "LogPolyEta",
-    "LogisticEta", "ResidualGrid", "SwitchEta", "basis_matrix", "calibration_from_dict", "default_calibration",
-    "eta_model_from_dict", "quadratic_design", "switch_key",
+    "BASES",
+    "Calibration",
+    "CommModel",
+    "ConstantEta",
+    "EnsembleEta",
+    "EtaModel",
+    "HostModel",
+    "LaunchModel",
+    "LogPolyEta",
+    "LogisticEta",
+    "ResidualGrid",
+    "SwitchEta",
+    "basis_matrix",
+    "calibration_from_dict",
+    "default_calibration",
+    "eta_model_from_dict",
+    "quadratic_design",
+    "switch_key",
 ]

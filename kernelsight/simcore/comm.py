@@ -36,4 +36,4 @@ def allreduce_s(message_bytes: float, num_gpus: int, hw: HardwareSpec, calib: Ca
     backend = allreduce_backend(hw, message_bytes, num_gpus)
     model = calib.comm.get(backend) or calib.comm["nccl"]
     link_bytes_per_s = hw.intra_node_bytes_per_s * model.bus_bytes_per_s_fraction
-    return model.alpha_s + ring_bus_bytes(message_bytes, num_gpus) / link_bytes_per_s
+    return model.alpha_for(num_gpus) + ring_bus_bytes(message_bytes, num_gpus) / link_bytes_per_s

@@ -1,0 +1,94 @@
+"""Per-kernel accuracy of the calibration tiers on the shared measurements (issue 3).
+
+* roofline: η = 1, no fixed latency.
+* cross-generation: leave-one-GPU-out over A100 / H100 / L40S — fit target-measured calibrations on
+  the two other GPUs (all their rows), transfer to the held-out GPU by its spec, judge on all its rows.
+* target-measured: fit on a random 25% of each family's rows of the GPU, judge on the other 75%.
+
+Roofline and cross-generation are judged on the same 75% rows as the target tier so the columns are
+comparable. Prints a table per GPU and writes JSON (default ``benchmarks/results/kernel_accuracy.json``).
+
+    python benchmarks/kernel_accuracy.py [--data ../shared/data/kernels] [-o out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernelsight.calibrate.evaluate import (  # noqa: E402
+    SHARED_DATA_LICENCE,
+    fit_target,
+    format_results,
+    mape_table,
+    roofline_calibration,
+    split_masks,
+)
+from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
+from kernelsight.profiles import load_hardware  # noqa: E402
+from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
+
+GPUS = {"a100_sxm": "a100-sxm", "h100_sxm": "h100-sxm", "l40s": "l40s"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
+    ap.add_argument(
+        "-o", "--output", type=Path, default=ROOT / "benchmarks" / "results" / "kernel_accuracy.json"
+    )
+    ap.add_argument("--train-fraction", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    tables = {g: read_measurements(args.data / g) for g in GPUS}
+    hws = {g: load_hardware(n) for g, n in GPUS.items()}
+    full_fits = {}
+    timings = {}
+    for g in GPUS:
+        t0 = time.perf_counter()
+        full_fits[g], _ = fit_target(
+            tables[g],
+            hws[g],
+            source=f"shared data kernels/{g}",
+            licence=SHARED_DATA_LICENCE,
+            residual_grid=False,
+        )
+        timings[g] = time.perf_counter() - t0
+    results: dict[str, dict] = {}
+    for g in GPUS:
+        hw = hws[g]
+        train, test = split_masks(tables[g], args.train_fraction, args.seed)
+        target, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw)
+        cross = cross_generation_calibration(hw, [(full_fits[o], hws[o]) for o in GPUS if o != g])
+        results[g] = {
+            "roofline": mape_table(tables[g], hw, roofline_calibration(hw), test),
+            "cross-generation": mape_table(tables[g], hw, cross, test),
+            "target": mape_table(tables[g], hw, target, test),
+        }
+        print(f"\n== {g} ({hw.name}); cross-generation from {', '.join(o for o in GPUS if o != g)}")
+        print(format_results(results[g]))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(
+        json.dumps(
+            {
+                "results": results,
+                "smooth_fit_seconds": timings,
+                "train_fraction": args.train_fraction,
+                "seed": args.seed,
+            },
+            indent=1,
+        )
+    )
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""Argparse wiring for ``kernelsight calibrate {fit,eval,sweep}`` and ``kernelsight predict``.
+
+The lead wires :func:`add_calibrate_parser` and :func:`add_predict_parser` into ``kernelsight/cli.py``;
+each sets ``func`` on its parser to an ``args -> int`` handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kernelsight.calibrate import evaluate as ev
+from kernelsight.calibrate.measurements import read_measurements, read_table, write_table
+from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.hardware import HardwareSpec
+
+
+def _hardware(name: str) -> HardwareSpec:
+    from kernelsight.profiles import load_hardware
+
+    return load_hardware(name)
+
+
+def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("calibrate", help="fit, evaluate or measure kernel calibrations")
+    sub = p.add_subparsers(dest="calibrate_command", required=True)
+
+    f = sub.add_parser("fit", help="fit a target-measured calibration from a measurement directory")
+    f.add_argument("--measurements", required=True, help="directory (or file) in the measurement schema")
+    f.add_argument(
+        "--hardware", required=True, help="GPU name (kernelsight profiles) the data was measured on"
+    )
+    f.add_argument("-o", "--output", required=True, help="calibration JSON to write")
+    f.add_argument(
+        "--no-residual-grid", action="store_true", help="smooth η form only (no per-shape lattice)"
+    )
+    f.add_argument("--source", default="", help="provenance text recorded in the file")
+    f.add_argument("--licence", default="", help="licence of the measurements, recorded in the file")
+    f.set_defaults(func=cmd_fit)
+
+    e = sub.add_parser("eval", help="MAPE per family for roofline / cross-generation / target tiers")
+    e.add_argument("--measurements", required=True)
+    e.add_argument("--hardware", required=True)
+    e.add_argument(
+        "--train-fraction",
+        type=float,
+        default=0.25,
+        help="rows the target tier is fitted on; every tier is judged on the rest (default 0.25)",
+    )
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--calibration", help="use this file as the target tier instead of fitting")
+    e.add_argument("--json", help="also write the results as JSON here")
+    e.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("sweep", help="run the microbenchmark sweep on this machine's GPU (needs torch)")
+    s.add_argument("-o", "--output", required=True, help="directory to write gemm/attn_*/comm CSVs into")
+    s.add_argument("--device", default="cuda", help="torch device (default cuda; 'cpu' for a smoke run)")
+    s.add_argument("--quick", action="store_true", help="tiny grid (smoke test, seconds)")
+    s.add_argument("--families", default="gemm,attn_prefill,attn_decode,comm")
+    s.set_defaults(func=cmd_sweep)
+    return p
+
+
+def add_predict_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("predict", help="predict kernel latencies for rows of a measurement file")
+    p.add_argument("--hardware", required=True)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--calibration", help="calibration JSON to use")
+    g.add_argument(
+        "--tier",
+        choices=ev.TIERS,
+        help="roofline | cross-generation (from bundled calibrations of other GPUs) | target "
+        "(the bundled target-measured calibration of this GPU)",
+    )
+    p.add_argument("--input", required=True, help="file in the measurement schema (latency_us optional)")
+    p.add_argument("-o", "--output", required=True, help="CSV to write: the input rows plus predicted_us")
+    p.set_defaults(func=cmd_predict)
+    return p
+
+
+def resolve_calibration(
+    hw: HardwareSpec, calibration: str | None = None, tier: str | None = None
+) -> Calibration:
+    """Calibration for predictions: a file, a tier, or by default the bundled one for the GPU."""
+    if calibration:
+        return ev.load_calibration_file(calibration)
+    if tier == "roofline":
+        return ev.roofline_calibration(hw)
+    if tier == "cross-generation":
+        return ev.cross_generation_for(hw)
+    bundled = {c.hardware: c for c in ev.bundled_calibrations(None)}
+    c = bundled.get(hw.name)
+    if tier == "target":
+        if c is None or c.tier != "target-measured":
+            raise SystemExit(
+                f"no target-measured calibration bundled for {hw.name}; run `kernelsight calibrate "
+                "sweep` and `calibrate fit`, then pass --calibration"
+            )
+        return c
+    return c if c is not None else ev.cross_generation_for(hw)
+
+
+def predict_file(
+    input_path: str | Path, output_path: str | Path, hw: HardwareSpec, calib: Calibration
+) -> int:
+    """Library form of ``kernelsight predict``: writes the rows plus ``predicted_us``; returns the row count."""
+    table = read_table(input_path)
+    pred_us = ev.predict_table_s(table, hw, calib) * 1e6
+    write_table(table, output_path, {"predicted_us": pred_us})
+    return len(table)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    hw = _hardware(args.hardware)
+    calib = resolve_calibration(hw, args.calibration, args.tier)
+    n = predict_file(args.input, args.output, hw, calib)
+    print(f"wrote {n} rows to {args.output} ({calib.tier} calibration of {calib.hardware})")
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    hw = _hardware(args.hardware)
+    t0 = time.perf_counter()
+    tables = read_measurements(args.measurements)
+    calib, report = ev.fit_target(
+        tables,
+        hw,
+        source=args.source or f"measurements {args.measurements}",
+        licence=args.licence,
+        residual_grid=not args.no_residual_grid,
+    )
+    Path(args.output).write_text(json.dumps(calib.to_dict()))
+    for key, r in report.entries.items():
+        print(
+            f"{key:<22} rows {int(r['rows']):>7}  train MAPE {100 * r['train_mape']:5.1f}%  "
+            f"overhead {r['overhead_us']:.1f} µs"
+        )
+    print(f"wrote {args.output} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    hw = _hardware(args.hardware)
+    tables = read_measurements(args.measurements)
+    target = ev.load_calibration_file(args.calibration) if args.calibration else None
+    results = ev.evaluate_tiers(
+        tables, hw, train_fraction=args.train_fraction, seed=args.seed, target_calibration=target
+    )
+    print(
+        f"MAPE on {hw.name} ({args.measurements}); judged on {100 * (1 - args.train_fraction):.0f}% of rows "
+        f"the target fit did not see; small = roofline < {ev.SMALL_ROOFLINE_S * 1e6:.0f} µs (comm: < 1 MiB)"
+    )
+    print(ev.format_results(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from kernelsight.calibrate import sweep
+
+    try:
+        paths = sweep.run_sweep(
+            args.output, device=args.device, quick=args.quick, families=tuple(args.families.split(","))
+        )
+    except sweep.TorchUnavailableError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    return 0

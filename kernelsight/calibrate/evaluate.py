@@ -1,0 +1,203 @@
+"""Library calls behind ``kernelsight predict`` and ``kernelsight calibrate eval|fit``.
+
+Tiers: ``roofline`` (η = 1, no fixed latency), ``cross-generation`` (transferred from other GPUs'
+calibrations, :mod:`kernelsight.simcore.eta_transfer`), ``target`` (fitted on the GPU's own measurements).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kernelsight.calibrate.measurements import Table, read_measurements
+from kernelsight.simcore import eta_fit
+from kernelsight.simcore.calibration import Calibration, ConstantEta, calibration_from_dict
+from kernelsight.simcore.comm import ring_bus_bytes
+from kernelsight.simcore.eta_transfer import cross_generation_calibration
+from kernelsight.simcore.hardware import HardwareSpec
+
+TIERS = ("roofline", "cross-generation", "target")
+#: A shape is "small" when its roofline time is below this: fixed latency dominates it.
+SMALL_ROOFLINE_S = 10e-6
+COMM_BACKENDS = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
+SHARED_DATA_LICENCE = "Apache-2.0 (ai-dynamo/aiconfigurator, Copyright NVIDIA Corporation & Affiliates)"
+
+
+def roofline_calibration(hw: HardwareSpec) -> Calibration:
+    """η = 1 everywhere and no fixed latency: the plain roofline baseline."""
+    from kernelsight.simcore.calibration import default_calibration
+
+    c = default_calibration(hw.name)
+    c.tier = "roofline"
+    c.eta = {"default": ConstantEta(1.0)}
+    c.overhead_s = {"default": 0.0}
+    c.eta_max = 1.0
+    c.source = "plain roofline (η = 1, no fixed latency)"
+    return c
+
+
+def load_calibration_file(path: str | Path) -> Calibration:
+    return calibration_from_dict(json.loads(Path(path).read_text()))
+
+
+def bundled_calibration_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "profiles" / "calibration"
+
+
+def bundled_calibrations(tier: str | None = "target-measured") -> list[Calibration]:
+    """Calibrations shipped in ``kernelsight/profiles/calibration`` (optionally of one tier)."""
+    out = []
+    for p in sorted(bundled_calibration_dir().glob("*.json")):
+        c = load_calibration_file(p)
+        if tier is None or c.tier == tier:
+            out.append(c)
+    return out
+
+
+def _load_hardware(name: str) -> HardwareSpec:
+    from kernelsight.profiles import load_hardware
+
+    return load_hardware(name)
+
+
+def cross_generation_for(hw: HardwareSpec, sources: Sequence[Calibration] | None = None) -> Calibration:
+    """Cross-generation calibration of ``hw`` from measured calibrations of *other* GPUs (default: bundled)."""
+    sources = list(sources) if sources is not None else bundled_calibrations("target-measured")
+    pairs = [(c, _load_hardware(c.hardware)) for c in sources]
+    return cross_generation_calibration(hw, [(c, h) for c, h in pairs if h.name != hw.name])
+
+
+def fit_target(
+    tables: Mapping[str, Table],
+    hw: HardwareSpec,
+    source: str = "",
+    licence: str = "",
+    residual_grid: bool = True,
+) -> tuple[Calibration, eta_fit.FitReport]:
+    return eta_fit.fit_calibration(
+        {f: t.columns for f, t in tables.items()},
+        hw,
+        residual_grid=residual_grid,
+        source=source,
+        licence=licence,
+    )
+
+
+def predict_table_s(table: Table, hw: HardwareSpec, calib: Calibration) -> np.ndarray:
+    """Predicted seconds for every row of a measurement table (kernels or all-reduce collectives)."""
+    if table.family in eta_fit.KERNEL_FAMILIES:
+        return eta_fit.predict_rows_s(table.family, table.columns, hw, calib)
+    if table.family == "comm":
+        return predict_comm_s(table.columns, hw, calib)
+    raise ValueError(f"cannot predict family {table.family!r}")
+
+
+def predict_comm_s(cols: Mapping[str, np.ndarray], hw: HardwareSpec, calib: Calibration) -> np.ndarray:
+    """All-reduce rows through the α–β model of their backend; other collectives → NaN (not modelled)."""
+    out = np.full(len(cols["op"]), np.nan)
+    gpus = np.asarray(cols["num_gpus"], dtype=float)
+    msg = np.asarray(cols["message_bytes"], dtype=float)
+    for i, (op, backend) in enumerate(zip(cols["op"], cols["backend"], strict=True)):
+        if op != "all_reduce":
+            continue
+        name = COMM_BACKENDS.get(str(backend), str(backend))
+        model = calib.comm.get(name) or calib.comm.get("custom" if name == "custom_eager" else "nccl")
+        if model is None:
+            continue
+        bw = hw.intra_node_bytes_per_s * model.bus_bytes_per_s_fraction
+        out[i] = model.alpha_for(int(gpus[i])) + ring_bus_bytes(msg[i], gpus[i]) / bw
+    return out
+
+
+def mape_table(
+    tables: Mapping[str, Table],
+    hw: HardwareSpec,
+    calib: Calibration,
+    masks: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, dict[str, float]]:
+    """MAPE per family: all rows, small (roofline < 10 µs) and large shapes, and row counts."""
+    out: dict[str, dict[str, float]] = {}
+    for fam, t in tables.items():
+        if not t.has_latency or len(t) == 0:
+            continue
+        sel = masks[fam] if masks is not None and fam in masks else np.ones(len(t), dtype=bool)
+        sub = t.subset(sel)
+        pred = predict_table_s(sub, hw, calib)
+        meas = sub["latency_us"] * 1e-6
+        ok = np.isfinite(pred) & (meas > 0)
+        ape = np.abs(pred - meas) / meas
+        if fam in eta_fit.KERNEL_FAMILIES:
+            roof = eta_fit.roofline_rows_s(eta_fit.kernel_rows(fam, sub.columns), hw)
+            small = roof < SMALL_ROOFLINE_S
+        else:
+            small = sub["message_bytes"] < 1 << 20
+        out[fam] = {
+            "mape": _mean(ape[ok]),
+            "mape_small": _mean(ape[ok & small]),
+            "mape_large": _mean(ape[ok & ~small]),
+            "rows": float(ok.sum()),
+        }
+    return out
+
+
+def _mean(x: np.ndarray) -> float:
+    return float(np.mean(x)) if len(x) else float("nan")
+
+
+def split_masks(
+    tables: Mapping[str, Table], train_fraction: float, seed: int = 0
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Random per-family train/test row masks (the target tier is judged on rows it never saw)."""
+    rng = np.random.default_rng(seed)
+    train, test = {}, {}
+    for fam, t in tables.items():
+        m = rng.random(len(t)) < train_fraction
+        train[fam], test[fam] = m, ~m
+    return train, test
+
+
+def evaluate_tiers(
+    tables: Mapping[str, Table],
+    hw: HardwareSpec,
+    *,
+    train_fraction: float = 0.25,
+    seed: int = 0,
+    sources: Sequence[Calibration] | None = None,
+    target_calibration: Calibration | None = None,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """MAPE per tier and family. The target tier fits on ``train_fraction`` of rows; all tiers are judged on
+    the remaining rows (so the columns are comparable)."""
+    train, test = split_masks(tables, train_fraction, seed)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    results["roofline"] = mape_table(tables, hw, roofline_calibration(hw), test)
+    try:
+        results["cross-generation"] = mape_table(tables, hw, cross_generation_for(hw, sources), test)
+    except ValueError:
+        results["cross-generation"] = {}
+    if target_calibration is None:
+        target_calibration, _ = fit_target({f: t.subset(train[f]) for f, t in tables.items()}, hw)
+    results["target"] = mape_table(tables, hw, target_calibration, test)
+    return results
+
+
+def format_results(results: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
+    """Side-by-side table: one row per family (all / small / large), one column group per tier."""
+    tiers = [t for t in TIERS if t in results]
+    fams = sorted({f for r in results.values() for f in r})
+    head = f"{'family':<14}{'shapes':<8}" + "".join(f"{t:>18}" for t in tiers)
+    lines = [head, "-" * len(head)]
+    for fam in fams:
+        for key, label in (("mape", "all"), ("mape_small", "small"), ("mape_large", "large")):
+            cells = []
+            for t in tiers:
+                v = results[t].get(fam, {}).get(key, float("nan"))
+                cells.append(f"{100 * v:>17.1f}%" if np.isfinite(v) else f"{'-':>18}")
+            lines.append(f"{fam if label == 'all' else '':<14}{label:<8}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def read_dir(path: str | Path) -> dict[str, Table]:
+    return read_measurements(path)

@@ -1,0 +1,156 @@
+"""Read kernel measurements in the shared schema (``../shared/data/README.md``).
+
+One directory describes one GPU and holds any of ``gemm``, ``attn_prefill``, ``attn_decode`` and ``comm``
+as ``<family>.csv`` or ``<family>.csv.gz``. ``latency_us`` is optional (prediction inputs lack it).
+Duplicate keys are repeated measurements: every row is kept as one sample.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+#: Columns per family (``latency_us`` and ``kernel`` optional); numeric ones are parsed as float.
+SCHEMA: dict[str, tuple[str, ...]] = {
+    "gemm": ("dtype", "m", "n", "k"),
+    "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
+    "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
+    "comm": ("op", "backend", "dtype", "num_gpus", "message_bytes"),
+}
+FAMILIES: tuple[str, ...] = tuple(SCHEMA)
+_STRING_COLUMNS = frozenset({"dtype", "kv_dtype", "kernel", "op", "backend"})
+
+
+@dataclass(slots=True)
+class Table:
+    """Column-oriented rows of one family file: str columns as ``<U`` arrays, the rest as float64."""
+
+    family: str
+    columns: dict[str, np.ndarray]
+    header: tuple[str, ...]  # original column order, to write rows back unchanged
+    raw: list[list[str]]  # original cell text, for round-tripping in ``predict``
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    @property
+    def has_latency(self) -> bool:
+        return "latency_us" in self.columns
+
+    def subset(self, mask_or_index: np.ndarray) -> Table:
+        idx = np.flatnonzero(mask_or_index) if mask_or_index.dtype == bool else mask_or_index
+        return Table(
+            self.family, {k: v[idx] for k, v in self.columns.items()}, self.header, [self.raw[i] for i in idx]
+        )
+
+
+def family_of_path(path: Path) -> str:
+    """``gemm.csv.gz`` → ``gemm``; raises for files outside the schema."""
+    stem = path.name.removesuffix(".gz").removesuffix(".csv")
+    for fam in FAMILIES:
+        if stem == fam or stem.startswith(fam + "_") or stem.startswith(fam + "."):
+            return fam
+    raise ValueError(f"{path}: file name must start with one of {', '.join(FAMILIES)}")
+
+
+def _family_of(path: Path, header: tuple[str, ...]) -> str:
+    """Family from the file name, else from the columns (any file name works for ``predict``)."""
+    try:
+        return family_of_path(path)
+    except ValueError:
+        matches = [f for f, cols in SCHEMA.items() if set(cols) <= set(header)]
+        if len(matches) != 1:
+            raise
+        return matches[0]
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    with open(path, "rb") as fh:
+        magic = fh.read(2)
+    if magic == b"\x1f\x8b":  # gzip by content, whatever the suffix
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")  # noqa: SIM115 - closed by the caller's with
+
+
+def read_table(path: str | Path, family: str | None = None) -> Table:
+    """Read one measurement file (gzip or plain CSV)."""
+    path = Path(path)
+    with _open_text(path) as fh:
+        reader = csv.reader(fh)
+        try:
+            header = tuple(h.strip() for h in next(reader))
+        except StopIteration as exc:
+            raise ValueError(f"{path}: empty file") from exc
+        raw = [row for row in reader if row]
+    fam = family or _family_of(path, header)
+    missing = [c for c in SCHEMA[fam] if c not in header]
+    if missing:
+        raise ValueError(f"{path}: missing columns {missing} for family {fam!r}")
+    cols: dict[str, np.ndarray] = {}
+    for j, name in enumerate(header):
+        cells = [r[j] for r in raw]
+        if name in _STRING_COLUMNS:
+            cols[name] = np.array(cells, dtype=str) if cells else np.array([], dtype=str)
+        else:
+            try:
+                cols[name] = np.array(cells, dtype=float) if cells else np.zeros(0)
+            except ValueError as exc:
+                raise ValueError(f"{path}: column {name!r} is not numeric") from exc
+    return Table(fam, cols, header, raw)
+
+
+def read_measurements(path: str | Path) -> dict[str, Table]:
+    """All families of one GPU: a directory of family files, or a single file."""
+    path = Path(path)
+    if path.is_file():
+        t = read_table(path)
+        return {t.family: t}
+    if not path.is_dir():
+        raise FileNotFoundError(f"no measurement file or directory at {path}")
+    out: dict[str, Table] = {}
+    for fam in FAMILIES:
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name in (f"{fam}.csv", f"{fam}.csv.gz"))
+        for p in files:
+            t = read_table(p, fam)
+            out[fam] = t if fam not in out else concat_tables(out[fam], t)
+    if not out:
+        raise ValueError(f"{path}: no measurement files ({', '.join(f + '.csv[.gz]' for f in FAMILIES)})")
+    return out
+
+
+def concat_tables(a: Table, b: Table) -> Table:
+    if a.header != b.header:
+        raise ValueError(f"cannot concatenate {a.family} tables with different columns")
+    return Table(
+        a.family,
+        {k: np.concatenate([a.columns[k], b.columns[k]]) for k in a.columns},
+        a.header,
+        a.raw + b.raw,
+    )
+
+
+def write_table(table: Table, path: str | Path, extra: dict[str, np.ndarray] | None = None) -> None:
+    """Write the rows back unchanged, plus ``extra`` columns (e.g. ``predicted_us``); gzip if ``.gz``."""
+    path = Path(path)
+    extra = extra or {}
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="utf-8", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(list(table.header) + list(extra))
+        extra_cols = [np.asarray(v) for v in extra.values()]
+        for i, row in enumerate(table.raw):
+            w.writerow(row + [_fmt(c[i]) for c in extra_cols])
+
+
+def _fmt(x: object) -> str:
+    if isinstance(x, float | np.floating):
+        return f"{float(x):.6g}" if np.isfinite(x) else ""
+    return str(x)

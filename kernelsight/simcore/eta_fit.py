@@ -1,0 +1,593 @@
+"""Fit η (and the fixed per-kernel latency) from kernel measurements: pure numpy, no I/O.
+
+Each measured row is mapped onto the same :class:`~kernelsight.simcore.kernels.Kernel` the step model
+builds (so calibration and simulation share FLOPs, bytes and tiles), giving its roofline time ``roof_s``
+on the GPU. Per family and per categorical variant (GEMM format, KV-cache bytes) we then fit
+
+    latency_s ≈ roof_s / η(features) + overhead_s
+
+with η of the :class:`~kernelsight.simcore.calibration.LogPolyEta` form (bounded sigmoid of a quadratic in
+device-normalized log-features). The loss is the squared log-ratio of predicted to measured latency
+— i.e. relative error, what MAPE judges — minimized by Levenberg–Marquardt with a small ridge on the
+polynomial terms (keeps extrapolation tame). Duplicate measurements are simply more samples.
+Optionally (target tier) a residual lattice over the raw shape absorbs what the smooth form misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from kernelsight.simcore import kernels as K
+from kernelsight.simcore.calibration import (
+    Calibration,
+    CommModel,
+    ConstantEta,
+    EnsembleEta,
+    EtaModel,
+    LogPolyEta,
+    ResidualGrid,
+    SwitchEta,
+    basis_matrix,
+    default_calibration,
+    grid_coordinates,
+    quadratic_design,
+    switch_key,
+)
+from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.roofline import roofline_s
+
+Columns = Mapping[str, np.ndarray]
+
+KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode")
+_ELEMENT_BYTES = {
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "half": 2.0,
+    "fp8": 1.0,
+    "fp8_e4m3": 1.0,
+    "fp8_e5m2": 1.0,
+    "int8": 1.0,
+    "fp32": 4.0,
+    "float": 4.0,
+}
+#: Which feature selects the sub-model (categorical variant) per family.
+SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5}
+ETA_LO, ETA_HI = 0.01, 1.5
+_RIDGE = 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# measured rows → kernels
+# ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class KernelRows:
+    """Per-row kernel quantities of one family (vectors of equal length)."""
+
+    family: str
+    flops: np.ndarray
+    bytes_moved: np.ndarray
+    tiles: np.ndarray
+    compute_dtype: np.ndarray  # str
+    features: np.ndarray  # rows × nf
+    variant: np.ndarray  # str: sub-model key (switch_key of the categorical feature)
+
+    def __len__(self) -> int:
+        return len(self.flops)
+
+
+def element_bytes(dtype: str) -> float:
+    try:
+        return _ELEMENT_BYTES[dtype]
+    except KeyError as exc:
+        raise ValueError(f"unknown element dtype {dtype!r}") from exc
+
+
+def _row_kernel(family: str, key: tuple) -> K.Kernel:
+    if family == "gemm":
+        dtype, m, n, k = key
+        w = 2.0 if dtype in ("bf16", "fp16") else 1.0
+        return K.gemm_kernel("gemm", int(m), int(n), int(k), dtype, w, 2.0)
+    if family == "attn_prefill":
+        batch, seq, qh, kvh, hd, kv_dtype, window = key
+        chunks = (K.PrefillChunk(int(seq), 0, True),) * int(batch)
+        return K.attention_prefill_kernel(
+            chunks, int(qh), int(kvh), int(hd), 2.0, element_bytes(kv_dtype), int(window) or None
+        )
+    if family == "attn_decode":
+        batch, cached, qh, kvh, hd, kv_dtype, window = key
+        return K.attention_decode_kernel(
+            int(batch),
+            int(batch) * (int(cached) + 1),
+            int(qh),
+            int(kvh),
+            int(hd),
+            2.0,
+            element_bytes(kv_dtype),
+            window=int(window) or None,
+        )
+    raise ValueError(f"no kernel mapping for family {family!r}")
+
+
+_KEY_COLUMNS = {
+    "gemm": ("dtype", "m", "n", "k"),
+    "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
+    "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
+}
+
+
+def kernel_rows(family: str, cols: Columns) -> KernelRows:
+    """Map measured rows to kernels via the step model's constructors (deduplicated: shapes repeat)."""
+    names = _KEY_COLUMNS[family]
+    n = len(cols[names[0]])
+    keys = list(zip(*(cols[c].tolist() for c in names), strict=True))
+    uniq: dict[tuple, int] = {}
+    inverse = np.empty(n, dtype=np.int64)
+    for i, key in enumerate(keys):
+        inverse[i] = uniq.setdefault(key, len(uniq))
+    kernels = [_row_kernel(family, key) for key in uniq]
+    if not kernels:
+        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7}[family]
+        z = np.zeros(0)
+        return KernelRows(family, z, z, z, np.zeros(0, dtype=str), np.zeros((0, nf)), np.zeros(0, dtype=str))
+    flops = np.array([k.flops for k in kernels])[inverse]
+    bytes_moved = np.array([k.bytes_moved for k in kernels])[inverse]
+    tiles = np.array([k.tiles for k in kernels], dtype=float)[inverse]
+    dtype = np.array([k.dtype for k in kernels])[inverse]
+    feats = np.array([k.features for k in kernels], dtype=float)[inverse]
+    variant = np.array([switch_key(f) for f in feats[:, SWITCH_INDEX[family]]]) if n else np.zeros(0, str)
+    return KernelRows(family, flops, bytes_moved, tiles, dtype, feats, variant)
+
+
+def roofline_rows_s(rows: KernelRows, hw: HardwareSpec) -> np.ndarray:
+    """Roofline seconds of every row on ``hw`` (per-row compute dtype peak)."""
+    out = np.empty(len(rows))
+    for dt in np.unique(rows.compute_dtype):
+        sel = rows.compute_dtype == dt
+        out[sel] = roofline_s(
+            rows.flops[sel],
+            rows.bytes_moved[sel],
+            rows.tiles[sel],
+            hw.peak_flops_per_s(str(dt)),
+            hw.mem_bytes_per_s,
+            hw.num_sms,
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# device constants the bases normalize by
+# ------------------------------------------------------------------------------------------------
+def device_constants(family: str, variant: str, hw: HardwareSpec) -> dict[str, float]:
+    """Spec numbers a family's basis divides by: machine balance of the variant's dtype, SMs, L2."""
+    dev = {"num_sms": float(hw.num_sms), "l2_bytes": float(hw.l2_bytes)}
+    if family == "gemm":
+        code = int(float(variant))
+        fmt = {c: f for f, c in K.GEMM_FORMAT_CODES.items() if f != "fp16"}.get(code, "bf16")
+        compute = K.GEMM_COMPUTE_DTYPE[fmt]
+        one_byte = fmt in ("fp8", "fp8_block", "int8")
+        dev.update(
+            balance=hw.peak_flops_per_s(compute) / hw.mem_bytes_per_s,
+            in_bytes=1.0 if one_byte else 2.0,
+            weight_bytes=1.0 if one_byte else 2.0,
+            out_bytes=2.0,
+        )
+    else:
+        dev["balance"] = hw.peak_flops_per_s("bf16") / hw.mem_bytes_per_s
+    return dev
+
+
+def basis_name(family: str) -> str:
+    return {"gemm": "gemm", "lm_head": "gemm", "moe_gemm": "gemm"}.get(family, family)
+
+
+# ------------------------------------------------------------------------------------------------
+# the nonlinear least-squares fit of one sub-model
+# ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class SubFit:
+    """Result of fitting one (family, variant): the model and its training-set diagnostics."""
+
+    model: LogPolyEta
+    n_rows: int
+    train_mape: float
+    eta_max_seen: float
+
+
+def _sigmoid(s: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(s, -40.0, 40.0)))
+
+
+def fit_logpoly(
+    z: np.ndarray,
+    roof_s: np.ndarray,
+    lat_s: np.ndarray,
+    *,
+    lo: float = ETA_LO,
+    hi: float = ETA_HI,
+    ridge: float = _RIDGE,
+    iters: int = 60,
+    overhead_s: float | None = None,
+    center: np.ndarray | None = None,
+    scale: np.ndarray | None = None,
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """Levenberg–Marquardt on Σ (log pred − log meas)², pred = roof/η(z) + overhead.
+
+    Returns (β, overhead_s, center, scale). ``overhead_s`` given → held fixed (not fitted).
+    """
+    center = z.mean(axis=0) if center is None else center
+    scale = np.maximum(z.std(axis=0), 1e-6) if scale is None else scale
+    X = quadratic_design((z - center) / scale)
+    p = X.shape[1]
+    log_lat = np.log(lat_s)
+    fit_ovh = overhead_s is None
+    ovh0 = float(np.quantile(lat_s, 0.02)) * 0.8 if fit_ovh else float(overhead_s)
+    # Initial β: linear LS of the logit of the η implied by subtracting the initial overhead.
+    eta_star = roof_s / np.maximum(lat_s - ovh0, 0.05 * lat_s)
+    u = np.clip((eta_star - lo) / (hi - lo), 1e-4, 1 - 1e-4)
+    reg = ridge * len(z) * np.eye(p)
+    reg[0, 0] = 0.0
+    beta = np.linalg.solve(X.T @ X + reg + 1e-9 * np.eye(p), X.T @ np.log(u / (1 - u)))
+    theta = np.log(max(ovh0, 1e-9))
+
+    def evaluate(b: np.ndarray, th: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        sig = _sigmoid(X @ b)
+        eta = lo + (hi - lo) * sig
+        pred = roof_s / eta + np.exp(th)
+        r = np.log(pred) - log_lat
+        loss = float(r @ r) + ridge * len(z) * float(b[1:] @ b[1:])
+        return r, eta, sig, loss
+
+    r, eta, sig, loss = evaluate(beta, theta)
+    mu = 1e-3
+    for _ in range(iters):
+        pred = np.exp(r + log_lat)
+        d_eta = (hi - lo) * sig * (1.0 - sig)
+        g = -(roof_s / eta**2) * d_eta / pred  # d log pred / d s
+        J = X * g[:, None]
+        if fit_ovh:
+            J = np.column_stack([J, np.exp(theta) / pred])
+        q = J.shape[1]
+        R = np.zeros((q, q))
+        R[1:p, 1:p] = ridge * len(z) * np.eye(p - 1)
+        A = J.T @ J + R
+        grad = J.T @ r
+        grad[:p] += R[:p, :p] @ beta
+        improved = False
+        for _ in range(8):
+            step = np.linalg.solve(A + mu * np.diag(np.diag(A) + 1e-12), -grad)
+            nb = beta + step[:p]
+            nt = theta + (step[p] if fit_ovh else 0.0)
+            nr, neta, nsig, nloss = evaluate(nb, nt)
+            if nloss < loss:
+                rel = (loss - nloss) / max(loss, 1e-300)
+                beta, theta, r, eta, sig, loss = nb, nt, nr, neta, nsig, nloss
+                mu = max(mu / 3.0, 1e-9)
+                improved = True
+                break
+            mu *= 4.0
+        if not improved or rel < 1e-7:
+            break
+    return beta, float(np.exp(theta)), center, scale
+
+
+def fit_residual_grid(
+    z: np.ndarray,
+    dims: tuple[int, ...],
+    log_ratio: np.ndarray,
+    weight: np.ndarray,
+    knots_per_octave: float = 1.0,
+    smooth: float = 0.3,
+    ridge: float = 1e-3,
+    cg_iters: int = 300,
+) -> ResidualGrid:
+    """Penalized least-squares lattice of log time corrections.
+
+    Minimizes Σ w (interp(v) − r)² + smooth·(N/K)·‖Δ²v‖² + ridge·(N/K)·‖v‖² by conjugate gradients
+    (matrix-free: the interpolation weights act through ``bincount``). The second-difference penalty
+    fills knots no sample touches by smooth interpolation; the ridge pulls far-off regions back to 0,
+    i.e. to the smooth model.
+    """
+    zs = z[:, list(dims)]
+    lo = zs.min(axis=0)
+    hi = zs.max(axis=0)
+    per_unit = knots_per_octave / np.log(2.0)
+    shape = tuple(
+        int(max(2, np.ceil((h - lo_j) * per_unit - 1e-9) + 1)) for lo_j, h in zip(lo, hi, strict=True)
+    )
+    step = tuple(float(max((h - lo_j) / (s - 1), 1e-6)) for lo_j, h, s in zip(lo, hi, shape, strict=True))
+    idx0, frac = grid_coordinates(zs, tuple(lo), step, shape)
+    size = int(np.prod(shape))
+    d = len(dims)
+    corner_idx = []
+    corner_w = []
+    for corner in range(1 << d):
+        w = np.ones(len(z))
+        flat = np.zeros(len(z), dtype=np.int64)
+        for j in range(d):
+            bit = (corner >> j) & 1
+            w = w * (frac[:, j] if bit else 1.0 - frac[:, j])
+            flat = flat * shape[j] + np.minimum(idx0[:, j] + bit, shape[j] - 1)
+        corner_idx.append(flat)
+        corner_w.append(w)
+    sw = np.sqrt(weight)
+    scale_pen = len(z) / size
+
+    def interp(v: np.ndarray) -> np.ndarray:
+        return sum(w * v[i] for i, w in zip(corner_idx, corner_w, strict=True))
+
+    def interp_t(r: np.ndarray) -> np.ndarray:
+        return sum(
+            np.bincount(i, weights=w * r, minlength=size) for i, w in zip(corner_idx, corner_w, strict=True)
+        )
+
+    def penalty(v: np.ndarray) -> np.ndarray:
+        V = v.reshape(shape)
+        out = np.zeros(shape)
+        for j in range(d):
+            if shape[j] < 3:
+                continue
+            y = np.diff(V, 2, axis=j)
+            pad = [(0, 0)] * d
+            pad[j] = (2, 2)
+            out += np.diff(np.pad(y, pad), 2, axis=j)
+        return out.ravel()
+
+    def matvec(v: np.ndarray) -> np.ndarray:
+        return interp_t(sw**2 * interp(v)) + scale_pen * (smooth * penalty(v) + ridge * v)
+
+    rhs = interp_t(weight * log_ratio)
+    v = np.zeros(size)
+    r = rhs.copy()
+    pvec = r.copy()
+    rr = float(r @ r)
+    tol = 1e-10 * max(rr, 1e-30)
+    for _ in range(cg_iters):
+        if rr <= tol:
+            break
+        ap = matvec(pvec)
+        alpha = rr / float(pvec @ ap)
+        v += alpha * pvec
+        r -= alpha * ap
+        rr_new = float(r @ r)
+        pvec = r + (rr_new / rr) * pvec
+        rr = rr_new
+    return ResidualGrid(tuple(dims), tuple(float(x) for x in lo), step, shape, tuple(float(x) for x in v))
+
+
+#: Raw-shape basis dims the target-tier residual lattice spans, per family.
+GRID_DIMS = {"gemm": (0, 1, 2), "attn_prefill": (0, 1, 3, 4, 5), "attn_decode": (0, 1, 2, 3, 4)}
+GRID_KNOTS_PER_OCTAVE = {"gemm": 2.0, "attn_prefill": 1.0, "attn_decode": 1.0}
+
+
+def fit_submodel(
+    family: str,
+    variant: str,
+    rows: KernelRows,
+    roof_s: np.ndarray,
+    lat_s: np.ndarray,
+    hw: HardwareSpec,
+    *,
+    residual_grid: bool = False,
+    grid_rounds: int = 1,
+) -> SubFit:
+    """Fit η (+ overhead) of one family variant on one GPU."""
+    dev = device_constants(family, variant, hw)
+    z = basis_matrix(basis_name(family), rows.features, dev)
+    beta, ovh, center, scale = fit_logpoly(z, roof_s, lat_s)
+    model = LogPolyEta(
+        basis_name(family),
+        dev,
+        tuple(center.tolist()),
+        tuple(scale.tolist()),
+        tuple(beta.tolist()),
+        ETA_LO,
+        ETA_HI,
+        ovh,
+    )
+    if residual_grid:
+        model = add_residual_grid(model, family, z, roof_s, lat_s, rounds=grid_rounds)
+    eta, ovh_rows = model.from_basis(z)
+    pred = roof_s / eta + ovh_rows
+    return SubFit(model, len(z), float(np.mean(np.abs(pred - lat_s) / lat_s)), float(eta.max()))
+
+
+def add_residual_grid(
+    model: LogPolyEta, family: str, z: np.ndarray, roof_s: np.ndarray, lat_s: np.ndarray, rounds: int = 1
+) -> LogPolyEta:
+    """Backfit the residual lattice: log(measured / predicted) kernel time on the raw-shape lattice."""
+    grid = None
+    for _ in range(rounds):
+        current = replace(model, grid=grid)
+        eta, ovh = current.from_basis(z)
+        log_ratio = np.log(lat_s / (roof_s / eta + ovh))
+        add = fit_residual_grid(
+            z,
+            GRID_DIMS[family],
+            np.clip(log_ratio, -2.0, 2.0),
+            np.ones(len(z)),
+            knots_per_octave=GRID_KNOTS_PER_OCTAVE[family],
+        )
+        if grid is not None:
+            add = replace(add, values=tuple(a + b for a, b in zip(add.values, grid.values, strict=True)))
+        grid = add
+    return replace(model, grid=grid)
+
+
+# ------------------------------------------------------------------------------------------------
+# whole-GPU calibration
+# ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class FitReport:
+    """Per (family, variant): rows used and training MAPE."""
+
+    entries: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def fit_family(
+    family: str, cols: Columns, hw: HardwareSpec, *, residual_grid: bool = False
+) -> tuple[EtaModel, float, dict[str, dict[str, float]]]:
+    """η model of one family on one GPU: a SwitchEta over its variants. Returns (model, η max, report)."""
+    rows = kernel_rows(family, cols)
+    lat_s = np.asarray(cols["latency_us"], dtype=float) * 1e-6
+    ok = np.isfinite(lat_s) & (lat_s > 0)
+    roof = roofline_rows_s(rows, hw)
+    models: dict[str, EtaModel] = {}
+    report: dict[str, dict[str, float]] = {}
+    eta_max = 0.0
+    counts: dict[str, int] = {}
+    for v in np.unique(rows.variant[ok]):
+        sel = ok & (rows.variant == v)
+        sub = KernelRows(
+            family,
+            rows.flops[sel],
+            rows.bytes_moved[sel],
+            rows.tiles[sel],
+            rows.compute_dtype[sel],
+            rows.features[sel],
+            rows.variant[sel],
+        )
+        f = fit_submodel(family, str(v), sub, roof[sel], lat_s[sel], hw, residual_grid=residual_grid)
+        models[str(v)] = f.model
+        counts[str(v)] = f.n_rows
+        eta_max = max(eta_max, f.eta_max_seen)
+        report[f"{family}[{v}]"] = {
+            "rows": float(f.n_rows),
+            "train_mape": f.train_mape,
+            "overhead_us": (f.model.overhead_s or 0.0) * 1e6,
+        }
+    # Features without the categorical entry (older tuples) mean bf16 weights / bf16 KV.
+    preferred = "0" if family == "gemm" else "2"
+    default = preferred if preferred in counts else max(counts, key=counts.__getitem__)
+    return SwitchEta(SWITCH_INDEX[family], models, default), eta_max, report
+
+
+def fit_comm(cols: Columns, hw: HardwareSpec) -> dict[str, CommModel]:
+    """α–β per all-reduce backend (``nccl``; vLLM custom: ``custom`` = in-graph, ``custom_eager``).
+
+    Least squares on relative error of t = α_T + ring_bytes / (link_bw · f), with α per GPU count T.
+    """
+    from kernelsight.simcore.comm import ring_bus_bytes
+
+    names = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
+    op = np.asarray(cols["op"])
+    backend = np.asarray(cols["backend"])
+    gpus = np.asarray(cols["num_gpus"], dtype=float)
+    msg = np.asarray(cols["message_bytes"], dtype=float)
+    lat = np.asarray(cols["latency_us"], dtype=float) * 1e-6
+    out: dict[str, CommModel] = {}
+    for src, name in names.items():
+        sel = (op == "all_reduce") & (backend == src) & np.isfinite(lat) & (lat > 0)
+        if sel.sum() < 3:
+            continue
+        g_vals = sorted(set(gpus[sel].astype(int).tolist()))
+        # unknowns: α per T, and 1/(link_bw·f); rows scaled by 1/lat → relative-error LS
+        A = np.zeros((int(sel.sum()), len(g_vals) + 1))
+        gs = gpus[sel].astype(int)
+        for j, g in enumerate(g_vals):
+            A[:, j] = gs == g
+        A[:, -1] = ring_bus_bytes(msg[sel], gpus[sel]) / hw.intra_node_bytes_per_s
+        w = 1.0 / lat[sel]
+        coef, *_ = np.linalg.lstsq(A * w[:, None], lat[sel] * w, rcond=None)
+        coef = np.maximum(coef, 1e-9)
+        alphas = {str(g): float(coef[j]) for j, g in enumerate(g_vals)}
+        out[name] = CommModel(float(np.median(coef[:-1])), float(1.0 / coef[-1]), alphas)
+    return out
+
+
+def fit_calibration(
+    tables: Mapping[str, Columns],
+    hw: HardwareSpec,
+    *,
+    residual_grid: bool = True,
+    source: str = "",
+    licence: str = "",
+) -> tuple[Calibration, FitReport]:
+    """Target-measured calibration of one GPU from its measurement tables (family → columns)."""
+    calib = default_calibration(hw.name)
+    calib.tier = "target-measured"
+    calib.source, calib.licence = source, licence
+    report = FitReport()
+    eta_max = 0.0
+    for fam in KERNEL_FAMILIES:
+        cols = tables.get(fam)
+        if cols is None or "latency_us" not in cols or len(cols["latency_us"]) == 0:
+            continue
+        model, emax, rep = fit_family(fam, cols, hw, residual_grid=residual_grid)
+        calib.eta[fam] = model
+        eta_max = max(eta_max, emax)
+        report.entries.update(rep)
+        if fam == "gemm":
+            bf16 = model.models.get("0") if isinstance(model, SwitchEta) else None
+            if bf16 is not None:  # lm_head / MoE expert GEMMs: the bf16 GEMM model on (m, n, k)
+                calib.eta["lm_head"] = bf16
+                calib.eta["moe_gemm"] = bf16
+    calib.overhead_s.update(family_overheads(calib))
+    calib.eta_max = max(eta_max, 1.0) if eta_max else calib.eta_max
+    if "comm" in tables and "latency_us" in tables["comm"]:
+        calib.comm.update(fit_comm(tables["comm"], hw))
+    return calib, report
+
+
+def family_overheads(calib: Calibration) -> dict[str, float]:
+    """Family-level fallback overhead = the default variant's fitted one."""
+    out: dict[str, float] = {}
+    for fam, model in calib.eta.items():
+        if isinstance(model, SwitchEta):
+            m = model.models[model.default]
+            if isinstance(m, LogPolyEta) and m.overhead_s is not None:
+                out[fam] = m.overhead_s
+    return out
+
+
+def predict_rows_s(family: str, cols: Columns, hw: HardwareSpec, calib: Calibration) -> np.ndarray:
+    """Predicted latency (s) of each measured row under a calibration (vectorized over variants)."""
+    rows = kernel_rows(family, cols)
+    roof = roofline_rows_s(rows, hw)
+    eta, ovh = eta_and_overhead(calib, family, rows)
+    return roof / eta + ovh
+
+
+def eta_and_overhead(calib: Calibration, family: str, rows: KernelRows) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorized ``kernel_eta`` (clipped to [eta_floor, eta_max]) and ``kernel_overhead_s``."""
+    model = calib.eta.get(family) or calib.eta["default"]
+    eta = np.empty(len(rows))
+    ovh = np.full(len(rows), calib.kernel_overhead_s(family))
+    for v in np.unique(rows.variant) if len(rows) else []:
+        sel = rows.variant == v
+        sub = (
+            model.pick(tuple(rows.features[np.flatnonzero(sel)[0]]))
+            if isinstance(model, SwitchEta)
+            else model
+        )
+        if isinstance(sub, LogPolyEta | EnsembleEta):
+            e, o = sub.eta_and_overhead_array(rows.features[sel])
+            eta[sel] = e
+            if not (isinstance(sub, LogPolyEta) and sub.overhead_s is None):
+                ovh[sel] = o
+        else:
+            eta[sel] = [sub.eta(tuple(f)) for f in rows.features[sel]]
+    return np.clip(eta, calib.eta_floor, calib.eta_max), ovh
+
+
+__all__ = [
+    "FitReport",
+    "KernelRows",
+    "SubFit",
+    "ConstantEta",
+    "add_residual_grid",
+    "device_constants",
+    "element_bytes",
+    "eta_and_overhead",
+    "fit_calibration",
+    "fit_comm",
+    "fit_family",
+    "fit_logpoly",
+    "fit_residual_grid",
+    "fit_submodel",
+    "kernel_rows",
+    "predict_rows_s",
+    "roofline_rows_s",
+]

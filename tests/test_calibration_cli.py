@@ -1,0 +1,147 @@
+"""Measurement reading, predict/eval/fit CLIs, and the sweep's grid and CSV writing."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernelsight.calibrate import sweep
+from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
+from kernelsight.calibrate.measurements import read_measurements, read_table
+from kernelsight.simcore.calibration import calibration_from_dict
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="shared data not available")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kernelsight")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_calibrate_parser(sub)
+    add_predict_parser(sub)
+    return p
+
+
+def _run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def _write_subset(src: Path, dst: Path, every: int) -> None:
+    with gzip.open(src, "rt") as fh:
+        rows = list(csv.reader(fh))
+    with open(dst, "w", newline="") as fh:
+        csv.writer(fh).writerows([rows[0]] + rows[1::every])
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("h100_small")
+    for fam, every in (("gemm", 60), ("attn_prefill", 40), ("attn_decode", 50), ("comm", 1)):
+        _write_subset(DATA / "h100_sxm" / f"{fam}.csv.gz", d / f"{fam}.csv", every)
+    return d
+
+
+def test_reader_plain_gzip_and_missing_latency(tmp_path):
+    plain = tmp_path / "gemm.csv"
+    plain.write_text("dtype,m,n,k\nbf16,1,4096,4096\nbf16,1,4096,4096\nfp8,64,1024,512\n")
+    t = read_table(plain)
+    assert len(t) == 3 and not t.has_latency  # duplicates kept as samples
+    assert t["m"].dtype == float and t["dtype"][2] == "fp8"
+    gz = tmp_path / "attn_decode.csv.gz"
+    with gzip.open(gz, "wt") as fh:
+        fh.write(
+            "batch,cached_len,num_heads,num_kv_heads,head_dim,kv_dtype,window,latency_us\n"
+            "8,1023,32,8,128,bf16,0,20.5\n"
+        )
+    m = read_measurements(tmp_path)
+    assert set(m) == {"gemm", "attn_decode"} and m["attn_decode"]["latency_us"][0] == 20.5
+    bad = tmp_path / "x" / "gemm.csv"
+    bad.parent.mkdir()
+    bad.write_text("dtype,m,n\nbf16,1,2\n")
+    with pytest.raises(ValueError, match="missing columns"):
+        read_table(bad)
+
+
+@needs_data
+def test_predict_cli_writes_rows_plus_prediction(tmp_path):
+    inp = tmp_path / "gemm.csv"
+    inp.write_text("dtype,m,n,k\nbf16,1,4096,4096\nfp8,512,8192,8192\nfp8_block,16,1024,7168\n")
+    for tier in ("roofline", "cross-generation", "target"):
+        out = tmp_path / f"out_{tier}.csv"
+        assert (
+            _run(["predict", "--hardware", "h100-sxm", "--tier", tier, "--input", str(inp), "-o", str(out)])
+            == 0
+        )
+        rows = list(csv.DictReader(out.open()))
+        assert list(rows[0]) == ["dtype", "m", "n", "k", "predicted_us"]
+        assert [r["dtype"] for r in rows] == ["bf16", "fp8", "fp8_block"]
+        pred = [float(r["predicted_us"]) for r in rows]
+        assert all(p > 0 for p in pred)
+        if tier != "roofline":  # fixed latency: even a GEMV costs microseconds
+            assert pred[0] > 2.0
+
+
+@needs_data
+def test_fit_then_eval_cli(small_dir, tmp_path, capsys):
+    out = tmp_path / "calib.json"
+    assert (
+        _run(["calibrate", "fit", "--measurements", str(small_dir), "--hardware", "h100-sxm", "-o", str(out)])
+        == 0
+    )
+    calib = calibration_from_dict(json.loads(out.read_text()))
+    assert calib.tier == "target-measured" and calib.hardware == "h100-sxm"
+    capsys.readouterr()
+    res = tmp_path / "eval.json"
+    assert (
+        _run(
+            [
+                "calibrate",
+                "eval",
+                "--measurements",
+                str(small_dir),
+                "--hardware",
+                "h100-sxm",
+                "--json",
+                str(res),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    for fam in ("gemm", "attn_prefill", "attn_decode", "comm"):
+        assert fam in text
+    for tier in ("roofline", "cross-generation", "target"):
+        assert tier in text
+    results = json.loads(res.read_text())
+    assert results["target"]["gemm"]["mape"] < results["roofline"]["gemm"]["mape"]
+
+
+def test_sweep_grid_is_fixed_and_schema_complete(tmp_path):
+    g1, g2 = sweep.build_grid(), sweep.build_grid()
+    assert g1 == g2
+    assert len(g1.gemm) > 1000 and len(g1.attn_prefill) > 50 and len(g1.attn_decode) > 100
+    assert g1.comm == ()  # one GPU: no collectives
+    assert len(sweep.build_grid(num_gpus=8).comm) == 3 * 21
+    q = sweep.build_grid(quick=True)
+    assert len(q.gemm) < 20
+    p = sweep.write_csv(tmp_path / "gemm.csv", "gemm", [(*row, 12.5) for row in q.gemm], kernel="x")
+    t = read_table(p)
+    assert len(t) == len(q.gemm) and np.all(t["latency_us"] == 12.5)
+    p = sweep.write_csv(tmp_path / "attn_decode.csv", "attn_decode", [(*r, 3.0) for r in q.attn_decode])
+    assert set(read_measurements(tmp_path)) == {"gemm", "attn_decode"}
+
+
+def test_sweep_runs_on_cpu_end_to_end(tmp_path):
+    pytest.importorskip("torch")
+    assert _run(["calibrate", "sweep", "-o", str(tmp_path), "--device", "cpu", "--quick"]) == 0
+    m = read_measurements(tmp_path)
+    assert {"gemm", "attn_prefill", "attn_decode"} <= set(m)
+    for t in m.values():
+        assert len(t) > 0 and np.all(t["latency_us"] > 0)
