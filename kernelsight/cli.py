@@ -286,7 +286,7 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
     for name in profiles.list_hardware():
         hw = profiles.load_hardware(name)
         tier = profiles.load_calibration(name).tier if name in calibrated else "default"
-        print(f"  {name:<14} {hw.display_name:<34} {hw.bf16_flops_per_s / 1e12:7.0f} TFLOP/s bf16  "
+        print(f"  {name:<14} {hw.display_name[:34]:<34} {hw.bf16_flops_per_s / 1e12:7.0f} TFLOP/s bf16  "
               f"{hw.mem_bytes_per_s / 1e12:5.2f} TB/s  {hw.mem_capacity_bytes / 2**30:6.1f} GiB  "
               f"aliases: {', '.join(hw.aliases)}  calibration: {tier}")
     print("models:")
