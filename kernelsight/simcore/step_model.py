@@ -9,6 +9,7 @@ evaluated for many steps at once.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,31 @@ class StepConfig:
     enforce_eager: bool = False
 
 
+_SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
+
+
+def _snap_log(x: float) -> float:
+    """Nearest point of a geometric grid with 64 points per octave (η varies smoothly in log-space)."""
+    if x <= 1.0:
+        return x
+    return float(2.0 ** (round(math.log2(x) * _SNAP_PER_OCTAVE) / _SNAP_PER_OCTAVE))
+
+
+def eta_lookup_features(family: str, features: tuple[float, ...]) -> tuple[float, ...]:
+    """Features at which η is looked up: token counts above 64 rounded up to a multiple of 16 (this keeps
+    every 64/128-row tile count unchanged), mean lengths snapped to a 1/64-octave grid."""
+    if family in (K.GEMM, K.MOE_GEMM):
+        m = features[0]
+        if m > 64:
+            return (float(math.ceil(m / 16.0) * 16),) + features[1:]
+        return features
+    if family == K.ATTN_DECODE:
+        return (features[0], _snap_log(features[1])) + features[2:]
+    if family == K.ATTN_PREFILL:
+        return (features[0], _snap_log(features[1]), _snap_log(features[2])) + features[3:]
+    return features
+
+
 class StepModel:
     """Predicts the duration of one engine step on one GPU model."""
 
@@ -63,10 +89,16 @@ class StepModel:
 
     # -- single kernels --------------------------------------------------------------------------
     def kernel_time_s(self, k: Kernel) -> float:
-        """Time of all ``k.count`` launches of one kernel: roofline / η + fixed latency."""
+        """Time of all ``k.count`` launches of one kernel: roofline / η + fixed latency.
+
+        The roofline uses the exact shape; η and the fixed latency are looked up at the shape snapped to a
+        fine grid (see :func:`eta_lookup_features`), so that a simulation's steps hit the calibration's
+        memo instead of re-evaluating its model for every new context length or token count.
+        """
         roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
-        eta = self.calib.kernel_eta(k.family, k.features)
-        return (roof / eta + self.calib.kernel_overhead_s(k.family)) * k.count
+        features = eta_lookup_features(k.family, k.features)
+        eta = self.calib.kernel_eta(k.family, features)
+        return (roof / eta + self.calib.kernel_overhead_s(k.family, features)) * k.count
 
     # -- graph mode and padding --------------------------------------------------------------------
     def graph_mode(self, batch: BatchShape) -> tuple[str, int]:
