@@ -259,6 +259,11 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
 
 def token_kernels(model: ModelSpec, m: int, sampling_rows: int, tp: int, precision: Precision) -> list[Kernel]:
     """All kernels whose shape depends only on the (padded) token count and the sampling rows."""
+    return row_kernels(model, m, tp, precision) + sampling_kernels(model, sampling_rows, tp, precision)
+
+
+def row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision) -> list[Kernel]:
+    """Kernels over every (padded) token row: embedding, the layers' non-attention work, final norm."""
     a = precision.act_bytes
     h = model.hidden_size
     n_moe = model.num_moe_layers if model.is_moe else 0
@@ -270,13 +275,17 @@ def token_kernels(model: ModelSpec, m: int, sampling_rows: int, tp: int, precisi
     if n_moe:
         out += moe_kernels(model, m, tp, precision, n_moe)
     out.append(elementwise_kernel("final_norm", NORM, 3.0 * m * h * a, "bf16"))
-    if sampling_rows:
-        # The LM head stays bf16 under fp8 quantization in vLLM; it runs only over rows that sample.
-        vocab = math.ceil(model.vocab_size / tp)
-        out.append(gemm_kernel("lm_head", sampling_rows, vocab, h, "bf16", 2.0, a))
-        out.append(elementwise_kernel("sampler", SAMPLER, 3.0 * sampling_rows * model.vocab_size * _FP32_BYTES,
-                                      "bf16"))
     return out
+
+
+def sampling_kernels(model: ModelSpec, sampling_rows: int, tp: int, precision: Precision) -> list[Kernel]:
+    """LM head and sampler: they run only over the rows that sample (one per request emitting a token)."""
+    if not sampling_rows:
+        return []
+    # The LM head stays bf16 under fp8 quantization in vLLM.
+    vocab = math.ceil(model.vocab_size / tp)
+    return [gemm_kernel("lm_head", sampling_rows, vocab, model.hidden_size, "bf16", 2.0, precision.act_bytes),
+            elementwise_kernel("sampler", SAMPLER, 3.0 * sampling_rows * model.vocab_size * _FP32_BYTES, "bf16")]
 
 
 def attention_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: Precision) -> list[Kernel]:

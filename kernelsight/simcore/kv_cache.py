@@ -11,6 +11,7 @@ Mirrors vLLM V1's ``block_pool`` / ``kv_cache_manager`` split:
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -23,12 +24,14 @@ _MASK = (1 << 64) - 1
 class BlockHasher:
     """Chained block hashes, computed for a whole prompt at once with numpy.
 
-        content_i = mix(Σ_k token_k · K_k)             (K: fixed random 64-bit key per in-block offset)
-        hash_i    = hash_{i−1} + content_i · R_i  mod 2⁶⁴   (R: fixed random key per block position)
+        content_i = Σ_k token_k · K_k        mod 2⁶⁴   (K: fixed random odd 64-bit key per in-block offset)
+        hash_i    = hash_{i−1} + content_i · R_i  mod 2⁶⁴   (R: fixed random odd key per block position)
 
-    hash_i therefore depends on every token of blocks 0..i in order, like vLLM's
-    ``H((parent, tokens, extra))``, but a 1,000-token prompt costs a few numpy calls instead of 60
-    Python tuple hashes. Keys come from a fixed seed, so hashes are identical across runs.
+    hash_i therefore depends on every token of blocks 0..i and their order, like vLLM's
+    ``H((parent, tokens, extra))``: two different prefixes collide only if a random linear form vanishes
+    on their difference (probability ≈ 2⁻⁶⁰ per pair for token-id differences). A 1,000-token prompt costs a
+    handful of numpy calls instead of 60 Python tuple hashes. Keys come from a fixed seed, so hashes are
+    identical across runs.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -48,30 +51,21 @@ class BlockHasher:
         self._r = np.random.default_rng(0x706F73).integers(1, 2**63, size=size, dtype=np.uint64) | np.uint64(1)
         self._r_list = [int(x) for x in self._r]
 
-    @staticmethod
-    def _mix(x):
-        # splitmix64 finalizer: spreads content bits so that the linear chaining does not collide
-        x = x ^ (x >> 30)
-        x = x * 0xBF58476D1CE4E5B9
-        x = x ^ (x >> 27)
-        x = x * 0x94D049BB133111EB
-        return x ^ (x >> 31)
-
     def start(self, extra_keys: tuple | None) -> int:
-        return hash(("kernelsight-none-hash", extra_keys)) & _MASK
+        """Chain seed: 0 without extra keys; extra keys (LoRA, cache salt) start a separate chain."""
+        if extra_keys is None:
+            return 0
+        data = repr(extra_keys).encode()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
     def chain_tokens(self, parent: int, first_block: int, tokens: np.ndarray) -> list[int]:
-        """Hashes of consecutive full blocks of ``tokens`` (length a multiple of block_size)."""
+        """Hashes of consecutive full blocks of ``tokens`` (uint64, length a multiple of block_size)."""
         nb = len(tokens) // self.block_size
         self._ensure_positions(first_block + nb)
-        with np.errstate(over="ignore"):
-            content = tokens.reshape(nb, self.block_size).astype(np.uint64) @ self._k
-            c = content ^ (content >> np.uint64(30))
-            c = c * np.uint64(0xBF58476D1CE4E5B9)
-            c = c ^ (c >> np.uint64(27))
-            c = c * np.uint64(0x94D049BB133111EB)
-            c = c ^ (c >> np.uint64(31))
-            h = np.cumsum(c * self._r[first_block:first_block + nb], dtype=np.uint64) + np.uint64(parent)
+        content = tokens.reshape(nb, self.block_size) @ self._k
+        content *= self._r[first_block:first_block + nb]
+        h = np.cumsum(content, dtype=np.uint64)
+        h += np.uint64(parent)
         return h.tolist()
 
     def chain_one(self, parent: int, block_index: int, content: tuple) -> int:
@@ -81,11 +75,6 @@ class BlockHasher:
             c = sum(t * k for t, k in zip(content, self._k_list, strict=True)) & _MASK
         else:                            # synthetic generated-token key: private to its request
             c = hash(content) & _MASK
-        c ^= c >> 30
-        c = (c * 0xBF58476D1CE4E5B9) & _MASK
-        c ^= c >> 27
-        c = (c * 0x94D049BB133111EB) & _MASK
-        c ^= c >> 31
         return (parent + c * self._r_list[block_index]) & _MASK
 
 
@@ -111,18 +100,16 @@ class BlockPool:
         return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
 
     def allocate(self, n: int) -> list[int]:
-        out = []
         popitem = self.free_queue.popitem
+        out = [popitem(False)[0] for _ in range(n)]
         block_hash, cached, ref_cnt = self.block_hash, self.cached, self.ref_cnt
-        for _ in range(n):
-            b = popitem(last=False)[0]
+        for b in out:
+            ref_cnt[b] = 1
             h = block_hash[b]
             if h is not None:          # evict its cached content
                 if cached.get(h) == b:
                     del cached[h]
                 block_hash[b] = None
-            ref_cnt[b] = 1
-            out.append(b)
         return out
 
     def touch(self, blocks: list[int]) -> None:
@@ -173,7 +160,11 @@ class KVCacheManager:
         if not hashes:
             prompt_blocks = len(req.prompt_token_ids) // bs
             if prompt_blocks:
-                tokens = np.asarray(req.prompt_token_ids[: prompt_blocks * bs], dtype=np.int64)
+                prompt = req.prompt_token_ids
+                if isinstance(prompt, np.ndarray):
+                    tokens = prompt[: prompt_blocks * bs].astype(np.uint64)
+                else:
+                    tokens = np.fromiter(prompt, dtype=np.uint64, count=prompt_blocks * bs)
                 hashes.extend(hasher.chain_tokens(hasher.start(req.extra_keys), 0, tokens))
         while len(hashes) < num_full_blocks:
             i = len(hashes)
@@ -245,16 +236,14 @@ class KVCacheManager:
         start = req.num_hashed_blocks_cached
         if full <= start:
             return
-        hashes = self._ensure_hashes(req, full)
-        block_ids = req.block_ids
-        block_hash, cached = self.pool.block_hash, self.pool.cached
-        for i in range(start, full):
-            b = block_ids[i]
-            if block_hash[b] is None:
-                h = hashes[i]
-                block_hash[b] = h
-                if h not in cached:
-                    cached[h] = b
+        hashes = self._ensure_hashes(req, full)[start:full]
+        blocks = req.block_ids[start:full]
+        # freshly allocated blocks carry no hash yet; a duplicate hash (the same prefix computed twice at
+        # once) maps to the newest block, and evicting the older one leaves that mapping alone
+        block_hash = self.pool.block_hash
+        for b, h in zip(blocks, hashes, strict=True):
+            block_hash[b] = h
+        self.pool.cached.update(zip(hashes, blocks, strict=True))
         req.num_hashed_blocks_cached = full
 
     def free(self, req: Request, preempted: bool = False) -> None:

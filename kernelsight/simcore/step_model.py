@@ -1,7 +1,7 @@
 """Step time: Σ kernel times (roofline / η + fixed latency) + all-reduces + exposed launch + host.
 
-The token-parallel part of a step (GEMMs, norms, activations, LM head...) depends only on the padded
-token count, the sampling rows and the graph mode, so it is cached by that signature; attention is
+The token-parallel part of a step (GEMMs, norms, activations...) depends only on the padded token count,
+the LM head and sampler only on the rows that sample, so both are cached by those numbers; attention is
 computed per step from the batch composition. Decode-only windows (the hot path of fast-forward) are
 evaluated for many steps at once.
 """
@@ -84,7 +84,8 @@ class StepModel:
                  config: StepConfig) -> None:
         self.model, self.hw, self.calib, self.precision, self.config = model, hw, calib, precision, config
         self._capture = tuple(sorted(config.cudagraph_capture_sizes))
-        self._token_cache: dict[tuple[int, int, str], np.ndarray] = {}
+        self._row_cache: dict[int, np.ndarray] = {}
+        self._sampling_cache: dict[int, np.ndarray] = {}
         self._n_families = len(FAMILIES)
 
     # -- single kernels --------------------------------------------------------------------------
@@ -110,25 +111,30 @@ class StepModel:
         return (FULL_GRAPH if batch.is_decode_only else PIECEWISE), padded
 
     # -- the cached token-parallel part -------------------------------------------------------------
-    def _token_part(self, m_padded: int, sampling_rows: int, mode: str) -> np.ndarray:
-        key = (m_padded, sampling_rows, mode)
-        cached = self._token_cache.get(key)
-        if cached is not None:
-            return cached
-        out = np.zeros(self._n_families)
-        n_launches = 0
-        for k in K.token_kernels(self.model, m_padded, sampling_rows, self.config.tp, self.precision):
-            out[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
-            n_launches += k.count
-        tp = self.config.tp
-        if tp > 1:
-            msg = K.allreduce_message_bytes(self.model, m_padded, self.precision)
-            out[FAMILY_INDEX[K.ALL_REDUCE]] = K.allreduces_per_step(self.model) * allreduce_s(msg, tp, self.hw,
-                                                                                              self.calib)
-        host = self.calib.host
-        out[FAMILY_INDEX[K.HOST]] = host.base_s + host.per_seq_s * sampling_rows + host.per_token_s * m_padded
-        self._token_cache[key] = out
-        return out
+    def _token_part(self, m_padded: int, sampling_rows: int) -> np.ndarray:
+        """Seconds per family of everything but attention and launch: cached per row count and per
+        sampling-row count separately (mixed steps vary both, but each takes few distinct values)."""
+        rows = self._row_cache.get(m_padded)
+        if rows is None:
+            rows = np.zeros(self._n_families)
+            for k in K.row_kernels(self.model, m_padded, self.config.tp, self.precision):
+                rows[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
+            tp = self.config.tp
+            if tp > 1:
+                msg = K.allreduce_message_bytes(self.model, m_padded, self.precision)
+                rows[FAMILY_INDEX[K.ALL_REDUCE]] = (K.allreduces_per_step(self.model)
+                                                    * allreduce_s(msg, tp, self.hw, self.calib))
+            host = self.calib.host
+            rows[_I_HOST] = host.base_s + host.per_token_s * m_padded
+            self._row_cache[m_padded] = rows
+        samp = self._sampling_cache.get(sampling_rows)
+        if samp is None:
+            samp = np.zeros(self._n_families)
+            for k in K.sampling_kernels(self.model, sampling_rows, self.config.tp, self.precision):
+                samp[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
+            samp[_I_HOST] = self.calib.host.per_seq_s * sampling_rows
+            self._sampling_cache[sampling_rows] = samp
+        return rows + samp
 
     def _launch_s(self, mode: str, gpu_s: float) -> float:
         """CPU launch time not hidden behind GPU work (launches run ahead of the GPU asynchronously)."""
@@ -145,7 +151,7 @@ class StepModel:
     def breakdown_s(self, batch: BatchShape) -> np.ndarray:
         """Seconds per family (ordered as ``kernels.FAMILIES``) for one step."""
         mode, m_padded = self.graph_mode(batch)
-        out = self._token_part(m_padded, batch.num_sampling_rows, mode).copy()
+        out = self._token_part(m_padded, batch.num_sampling_rows)
         if batch.prefills:
             out[_I_ATTN_PREFILL] += self.kernel_time_s(self._prefill_attention_kernel(batch))
         if batch.num_decodes:
