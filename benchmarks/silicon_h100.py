@@ -33,7 +33,9 @@ def simulate_row(row: dict, calibration: str | None, rounds: int, seed: int) -> 
     isl, osl, conc, tp = int(row["isl"]), int(row["osl"]), int(row["concurrency"]), int(row["tp"])
     args = EngineArgs(model=row["model"], hardware="h100", tensor_parallel_size=tp,
                       quantization="fp8" if row["precision"] == "fp8" else None,
-                      max_model_len=isl + osl + 16, seed=seed, calibration=calibration)
+                      max_model_len=isl + osl + 16, seed=seed, calibration=calibration,
+                      # vLLM 0.12 (these runs) scheduled synchronously; async scheduling became the default later
+                      async_scheduling=False)
     cfg = create_engine_config(args)
     # Identical closed-loop clients that all start at t=0 stay in lockstep forever (they finish together and
     # resend together); the measured TTFTs (a few hundred ms at 128 clients) show the real clients were

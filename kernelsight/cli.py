@@ -99,6 +99,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest CUDA-graph batch size (default: min(2·max_num_seqs, 512))")
     g.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
                    help="cap on one request's prefill chunk per step (default: 0 = off)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="prepare the next step while the GPU runs (default: on, as in vLLM 0.33; off "
+                        "reproduces older releases)")
     g.add_argument("--calibration", default=None,
                    help="calibration JSON (default: the bundled table for the GPU)")
     g.add_argument("--seed", type=int, default=0, help="seed for everything random (default: 0)")
@@ -114,7 +117,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=ns.kv_cache_dtype, dtype=ns.dtype, seed=ns.seed, scheduling_policy=ns.scheduling_policy,
         num_gpu_blocks_override=ns.num_gpu_blocks_override, enforce_eager=ns.enforce_eager,
         max_cudagraph_capture_size=ns.max_cudagraph_capture_size,
-        long_prefill_token_threshold=ns.long_prefill_token_threshold, calibration=ns.calibration)
+        long_prefill_token_threshold=ns.long_prefill_token_threshold, async_scheduling=ns.async_scheduling,
+        calibration=ns.calibration)
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ class EngineArgs:
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool = True        # vLLM 0.33 default; older releases scheduled synchronously
     calibration: str | None = None       # path to a calibration JSON (default: the bundled one)
 
 
@@ -76,7 +77,7 @@ class EngineConfig:
             "kv_cache_tokens": self.memory.num_gpu_blocks * s.block_size,
             "max_concurrency": round(self.memory.max_concurrency(s.max_model_len, s.block_size), 2),
             "weight_bytes_per_gpu": int(self.memory.weight_bytes),
-            "enforce_eager": self.args.enforce_eager,
+            "enforce_eager": self.args.enforce_eager, "async_scheduling": self.args.async_scheduling,
             "max_cudagraph_capture_size": self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0,
             "calibration_tier": self.calibration.tier, "seed": self.args.seed,
         }
@@ -158,7 +159,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
 def build_step_model(cfg: EngineConfig) -> StepModel:
     return StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                      StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-                                enforce_eager=cfg.args.enforce_eager))
+                                enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling))
 
 
 def build_engine(cfg: EngineConfig) -> Engine:

@@ -50,6 +50,7 @@ class StepConfig:
     tp: int = 1
     cudagraph_capture_sizes: tuple[int, ...] = ()
     enforce_eager: bool = False
+    async_scheduling: bool = True     # vLLM 0.33's default: host work overlaps the GPU
 
 
 _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
@@ -124,15 +125,12 @@ class StepModel:
                 msg = K.allreduce_message_bytes(self.model, m_padded, self.precision)
                 rows[FAMILY_INDEX[K.ALL_REDUCE]] = (K.allreduces_per_step(self.model)
                                                     * allreduce_s(msg, tp, self.hw, self.calib))
-            host = self.calib.host
-            rows[_I_HOST] = host.base_s + host.per_token_s * m_padded
             self._row_cache[m_padded] = rows
         samp = self._sampling_cache.get(sampling_rows)
         if samp is None:
             samp = np.zeros(self._n_families)
             for k in K.sampling_kernels(self.model, sampling_rows, self.config.tp, self.precision):
                 samp[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
-            samp[_I_HOST] = self.calib.host.per_seq_s * sampling_rows
             self._sampling_cache[sampling_rows] = samp
         return rows + samp
 
@@ -156,7 +154,10 @@ class StepModel:
             out[_I_ATTN_PREFILL] += self.kernel_time_s(self._prefill_attention_kernel(batch))
         if batch.num_decodes:
             out[_I_ATTN_DECODE] += self._decode_attention_s(batch.num_decodes, batch.decode_context_tokens)
-        out[_I_LAUNCH] = self._launch_s(mode, float(out.sum()) - out[_I_HOST])
+        out[_I_LAUNCH] = self._launch_s(mode, float(out.sum()))
+        host = self.calib.host
+        out[_I_HOST] = host.exposed_s(host.cpu_s(batch.num_seqs, batch.num_tokens), float(out.sum()),
+                                      self.config.async_scheduling)
         return out
 
     def _prefill_attention_kernel(self, batch: BatchShape) -> Kernel:
@@ -191,13 +192,6 @@ class StepModel:
         if num_steps == 1:
             return np.array([t0]), b0
         ctx_last = context_tokens_start + (num_steps - 1) * num_decodes
-        if self.graph_mode(first)[0] == FULL_GRAPH:
-            # only attention changes along the window (launch cost of a full graph is constant)
-            delta = self._decode_attention_s(num_decodes, ctx_last) - b0[_I_ATTN_DECODE]
-            durations = t0 + delta * (np.arange(num_steps) / (num_steps - 1))
-            total = b0 * num_steps
-            total[_I_ATTN_DECODE] += delta * num_steps / 2.0
-            return durations, total
         b1 = self.breakdown_s(BatchShape((), num_decodes, ctx_last))
         t1 = float(b1.sum())
         durations = t0 + (t1 - t0) * (np.arange(num_steps) / (num_steps - 1))
