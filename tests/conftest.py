@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,23 @@ from kernelsight.simcore.engine import Engine
 from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, build_step_model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# Tests on the measured data run wherever ../shared/data is checked out beside the project (always in CI,
+# where its absence is an error, not a skip); a newcomer without it still gets a green run of the rest.
+HAVE_SHARED = SHARED_DATA.is_dir() or bool(os.environ.get("CI"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_SHARED:
+        return
+    marker = pytest.mark.skipif(True, reason=f"needs the shared measured data at {SHARED_DATA}")
+    for item in items:
+        if "shared_data" in getattr(item, "fixturenames", ()):
+            item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"shared data not found at {SHARED_DATA} (CI checks it out beside the project)")
+    assert SHARED_DATA.is_dir(), f"shared data not found at {SHARED_DATA} (CI checks it out beside the project)"
     return SHARED_DATA
 
 

@@ -19,8 +19,7 @@ from kernelsight.simcore.roofline import kernel_roofline_s
 @pytest.fixture(scope="module")
 def sources():
     measured = bundled_calibrations("target-measured")
-    if len(measured) < 2:
-        pytest.skip("bundled target-measured calibrations missing (run benchmarks/build_calibrations.py)")
+    assert len(measured) >= 2, "bundled target-measured calibrations missing (run benchmarks/build_calibrations.py)"
     return [(c, load_hardware(c.hardware)) for c in measured]
 
 
