@@ -1,4 +1,4 @@
-"""``kernelsight`` command line: simulate | profiles (serve, bench and calibrate attach here too)."""
+"""``kernelsight`` command line: serve | simulate | profiles | calibrate | predict."""
 
 from __future__ import annotations
 
@@ -320,11 +320,12 @@ def _optional_commands():
     """Subcommands living in other packages; each is attached if its module is present."""
     out = []
     try:
-        from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
-        out += [add_calibrate_parser, add_predict_parser]
-    except ImportError:
+        from kernelsight.server.cli import add_serve_parser
+        out.append(add_serve_parser)
+    except ImportError:       # the server extra (fastapi, uvicorn, transformers) is not installed
         pass
-    return out
+    from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
+    return out + [add_calibrate_parser, add_predict_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,899 @@
+"""The FastAPI app: vLLM 0.33's OpenAI-compatible routes over simulated engines (wire format per the spec)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from kernelsight.server.bridge import EngineBridge, Seq, Submission
+from kernelsight.server.metrics import CONTENT_TYPE, ServerMetrics
+from kernelsight.server.protocol import (
+    MAX_COMPLETION_PROMPTS,
+    MAX_STOP_STRINGS,
+    VLLM_VERSION,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRARequest,
+    TokenizeRequest,
+    UnloadLoRARequest,
+    bad_request,
+    dumps,
+    not_found,
+    sse_error_event,
+    validation_error,
+)
+from kernelsight.server.tokenizer import ServerTokenizer
+from kernelsight.simcore.engine_config import EngineConfig
+
+log = logging.getLogger("kernelsight.server")
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+@dataclass
+class ServerOptions:
+    """Serve-only settings (engine settings live in EngineConfig)."""
+
+    served_model_names: list[str]
+    model_root: str
+    api_keys: list[str] = field(default_factory=list)
+    time_scale: float = 1.0
+    output_mode: str = "random"                 # random | echo
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_request_id_headers: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    allow_runtime_lora_updating: bool = False
+    data_parallel_size: int = 1
+    record_timings: bool = False
+    disable_fastapi_docs: bool = False
+    chat_template: str | None = None
+    max_log_len: int | None = None
+    deadline_spin_us: float = 800.0
+
+
+class ServerState:
+    def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -> None:
+        self.config = config
+        self.opts = opts
+        self.tok = tok
+        self.max_model_len = config.scheduler.max_model_len
+        self.model_name = opts.served_model_names[0]
+        self.loras: dict[str, str] = dict(opts.lora_modules)
+        cache_info = _cache_config_info(config)
+        self.metrics = ServerMetrics(self.model_name, opts.data_parallel_size, self.max_model_len,
+                                     [cache_info] * opts.data_parallel_size, opts.enable_lora, opts.max_loras)
+        self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
+                                     opts.deadline_spin_us * 1e-6) for i in range(opts.data_parallel_size)]
+        self.created = int(time.time())
+        digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+        tp = config.args.tensor_parallel_size
+        dp = opts.data_parallel_size
+        self.fingerprint = (f"vllm-{VLLM_VERSION}" + (f"-tp{tp}" if tp > 1 else "") + (f"-dp{dp}" if dp > 1 else "")
+                            + f"-{digest}")
+        self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
+
+    def pick_bridge(self, request: Request) -> EngineBridge:
+        """vLLM's DP balancing: the engine with the lowest waiting·4 + running, or X-data-parallel-rank."""
+        if len(self.bridges) == 1:
+            return self.bridges[0]
+        rank = request.headers.get("x-data-parallel-rank")
+        if rank is not None and rank.isdigit() and int(rank) < len(self.bridges):
+            return self.bridges[int(rank)]
+        return min(self.bridges, key=lambda b: 4 * b.engine.num_waiting + b.engine.num_running)
+
+    def check_model(self, model: str | None) -> str | None:
+        """None for the base model; the LoRA name for an adapter; 404 otherwise."""
+        if model is None or model in self.opts.served_model_names:
+            return None
+        if model in self.loras:
+            return model
+        aliases = ", ".join(self.opts.served_model_names)
+        raise not_found(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model")
+
+
+def _cache_config_info(config: EngineConfig) -> dict[str, Any]:
+    s = config.scheduler
+    a = config.args
+    return {"block_size": s.block_size, "cache_dtype": a.kv_cache_dtype, "calculate_kv_scales": False,
+            "cpu_offload_gb": 0, "enable_prefix_caching": s.enable_prefix_caching,
+            "gpu_memory_utilization": a.gpu_memory_utilization, "is_attention_free": False,
+            "kv_sharing_fast_prefill": False, "num_cpu_blocks": None, "num_gpu_blocks": config.num_gpu_blocks,
+            "num_gpu_blocks_override": a.num_gpu_blocks_override, "prefix_caching_hash_algo": "sha256",
+            "sliding_window": None, "swap_space": 4}
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != "application/json":
+        raise APIError("Unsupported Media Type: Only 'application/json' is allowed", "Bad Request", 400)
+    raw = await request.body()
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        pos = getattr(exc, "pos", 0)
+        raise validation_error([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+                                 "input": {}, "ctx": {"error": str(getattr(exc, "msg", exc))}}]) from None
+    if not isinstance(obj, dict):
+        raise validation_error([{"type": "model_attributes_type", "loc": ("body",),
+                                 "msg": "Input should be a valid dictionary or object to extract fields from",
+                                 "input": obj}])
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        errs = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise validation_error(errs) from None
+
+
+def _request_base(request: Request, body_id: str | None) -> str:
+    hdr = request.headers.get("x-request-id")
+    if hdr:
+        return hdr
+    if body_id:
+        return body_id
+    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"The number of stop strings ({len(stops)}) exceeds the maximum of {MAX_STOP_STRINGS}.",
+                          "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop cannot contain an empty string.", "stop")
+    return stops
+
+
+def _check_sampling(req: Any, max_tokens: int | None, field_name: str) -> None:
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}.", "n")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{field_name} must be at least 1, got {max_tokens}.", field_name)
+    if req.temperature is not None and req.temperature < 0:
+        raise bad_request(f"temperature must be non-negative, got {req.temperature}.", "temperature")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise bad_request(f"top_p must be in (0, 1], got {req.top_p}.", "top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k must be 0 (disable), or at least 1, got {req.top_k}.", "top_k")
+    if req.min_p is not None and not 0 <= req.min_p <= 1:
+        raise bad_request(f"min_p must be in [0, 1], got {req.min_p}.", "min_p")
+    if req.presence_penalty is not None and not -2 <= req.presence_penalty <= 2:
+        raise bad_request(f"presence_penalty must be in [-2, 2], got {req.presence_penalty}.", "presence_penalty")
+    if req.frequency_penalty is not None and not -2 <= req.frequency_penalty <= 2:
+        raise bad_request(f"frequency_penalty must be in [-2, 2], got {req.frequency_penalty}.", "frequency_penalty")
+    if req.min_tokens < 0:
+        raise bad_request(f"min_tokens must be greater than or equal to 0, got {req.min_tokens}.", "min_tokens")
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}.",
+                          "min_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if req.cache_salt is not None and (len(req.cache_salt) > 128 or any(c in req.cache_salt for c in "@/\\\0")):
+        raise bad_request("Parameter 'cache_salt' must be at most 128 characters and contain no '@', '/', '\\' "
+                          "or NUL characters.", "cache_salt")
+
+
+class _SeqView:
+    """Turns a sequence's released tokens into text deltas (stop strings, stop-buffer hold-back)."""
+
+    __slots__ = ("seq", "consumed", "text", "sent", "ids", "stop_reason", "finish_reason", "done", "stops",
+                 "hold", "include_stop", "cut")
+
+    def __init__(self, seq: Seq, stops: list[str], include_stop: bool) -> None:
+        self.seq = seq
+        self.consumed = 0
+        self.text = ""
+        self.sent = 0
+        self.ids: list[int] = []
+        self.stop_reason: str | None = None
+        self.finish_reason: str | None = None
+        self.done = False
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1   # vLLM withholds a possible stop prefix
+        self.include_stop = include_stop
+        self.cut: int | None = None
+
+    def advance(self, bridge: EngineBridge) -> str | None:
+        """Consume newly released tokens; returns the new text delta (None: nothing new to send)."""
+        seq = self.seq
+        if self.done:
+            return None
+        n_new = seq.released - self.consumed
+        if n_new <= 0 and not seq.finished:
+            return None
+        start = len(self.text)
+        for i in range(self.consumed, seq.released):
+            tid, piece = seq.tokens.token(i)
+            self.ids.append(tid)
+            self.text += piece
+            self.consumed = i + 1
+            if self.stops:
+                lo = max(start - self.hold, 0)
+                for s in self.stops:
+                    j = self.text.find(s, lo)
+                    if j >= 0:
+                        self.cut = j + len(s) if self.include_stop else j
+                        self.stop_reason = s
+                        break
+                if self.stop_reason is not None:
+                    bridge.finish_early(seq, self.consumed)
+                    break
+                start = len(self.text)
+        if self.stop_reason is not None:
+            self.text = self.text[: self.cut]
+            self.finish_reason = "stop"
+            self.done = True
+        elif seq.finished:
+            self.finish_reason = seq.finish_reason or "stop"
+            self.done = True
+        limit = len(self.text) if self.done or not self.stops else max(len(self.text) - self.hold, self.sent)
+        delta = self.text[self.sent:limit]
+        self.sent = limit
+        if not delta and not self.done:
+            return None
+        return delta
+
+    @property
+    def num_tokens(self) -> int:
+        return self.consumed
+
+
+async def _watch_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(Response):
+    """text/event-stream whose generator is cancelled the moment the client disconnects (so the request is
+    aborted at once, even while it waits in the queue and nothing is being written)."""
+
+    media_type = "text/event-stream; charset=utf-8"
+
+    def __init__(self, gen: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = b""
+        raw = [(b"content-type", self.media_type.encode("latin-1"))]
+        raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+        self.raw_headers = raw     # no content-length: the body is streamed
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        me = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await _watch_disconnect(receive)
+            gone = True
+            if me is not None:
+                me.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.gen:
+                await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (asyncio.CancelledError, OSError):
+            if not gone:
+                raise
+            if me is not None:
+                me.uncancel()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+            with contextlib.suppress(Exception):
+                await self.gen.aclose()
+
+
+async def _await_or_disconnect(request: Request, sub: Submission, bridge: EngineBridge) -> bool:
+    """Wait for a non-streaming submission; False (and the request aborted) if the client went away."""
+    watcher = asyncio.create_task(_watch_disconnect(request.receive))
+    try:
+        while not sub.done:
+            waiter = asyncio.create_task(sub.event.wait())
+            done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                waiter.cancel()
+                bridge.abort(sub)
+                return False
+            sub.event.clear()
+        return True
+    except asyncio.CancelledError:
+        bridge.abort(sub)
+        raise
+    finally:
+        watcher.cancel()
+
+
+# -- the app ------------------------------------------------------------------------------------------
+def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -> FastAPI:
+    state = ServerState(config, opts, tok)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        for b in state.bridges:
+            b.start()
+        yield
+        for b in state.bridges:
+            await b.stop()
+
+    kwargs: dict[str, Any] = {}
+    if opts.disable_fastapi_docs:
+        kwargs.update(openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(lifespan=lifespan, **kwargs)
+    app.state.ks = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    # -- plain endpoints ----------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        ok = all(b.is_running for b in state.bridges)
+        return Response(status_code=200 if ok else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": VLLM_VERSION})
+
+    @app.get("/load")
+    async def load() -> Response:
+        return json_response({"server_load": 0})
+
+    async def metrics_endpoint() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics/", metrics_endpoint, methods=["GET"], include_in_schema=False)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        def card(mid: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
+            return {"id": mid, "object": "model", "created": state.created, "owned_by": "vllm", "root": root,
+                    "parent": parent, "max_model_len": max_len,
+                    "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                                    "created": state.created, "allow_create_engine": False, "allow_sampling": True,
+                                    "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                    "allow_fine_tuning": False, "organization": "*", "group": None,
+                                    "is_blocking": False}]}
+        data = [card(n, opts.model_root, None, state.max_model_len) for n in opts.served_model_names]
+        data += [card(n, p, state.model_name, None) for n, p in state.loras.items()]
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/kernelsight/timings", include_in_schema=False)
+    async def timings() -> Response:
+        """Virtual arrival and token-release times (scaled to wall seconds), with --record-timings."""
+        ts = opts.time_scale
+        out = {}
+        for b in state.bridges:
+            for sid, rec in b.timings.items():
+                out[sid] = {"arrival_s": rec["arrival_s"] / ts, "token_times_s": [t / ts for t in rec["token_times_s"]]}
+        return json_response({"time_scale": ts, "requests": out,
+                              "late_s_max": max(b.late_s_max for b in state.bridges)})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req: TokenizeRequest = await _parse(request, TokenizeRequest)
+        state.check_model(req.model)
+        if req.messages is not None:
+            text = tok.render_chat(_normalize_messages(req.messages), req.add_generation_prompt,
+                                   req.continue_final_message, req.chat_template or opts.chat_template,
+                                   req.chat_template_kwargs)
+            ids = tok.encode(text, bool(req.add_special_tokens))
+        elif req.prompt is not None:
+            ids = tok.encode(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
+        else:
+            raise bad_request("Either prompt or messages must be provided.")
+        return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                              "token_strs": tok.token_strs(ids) if req.return_token_strs else None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req: DetokenizeRequest = await _parse(request, DetokenizeRequest)
+        state.check_model(req.model)
+        bad = [t for t in req.tokens if t < 0 or t >= tok.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is out of vocabulary", "tokens")
+        return json_response({"prompt": tok.decode(req.tokens)})
+
+    if opts.enable_lora and opts.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora(request: Request) -> Response:
+            req: LoadLoRARequest = await _parse(request, LoadLoRARequest)
+            if not req.lora_name or not req.lora_path:
+                raise APIError("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+            if req.lora_name in opts.served_model_names:
+                raise APIError(f"The lora adapter '{req.lora_name}' conflicts with a base model name.",
+                               "InvalidUserInput", 400)
+            if req.lora_name in state.loras and not req.load_inplace:
+                raise APIError(f"The lora adapter '{req.lora_name}' has already been loaded.", "InvalidUserInput",
+                               400)
+            state.loras[req.lora_name] = req.lora_path
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora(request: Request) -> Response:
+            req: UnloadLoRARequest = await _parse(request, UnloadLoRARequest)
+            if req.lora_name not in state.loras:
+                raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.")
+            del state.loras[req.lora_name]
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    # -- generation ---------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        lora = state.check_model(req.model)
+        stops = _stop_list(req.stop)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        echo_only = bool(req.echo) and max_tokens == 0
+        _check_sampling(req, None if echo_only else max_tokens, "max_tokens")
+        if req.suffix is not None:
+            raise bad_request("suffix is not currently supported", "suffix")
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        prompts = await _completion_prompts(state, req.prompt, req.add_special_tokens)
+        gen = _Generation(state, request, req, "cmpl-" + _request_base(request, req.request_id), lora, stops,
+                          is_chat=False)
+        return await gen.run(prompts, max_tokens, echo_only=echo_only, field_name="max_tokens")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        lora = state.check_model(req.model)
+        stops = _stop_list(req.stop)
+        if req.max_completion_tokens is not None:
+            max_tokens, field_name = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, field_name = req.max_tokens, "max_tokens"
+        _check_sampling(req, max_tokens, field_name)
+        if not req.messages:
+            raise bad_request("messages must be a non-empty list.", "messages")
+        messages = _normalize_messages(req.messages)
+        try:
+            text = tok.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
+                                   req.chat_template or opts.chat_template, req.chat_template_kwargs)
+        except Exception as exc:  # noqa: BLE001 - a template error is the client's input
+            raise bad_request(f"Error applying the chat template: {exc}") from None
+        if len(text) > state.max_chars:
+            raise _too_many_chars(state, len(text))
+        ids = await _encode(tok, text, req.add_special_tokens)
+        gen = _Generation(state, request, req, "chatcmpl-" + _request_base(request, req.request_id), lora, stops,
+                          is_chat=True)
+        gen.echo_text = _chat_echo(messages) if req.echo else None
+        return await gen.run([(ids, text)], max_tokens, echo_only=False, field_name=field_name)
+
+    _add_auth_and_ids(app, opts)
+    return app
+
+
+def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content parts ([{"type":"text","text":...}]) become one string, as vLLM does for string templates."""
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise bad_request("Each message must be an object with a 'role'.", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "text":
+                    texts.append(str(part.get("text", "")))
+                elif isinstance(part, str):
+                    texts.append(part)
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad_request("Message content must be a string or a list of content parts.", "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+def _chat_echo(messages: list[dict[str, Any]]) -> str | None:
+    last = messages[-1] if messages else None
+    if last is not None and last.get("role") == "assistant":
+        return last.get("content") or ""
+    return None
+
+
+def _too_many_chars(state: ServerState, n_chars: int) -> APIError:
+    L = state.max_model_len
+    return bad_request(f"This model's maximum context length is {L} tokens. However, your prompt contains {n_chars} "
+                       f"characters (more than {state.max_chars} characters, which is the upper bound for {L} input "
+                       f"tokens). Please reduce the length of the input prompt.", "input_text")
+
+
+async def _encode(tok: ServerTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > 65536:   # big inputs off the event loop, so other streams keep their timing
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+    return tok.encode(text, add_special_tokens)
+
+
+async def _completion_prompts(state: ServerState, prompt: Any, add_special: bool) -> list[tuple[list[int], str | None]]:
+    """(token ids, text or None) per prompt."""
+    empty = bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    if prompt is None or (isinstance(prompt, str | list) and len(prompt) == 0):
+        raise empty
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if len(items) > MAX_COMPLETION_PROMPTS:
+        raise bad_request(f"At most {MAX_COMPLETION_PROMPTS} prompts are allowed, got {len(items)}.", "prompt")
+    out = []
+    vocab = state.tok.vocab_size
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise empty
+            if len(item) > state.max_chars:
+                raise _too_many_chars(state, len(item))
+            out.append((await _encode(state.tok, item, add_special), item))
+        else:
+            if not item:
+                raise empty
+            bad = [t for t in item if t < 0 or t >= vocab]
+            if bad:
+                raise bad_request(f"Token id {bad[0]} is out of vocabulary", "prompt")
+            out.append((list(item), None))
+    return out
+
+
+class _Generation:
+    """One completion / chat request from validation to the last byte."""
+
+    def __init__(self, state: ServerState, request: Request, req: Any, rid: str, lora: str | None,
+                 stops: list[str], is_chat: bool) -> None:
+        self.state = state
+        self.request = request
+        self.req = req
+        self.rid = rid
+        self.lora = lora
+        self.stops = stops
+        self.is_chat = is_chat
+        self.model = lora or state.model_name
+        self.created = int(time.time())
+        self.echo_text: str | None = None
+        so = req.stream_options
+        self.include_usage = bool(state.opts.enable_force_include_usage or (so is not None and so.include_usage))
+        self.continuous = bool(self.include_usage and so is not None and so.continuous_usage_stats)
+        self.headers = {"X-Request-Id": request.headers.get("x-request-id") or rid.split("-", 1)[1]} \
+            if state.opts.enable_request_id_headers else None
+
+    # -- validation + submission --------------------------------------------------------------
+    def _limits(self, prompts: list[tuple[list[int], str | None]], max_tokens: int | None,
+                field_name: str) -> list[int]:
+        L = self.state.max_model_len
+        out = []
+        for ids, _ in prompts:
+            n = len(ids)
+            if n > L:
+                raise bad_request(f"This model's maximum context length is {L} tokens. However, your prompt "
+                                  f"contains {n} input tokens, which exceeds this limit even without any output "
+                                  f"tokens. Please reduce the length of the input prompt.", "input_tokens")
+            if max_tokens is not None and max_tokens > L:
+                raise bad_request(f"{field_name}={max_tokens} cannot be greater than max_model_len={L}. "
+                                  f"Please request fewer output tokens.", field_name)
+            out.append(max(min(L - n, max_tokens if max_tokens is not None else L - n), 0))
+        return out
+
+    def _decoder_prompt_error(self, n: int) -> APIError:
+        L = self.state.max_model_len
+        return bad_request(f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) "
+                           f"is longer than the maximum model length of {L}. Make sure that `max_model_len` is no "
+                           f"smaller than the number of text tokens (prompt + requested output tokens).")
+
+    def _keys(self, prompts: list[tuple[list[int], str | None]]) -> list[int] | None:
+        """Deterministic outputs (like greedy or seeded sampling) for identical prompts; else random."""
+        req = self.req
+        if req.seed is None and req.temperature != 0:
+            return None
+        out = []
+        for ids, _ in prompts:
+            h = hashlib.blake2b(dumps([req.seed, ids[-4096:], len(ids)]).encode(), digest_size=8).digest()
+            out.append(int.from_bytes(h, "little") >> 1)
+        return out
+
+    async def run(self, prompts: list[tuple[list[int], str | None]], max_tokens: int | None, *, echo_only: bool,
+                  field_name: str) -> Response:
+        req = self.req
+        limits = self._limits(prompts, max_tokens, field_name)
+        if echo_only:
+            return self._echo_only(prompts)
+        bad_len = next((len(ids) for ids, _ in prompts if len(ids) >= self.state.max_model_len), None)
+        if bad_len is not None and not req.stream:
+            raise self._decoder_prompt_error(bad_len)
+        bridge = self.state.pick_bridge(self.request)
+        self.prompts = prompts
+        if bad_len is not None:   # streaming: the engine-side check surfaces as an in-stream error
+            return SSEResponse(self._error_stream(self._decoder_prompt_error(bad_len)), self.headers)
+        extra = ("lora", self.lora) if self.lora else None
+        if req.cache_salt:
+            extra = (*(extra or ()), "cache_salt", req.cache_salt)
+        sub = bridge.submit([ids for ids, _ in prompts], limits, req.n, min_tokens=req.min_tokens,
+                            ignore_eos=req.ignore_eos, priority=self._priority(), extra_keys=extra,
+                            keys=self._keys(prompts), echo_output=self.state.opts.output_mode == "echo",
+                            label=self.rid)
+        self.views = [_SeqView(s, self.stops, req.include_stop_str_in_output) for s in sub.seqs]
+        if req.stream:
+            return SSEResponse(self._stream(bridge, sub), self.headers)
+        try:
+            ok = await _await_or_disconnect(self.request, sub, bridge)
+        except asyncio.CancelledError:
+            raise
+        if not ok:
+            return Response(status_code=499)
+        for v in self.views:
+            v.advance(bridge)
+        bridge.release(sub)
+        return json_response(self._full_response(), headers=self.headers)
+
+    def _priority(self) -> int:
+        hdr = self.request.headers.get("x-vllm-priority")
+        if hdr is not None:
+            with contextlib.suppress(ValueError):
+                return int(hdr)
+        return self.req.priority
+
+    # -- usage --------------------------------------------------------------------------------
+    def _num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.prompts)
+
+    def _cached_tokens(self) -> int:
+        # per prompt: the prefix hit of its first sequence (siblings share the prompt)
+        n = self.req.n
+        total = 0
+        for p in range(len(self.prompts)):
+            r = self.views[p * n].seq.req
+            total += max(r.num_cached_tokens, 0) if r is not None else 0
+        return total
+
+    def _usage(self, completion_tokens: int, *, details_null: bool, completion_details: bool = False) -> dict:
+        pt = self._num_prompt_tokens()
+        u: dict[str, Any] = {"prompt_tokens": pt, "total_tokens": pt + completion_tokens,
+                             "completion_tokens": completion_tokens}
+        if self.state.opts.enable_prompt_tokens_details:
+            u["prompt_tokens_details"] = {"cached_tokens": self._cached_tokens()}
+        elif details_null:
+            u["prompt_tokens_details"] = None
+        if details_null or completion_details:
+            u["completion_tokens_details"] = None
+        return u
+
+    # -- non-streaming ------------------------------------------------------------------------
+    def _full_response(self) -> dict[str, Any]:
+        total = sum(v.num_tokens for v in self.views)
+        if self.is_chat:
+            choices = []
+            for v in self.views:
+                content = (self.echo_text or "") + v.text if self.echo_text is not None else v.text
+                choices.append({"index": v.seq.index,
+                                "message": {"role": "assistant", "content": content, "refusal": None,
+                                            "annotations": None, "audio": None, "function_call": None,
+                                            "reasoning": None},
+                                "logprobs": None, "finish_reason": v.finish_reason, "stop_reason": v.stop_reason,
+                                "token_ids": v.ids if self.req.return_token_ids else None,
+                                "routed_experts": None, "weight_versions": None})
+            return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
+                    "choices": choices, "service_tier": None, "system_fingerprint": self.state.fingerprint,
+                    "usage": self._usage(total, details_null=True),
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": self.prompts[0][0] if self.req.return_token_ids else None,
+                    "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        n = self.req.n
+        choices = []
+        for v in self.views:
+            p = v.seq.index // n
+            ids, text = self.prompts[p]
+            prefix = (text if text is not None else self.state.tok.decode(ids)) if self.req.echo else ""
+            choices.append({"index": v.seq.index, "text": prefix + v.text, "logprobs": None,
+                            "finish_reason": v.finish_reason, "stop_reason": v.stop_reason,
+                            "token_ids": v.ids if self.req.return_token_ids else None, "prompt_logprobs": None,
+                            "prompt_token_ids": ids if self.req.return_token_ids else None,
+                            "routed_experts": None, "weight_versions": None})
+        return self._completion_envelope(choices, total)
+
+    def _completion_envelope(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "service_tier": None, "system_fingerprint": self.state.fingerprint,
+                "usage": self._usage(completion_tokens, details_null=True), "kv_transfer_params": None,
+                "ec_transfer_params": None, "metrics": None}
+
+    def _echo_only(self, prompts: list[tuple[list[int], str | None]]) -> Response:
+        """echo with max_tokens=0: the prompt back, no generation."""
+        self.prompts = prompts
+        self.views = []
+        n = self.req.n
+        choices = []
+        for p, (ids, text) in enumerate(prompts):
+            for i in range(n):
+                choices.append({"index": p * n + i, "text": text if text is not None else self.state.tok.decode(ids),
+                                "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None,
+                                "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
+                                "weight_versions": None})
+        body = self._completion_envelope(choices, 0)
+        body["usage"]["prompt_tokens_details"] = None if not self.state.opts.enable_prompt_tokens_details else \
+            {"cached_tokens": 0}
+        if self.req.stream:
+            return SSEResponse(self._echo_stream(choices), self.headers)
+        return json_response(body, headers=self.headers)
+
+    async def _echo_stream(self, choices: list[dict[str, Any]]) -> AsyncIterator[str]:
+        for c in choices:
+            yield self._cmpl_chunk(c["index"], c["text"], "length", None, final=True)
+        if self.include_usage:
+            yield self._usage_chunk(0)
+        yield "data: [DONE]\n\n"
+
+    # -- streaming ----------------------------------------------------------------------------
+    async def _error_stream(self, err: APIError) -> AsyncIterator[str]:
+        yield sse_error_event(err, compact=self.is_chat)
+        yield "data: [DONE]\n\n"
+
+    def _head(self, obj: str) -> str:
+        heads = self.__dict__.setdefault("_heads", {})
+        h = heads.get(obj)
+        if h is None:
+            h = heads[obj] = (f'{{"id":{dumps(self.rid)},"object":"{obj}","created":{self.created},'
+                              f'"model":{dumps(self.model)},')
+        return h
+
+    def _cmpl_chunk(self, index: int, text: str, finish: str | None, stop_reason: str | None, final: bool,
+                    token_ids: list[int] | None = None, usage: dict | None = None) -> str:
+        ids = dumps(token_ids) if token_ids is not None else "null"
+        choice = (f'{{"index":{index},"text":{dumps(text)},"logprobs":null,"finish_reason":{dumps(finish)},'
+                  f'"stop_reason":{dumps(stop_reason)},"prompt_token_ids":null,"token_ids":{ids},'
+                  f'"weight_versions":null}}')
+        tail = f',"usage":{dumps(usage)}' if usage is not None else ""
+        if final and not self.include_usage:
+            tail += f',"system_fingerprint":{dumps(self.state.fingerprint)}'
+        return f'data: {self._head("text_completion")}"choices":[{choice}]{tail},"kv_transfer_params":null}}\n\n'
+
+    def _chat_role_chunk(self, index: int, usage: dict | None) -> str:
+        tail = f',"usage":{dumps(usage)}' if usage is not None else ""
+        return (f'data: {self._head("chat.completion.chunk")}"choices":[{{"index":{index},"delta":{{"role":"assistant",'
+                f'"content":""}},"logprobs":null,"finish_reason":null}}]{tail},"prompt_token_ids":null,'
+                f'"prompt_text":null}}\n\n')
+
+    def _chat_chunk(self, index: int, text: str | None, finish: str | None, stop_reason: str | None,
+                    token_ids: list[int] | None = None, usage: dict | None = None) -> str:
+        delta = f'{{"content":{dumps(text)}}}' if text is not None else "{}"
+        ids = dumps(token_ids) if token_ids is not None else "null"
+        if finish is None:
+            choice = f'{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":null,"token_ids":{ids}}}'
+        else:
+            choice = (f'{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":{dumps(finish)},'
+                      f'"stop_reason":{dumps(stop_reason)},"token_ids":{ids},"weight_versions":null}}')
+        tail = f',"usage":{dumps(usage)}' if usage is not None else ""
+        if finish is not None and not self.include_usage:
+            tail += f',"system_fingerprint":{dumps(self.state.fingerprint)}'
+        return f'data: {self._head("chat.completion.chunk")}"choices":[{choice}]{tail},"kv_transfer_params":null}}\n\n'
+
+    def _usage_chunk(self, completion_tokens: int) -> str:
+        obj = "chat.completion.chunk" if self.is_chat else "text_completion"
+        usage = self._usage(completion_tokens, details_null=False)
+        return (f'data: {self._head(obj)}"choices":[],"usage":{dumps(usage)},'
+                f'"system_fingerprint":{dumps(self.state.fingerprint)}}}\n\n')
+
+    async def _stream(self, bridge: EngineBridge, sub: Submission) -> AsyncIterator[str]:
+        req = self.req
+        want_ids = bool(req.return_token_ids)
+        role_sent = False
+        finished = False
+        try:
+            if not self.is_chat and req.echo:
+                echoed: set[int] = set()
+            while True:
+                await sub.event.wait()
+                sub.event.clear()
+                parts: list[str] = []
+                for v in self.views:
+                    before = v.consumed
+                    delta = v.advance(bridge)
+                    if delta is None:
+                        continue
+                    new_ids = v.ids[before:] if want_ids else None
+                    usage = None
+                    if self.continuous:
+                        usage = self._usage(v.num_tokens, details_null=False, completion_details=True)
+                    fin = v.finish_reason if v.done else None
+                    if self.is_chat:
+                        if not role_sent:
+                            role_sent = True
+                            for rv in self.views:
+                                ru = self._usage(0, details_null=False, completion_details=True) \
+                                    if self.continuous else None
+                                parts.append(self._chat_role_chunk(rv.seq.index, ru))
+                                if self.echo_text:
+                                    parts.append(self._chat_chunk(rv.seq.index, self.echo_text, None, None))
+                        if fin is None and delta == "" and not new_ids:
+                            continue
+                        text = delta if (delta or fin is None or v.num_tokens) else None
+                        parts.append(self._chat_chunk(v.seq.index, text, fin, v.stop_reason, new_ids, usage))
+                    else:
+                        if req.echo and v.seq.index not in echoed:
+                            echoed.add(v.seq.index)
+                            ids, text = self.prompts[v.seq.index // req.n]
+                            delta = (text if text is not None else self.state.tok.decode(ids)) + delta
+                        if fin is None and delta == "" and not new_ids:
+                            continue
+                        parts.append(self._cmpl_chunk(v.seq.index, delta, fin, v.stop_reason, fin is not None,
+                                                      new_ids, usage))
+                if parts:
+                    yield "".join(parts)
+                if sub.done and all(v.done for v in self.views):
+                    break
+                if sub.closed:     # aborted under us (server shutting down)
+                    break
+            finished = True
+            bridge.release(sub)
+            if self.include_usage:
+                yield self._usage_chunk(sum(v.num_tokens for v in self.views))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                bridge.abort(sub)
+
+
+def _add_auth_and_ids(app: FastAPI, opts: ServerOptions) -> None:
+    """Pure-ASGI middleware (BaseHTTPMiddleware would break streaming disconnect detection)."""
+    keys = {f"Bearer {k}" for k in opts.api_keys}
+    if not keys:
+        return
+    inner = app.build_middleware_stack
+
+    def build():
+        downstream = inner()
+
+        async def auth(scope, receive, send):
+            if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
+                    scope["path"].startswith(GUARDED_PREFIXES):
+                hdr = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                if hdr not in keys:
+                    resp = JSONResponse({"error": "Unauthorized"}, status_code=401)
+                    await resp(scope, receive, send)
+                    return
+            await downstream(scope, receive, send)
+        return auth
+
+    app.build_middleware_stack = build  # type: ignore[method-assign]
+
+
+def env_allows_lora_updates() -> bool:
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")

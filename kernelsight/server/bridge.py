@@ -1,0 +1,357 @@
+"""The real-time driver: one asyncio task steps the simulated engine and releases tokens on wall deadlines.
+
+Virtual time maps to wall time as ``wall0 + virtual_s / time_scale`` (absolute deadlines: lateness in one
+step never accumulates). Each loop turn: run one engine step (its scheduling sees every request that
+arrived before this boundary), sleep until the step's end deadline, then release the step's tokens to
+the waiting handlers together, as vLLM's engine core emits one output batch per step. Requests that
+arrive while a step is in flight enter the engine's waiting queue with their true (wall-mapped) arrival
+time and are scheduled at the next boundary. When nothing is in flight the engine clock follows wall
+time: a new arrival is stamped with the wall-mapped virtual now, so idle gaps are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernelsight.runtime import create_engine
+from kernelsight.server.metrics import EngineMetrics
+from kernelsight.server.tokenizer import ServerTokenizer
+from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
+from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.request import Request
+
+log = logging.getLogger("kernelsight.server")
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+class OutputTokens(Sequence[int]):
+    """The token ids a sequence will emit, generated lazily and deterministically from ``key``.
+
+    Handed to the engine as ``output_token_ids`` so that blocks of generated text are prefix-cached with
+    their real ids (a follow-up turn that quotes an answer hits the cache, as in vLLM).
+    """
+
+    def __init__(self, tok: ServerTokenizer, key: int, length: int, echo_prompt: Sequence[int] | None = None):
+        self._tok = tok
+        self._key = np.uint64(key & 0xFFFFFFFFFFFFFFFF)
+        self._len = length
+        self._echo = [t for t in echo_prompt if t < tok.vocab_size] if echo_prompt else None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _pool_idx(self, start: int, stop: int) -> np.ndarray:
+        pos = np.arange(start, stop, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            return (_splitmix64(pos + self._key) % np.uint64(self._tok.pool_size)).astype(np.int64)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._len)
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            if self._echo:
+                return [self._echo[j % len(self._echo)] for j in range(start, stop)]
+            return self._tok.pool_ids(self._pool_idx(start, stop)).tolist() if stop > start else []
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        return self.token(i)[0]
+
+    def token(self, i: int) -> tuple[int, str]:
+        """(id, text) of the i-th generated token."""
+        if self._echo:
+            t = self._echo[i % len(self._echo)]
+            return t, self._tok.decode([t])
+        return self._tok.pool_token(int(self._pool_idx(i, i + 1)[0]))
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    """One engine sequence as a handler sees it."""
+
+    seq_id: str
+    index: int
+    tokens: OutputTokens
+    req: Request | None = None
+    released: int = 0                 # tokens released by finished engine steps
+    finished: bool = False
+    finish_reason: str | None = None
+    last_token_v: float = 0.0
+    token_times_v: list[float] | None = None    # virtual release time of each token (when recording)
+
+
+@dataclass(eq=False)
+class Submission:
+    """The engine requests behind one HTTP request (one per prompt); handlers await ``event``."""
+
+    engine_ids: list[str]
+    seqs: list[Seq]
+    max_tokens: int
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class EngineBridge:
+    """Drives one simulated engine in real time (scaled by ``time_scale``)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: ServerTokenizer, metrics: EngineMetrics | None = None,
+                 time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0008) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.config = config
+        self.tok = tokenizer
+        self.engine: Engine = create_engine(config, per_token_events=True)
+        self.metrics = metrics
+        self.time_scale = time_scale
+        self.spin_s = spin_s                  # busy-wait the last stretch: event-loop timers are ms-coarse
+        self.record_timings = record_timings
+        self.timings: dict[str, dict] = {}    # engine id -> virtual arrival and token times (when recording)
+        self._seqs: dict[str, Seq] = {}
+        self._subs_of: dict[str, Submission] = {}
+        self._ids = itertools.count()
+        self._wall0 = time.perf_counter()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.num_steps = 0
+        self.late_s_max = 0.0                 # worst lateness of a release vs its deadline
+
+    # -- clock ----------------------------------------------------------------------------------
+    def virtual_now(self) -> float:
+        return (time.perf_counter() - self._wall0) * self.time_scale
+
+    def wall_of(self, virtual_s: float) -> float:
+        return self._wall0 + virtual_s / self.time_scale
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._wall0 = time.perf_counter() - self.engine.now_s / self.time_scale
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kernelsight-engine")
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for sid in list(self._seqs):      # wake anyone still waiting: they see an abort
+            seq = self._seqs.pop(sid)
+            seq.finished, seq.finish_reason = True, "abort"
+        for sub in set(self._subs_of.values()):
+            sub.event.set()
+        self._subs_of.clear()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, *, min_tokens: int = 0,
+               ignore_eos: bool = False, priority: int = 0, extra_keys: tuple | None = None,
+               keys: list[int] | None = None, echo_output: bool = False, label: str | None = None) -> Submission:
+        """Queue one engine request per prompt (each fanning out into n sequences)."""
+        eng = self.engine
+        v = self.virtual_now()
+        idle = not eng.has_unfinished()
+        # the true (wall-mapped) arrival: mid-step it is before now_s and the request joins at the next
+        # boundary; if the loop lags behind wall time it is after now_s and joins the first step starting later
+        arrival = max(v, eng.now_s) if idle else v
+        rng = np.random.default_rng()
+        seqs: list[Seq] = []
+        ids: list[str] = []
+        for p, (prompt, mt) in enumerate(zip(prompts, max_tokens, strict=True)):
+            eid = f"r{next(self._ids)}"
+            outs = []
+            for i in range(n):
+                key = keys[p] + 7919 * i if keys is not None else int(rng.integers(0, 2**63))
+                outs.append(OutputTokens(self.tok, key, mt, prompt if echo_output else None))
+            seq_ids = eng.add_request(eid, prompt, mt, min_tokens=min(min_tokens, mt), ignore_eos=ignore_eos, n=n,
+                                      priority=priority, arrival_s=arrival, extra_keys=extra_keys,
+                                      output_token_ids=outs[0] if n == 1 else None)
+            ids.append(eid)
+            for i, sid in enumerate(seq_ids):
+                req = eng.get_request(sid)
+                if req is not None and n > 1:
+                    req.output_token_ids = outs[i]    # per-choice ids (the engine takes one list per call)
+                seq = Seq(sid, p * n + i, outs[i], req, last_token_v=arrival)
+                if self.record_timings:
+                    seq.token_times_v = []
+                    # keyed by the response id (and choice index when there are several)
+                    key = (label or eid) if len(prompts) * n == 1 else f"{label or eid}/{p * n + i}"
+                    self.timings[key] = {"arrival_s": arrival, "token_times_s": seq.token_times_v}
+                seqs.append(seq)
+                self._seqs[sid] = seq
+            if self.metrics is not None:
+                self.metrics.on_new_request(n, mt)
+        sub = Submission(ids, seqs, max(max_tokens) if max_tokens else 0)
+        for s in seqs:
+            self._subs_of[s.seq_id] = sub
+        if idle and self._wake is not None:
+            self._wake.set()
+        return sub
+
+    def abort(self, sub: Submission) -> None:
+        """The client went away: free the requests' KV blocks and slots now (no finished-request stats)."""
+        if sub.closed:
+            return
+        sub.closed = True
+        for s in sub.seqs:
+            if not s.finished:
+                s.finished, s.finish_reason = True, "abort"
+            self._seqs.pop(s.seq_id, None)
+            self._subs_of.pop(s.seq_id, None)
+        for eid in sub.engine_ids:
+            self.engine.abort(eid)
+        self._refresh_gauges()
+
+    def release(self, sub: Submission) -> None:
+        """The handler is done with a finished submission (drops bookkeeping for n > 1 parents)."""
+        if sub.closed:
+            return
+        sub.closed = True
+        for s in sub.seqs:
+            self._seqs.pop(s.seq_id, None)
+            self._subs_of.pop(s.seq_id, None)
+        if len(sub.seqs) > len(sub.engine_ids):
+            for eid in sub.engine_ids:
+                self.engine.abort(eid)   # no-op for finished parents; clears the engine's n>1 bookkeeping
+
+    def finish_early(self, seq: Seq, num_tokens: int, reason: str = "stop") -> None:
+        """A stop string ended the sequence after ``num_tokens`` tokens: abort it in the engine, count a stop."""
+        if seq.finished:
+            return
+        seq.finished, seq.finish_reason = True, reason
+        self._seqs.pop(seq.seq_id, None)
+        self._subs_of.pop(seq.seq_id, None)
+        self.engine.abort(seq.seq_id)
+        self._record_finish(seq, reason, seq.last_token_v, num_tokens)
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        if self.metrics is not None:
+            e = self.engine
+            self.metrics.set_gauges(e.num_running, e.num_waiting, e.kv.usage)
+
+    # -- the loop -------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        eng = self.engine
+        assert self._wake is not None
+        while not self._closing:
+            if not eng.has_unfinished():
+                self._wake.clear()
+                self._refresh_gauges()
+                await self._wake.wait()
+                continue
+            try:
+                res = eng.step(max_steps=1)
+            except Exception:  # noqa: BLE001 - keep serving; the failing requests are aborted
+                log.exception("engine step failed; aborting in-flight requests")
+                for sub in set(self._subs_of.values()):
+                    self.abort(sub)
+                    sub.event.set()
+                continue
+            if res is None:
+                nxt = eng.next_arrival_s      # only future arrivals left: wait for the first one
+                if nxt is None:
+                    continue
+                await asyncio.sleep(max(self.wall_of(nxt) - time.perf_counter(), 0.0))
+                continue
+            await self._sleep_until(self.wall_of(res.end_s))
+            self._dispatch(res)
+            # let handlers write this step's chunks before the next step's scheduling work
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+
+    async def _sleep_until(self, deadline: float) -> None:
+        delay = deadline - time.perf_counter()
+        if delay > self.spin_s:
+            await asyncio.sleep(delay - self.spin_s)
+        while time.perf_counter() < deadline:
+            pass
+        late = time.perf_counter() - deadline
+        if late > self.late_s_max:
+            self.late_s_max = late
+
+    def _dispatch(self, res: StepResult) -> None:
+        self.num_steps += 1
+        end = res.end_s
+        seqs = self._seqs
+        subs = self._subs_of
+        touched: set[int] = set()
+        touched_subs: list[Submission] = []
+        m = self.metrics
+        generated = 0
+        for ev in res.events:
+            seq = seqs.get(ev.request_id)
+            if seq is None:
+                continue
+            kind = ev.kind
+            if kind == TOKENS or kind == FIRST_TOKEN:
+                k = ev.num_tokens
+                seq.released += k
+                generated += k
+                if m is not None:
+                    if kind == FIRST_TOKEN:
+                        req = seq.req
+                        m.on_first_token(end - (req.arrival_s if req else seq.last_token_v),
+                                         req.prompt_len if req else 0)
+                    else:
+                        m.on_itl(end - seq.last_token_v)
+                seq.last_token_v = end
+                if seq.token_times_v is not None:
+                    seq.token_times_v.append(end)
+            elif kind == FINISHED:
+                seq.finished = True
+                seq.finish_reason = ev.finish_reason
+                seqs.pop(ev.request_id, None)
+                self._record_finish(seq, ev.finish_reason or "stop", end, seq.released)
+            else:
+                continue
+            sub = subs.get(ev.request_id)
+            if sub is not None and id(sub) not in touched:
+                touched.add(id(sub))
+                touched_subs.append(sub)
+        if m is not None:
+            kv = self.engine.kv
+            m.on_step(res.num_running, res.num_waiting, res.kv_usage, res.num_scheduled_tokens, generated,
+                      kv.prefix_queries_tokens, kv.prefix_hits_tokens, self.engine.scheduler.num_preemptions)
+        for sub in touched_subs:
+            sub.event.set()
+
+    def _record_finish(self, seq: Seq, reason: str, finish_v: float, num_generated: int) -> None:
+        if self.metrics is None or seq.req is None:
+            return
+        r = seq.req
+        self.metrics.on_finished(reason, arrival_s=r.arrival_s, scheduled_s=r.first_scheduled_s,
+                                 first_token_s=r.first_token_s, finish_s=finish_v, prompt_len=r.prompt_len,
+                                 num_generated=num_generated, num_cached=r.num_cached_tokens,
+                                 num_preemptions=r.num_preemptions)

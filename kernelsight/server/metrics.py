@@ -1,0 +1,207 @@
+"""vLLM V1's Prometheus metrics (names, types, labels and buckets as vLLM 0.33), fed by the simulator.
+
+Every value comes from simulated state and the virtual clock (seconds of simulated GPU time), not from
+wall time: under ``--time-scale k`` the histograms still read like the simulated deployment's.
+Each server has its own registry (so several replicas can live in one process); it also carries the
+process/platform/GC collectors that vLLM's default registry exposes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+
+
+def request_token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's 1-2-5 series up to max_model_len."""
+    out, mantissa, exp = [], (1, 2, 5), 0
+    while True:
+        for m in mantissa:
+            v = m * 10 ** exp
+            if v > max_model_len:
+                return out
+            out.append(v)
+        exp += 1
+
+
+class ServerMetrics:
+    """One registry; per-engine children labelled ``model_name`` and ``engine``."""
+
+    def __init__(self, model_name: str, num_engines: int, max_model_len: int, cache_info: list[dict[str, Any]],
+                 lora_enabled: bool = False, max_loras: int = 1) -> None:
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        GCCollector(registry=reg)
+        labels = ["model_name", "engine"]
+        tok_buckets = request_token_buckets(max_model_len)
+
+        def g(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg)
+
+        def c(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels + list(extra), registry=reg)
+
+        def h(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        fam = {
+            "running": g("vllm:num_requests_running", "Number of requests in model execution batches."),
+            "waiting": g("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+            "kv_usage": g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            "prefix_queries": c("vllm:prefix_cache_queries",
+                                "Prefix cache queries, in terms of number of queried tokens."),
+            "prefix_hits": c("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+            "preemptions": c("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+            "prompt_tokens": c("vllm:prompt_tokens", "Number of prefill tokens processed."),
+            "generation_tokens": c("vllm:generation_tokens", "Number of generation tokens processed."),
+            "success": c("vllm:request_success", "Count of successfully processed requests.", ("finished_reason",)),
+            "req_prompt_tokens": h("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tok_buckets),
+            "req_gen_tokens": h("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                tok_buckets),
+            "iteration_tokens": h("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                  ITERATION_TOKENS_BUCKETS),
+            "max_gen_tokens": h("vllm:request_max_num_generation_tokens",
+                                "Histogram of maximum number of requested generation tokens.", tok_buckets),
+            "params_n": h("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS),
+            "params_max_tokens": h("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                   tok_buckets),
+            "ttft": h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                      TTFT_BUCKETS),
+            "itl": h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+            "tpot": h("vllm:request_time_per_output_token_seconds",
+                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS),
+            "e2e": h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                     REQUEST_LATENCY_BUCKETS),
+            "queue": h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                       REQUEST_LATENCY_BUCKETS),
+            "inference": h("vllm:request_inference_time_seconds",
+                           "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+            "prefill": h("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                         REQUEST_LATENCY_BUCKETS),
+            "decode": h("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                        REQUEST_LATENCY_BUCKETS),
+            "req_preemptions": h("vllm:request_num_preemptions", "Number of preemptions per request.",
+                                 PREEMPTION_BUCKETS),
+            "kv_computed": h("vllm:request_prefill_kv_computed_tokens",
+                             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                             tok_buckets),
+        }
+        cache_labels = sorted({k for info in cache_info for k in info}) + ["engine"]
+        cache_gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", cache_labels,
+                            registry=reg)
+        self.engines: list[EngineMetrics] = []
+        for i in range(num_engines):
+            eng = str(i)
+            children = {}
+            for key, metric in fam.items():
+                if key == "success":
+                    children[key] = {r: metric.labels(model_name, eng, r) for r in FINISHED_REASONS}
+                else:
+                    children[key] = metric.labels(model_name, eng)
+            self.engines.append(EngineMetrics(children))
+            info = cache_info[min(i, len(cache_info) - 1)]
+            cache_gauge.labels(**{k: str(info.get(k, "")) for k in cache_labels if k != "engine"}, engine=eng).set(1)
+        self.lora_gauge: Gauge | None = None
+        self.max_loras = max_loras
+        if lora_enabled:
+            self.lora_gauge = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg)
+        self._lora_last: tuple[str, str] | None = None
+
+    def set_lora_state(self, waiting: list[str], running: list[str]) -> None:
+        if self.lora_gauge is None:
+            return
+        key = (",".join(sorted(set(waiting))), ",".join(sorted(set(running))))
+        # vLLM sets the series to the current Unix time on each stats update; one series per state
+        self.lora_gauge.labels(str(self.max_loras), key[0], key[1]).set(time.time())
+        self._lora_last = key
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    """Hot-path helpers for one engine's labelled children."""
+
+    __slots__ = ("m", "_last_queries", "_last_hits", "_last_preemptions")
+
+    def __init__(self, children: dict[str, Any]) -> None:
+        self.m = children
+        self._last_queries = 0
+        self._last_hits = 0
+        self._last_preemptions = 0
+
+    def on_step(self, running: int, waiting: int, kv_usage: float, scheduled_tokens: int, generated_tokens: int,
+                prefix_queries: int, prefix_hits: int, preemptions: int) -> None:
+        m = self.m
+        m["running"].set(running)
+        m["waiting"].set(waiting)
+        m["kv_usage"].set(kv_usage)
+        if scheduled_tokens:
+            m["iteration_tokens"].observe(scheduled_tokens)
+        if generated_tokens:
+            m["generation_tokens"].inc(generated_tokens)
+        if prefix_queries > self._last_queries:
+            m["prefix_queries"].inc(prefix_queries - self._last_queries)
+        if prefix_hits > self._last_hits:
+            m["prefix_hits"].inc(prefix_hits - self._last_hits)
+        if preemptions > self._last_preemptions:
+            m["preemptions"].inc(preemptions - self._last_preemptions)
+        self._last_queries, self._last_hits, self._last_preemptions = prefix_queries, prefix_hits, preemptions
+
+    def set_gauges(self, running: int, waiting: int, kv_usage: float) -> None:
+        m = self.m
+        m["running"].set(running)
+        m["waiting"].set(waiting)
+        m["kv_usage"].set(kv_usage)
+
+    def on_first_token(self, ttft_s: float, prompt_len: int) -> None:
+        self.m["ttft"].observe(ttft_s)
+        self.m["prompt_tokens"].inc(prompt_len)
+
+    def on_itl(self, itl_s: float) -> None:
+        self.m["itl"].observe(itl_s)
+
+    def on_new_request(self, n: int, max_tokens: int) -> None:
+        self.m["params_n"].observe(n)
+        self.m["params_max_tokens"].observe(max_tokens)
+        self.m["max_gen_tokens"].observe(max_tokens)
+
+    def on_finished(self, reason: str, *, arrival_s: float, scheduled_s: float | None, first_token_s: float | None,
+                    finish_s: float, prompt_len: int, num_generated: int, num_cached: int,
+                    num_preemptions: int) -> None:
+        m = self.m
+        m["success"][reason if reason in m["success"] else "stop"].inc()
+        m["e2e"].observe(max(finish_s - arrival_s, 0.0))
+        m["req_prompt_tokens"].observe(prompt_len)
+        m["req_gen_tokens"].observe(num_generated)
+        m["req_preemptions"].observe(num_preemptions)
+        if scheduled_s is not None:
+            m["queue"].observe(max(scheduled_s - arrival_s, 0.0))
+            m["inference"].observe(max(finish_s - scheduled_s, 0.0))
+            m["kv_computed"].observe(max(prompt_len - max(num_cached, 0), 0))
+            if first_token_s is not None:
+                m["prefill"].observe(max(first_token_s - scheduled_s, 0.0))
+        if first_token_s is not None:
+            decode = max(finish_s - first_token_s, 0.0)
+            m["decode"].observe(decode)
+            if num_generated > 1:
+                m["tpot"].observe(decode / (num_generated - 1))
