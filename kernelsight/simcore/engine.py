@@ -238,8 +238,8 @@ class Engine:
         if k > 1:
             durations, breakdown = self._window(out, start, k, until_s)
         else:
-            breakdown = self.step_model.breakdown_s(out.batch)
-            durations = [float(breakdown.sum())]
+            breakdown, total_s = self.step_model.step(out.batch)
+            durations = [total_s]
         k = len(durations)
         ends = (start + np.cumsum(durations)).tolist() if k > 1 else [start + durations[0]]
         snapshot = list(sched.members) if per_token else ()

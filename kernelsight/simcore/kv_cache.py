@@ -12,7 +12,7 @@ Mirrors vLLM V1's ``block_pool`` / ``kv_cache_manager`` split:
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import deque
 
 import numpy as np
 
@@ -79,58 +79,124 @@ class BlockHasher:
 
 
 class BlockPool:
+    """KV blocks with reference counts, an LRU free queue and the prefix-cache map, in bulk form.
+
+    Block 0 is vLLM's reserved null block. The free queue is a FIFO of *segments*: each release appends
+    one segment (the request's freed blocks, tail first), allocation takes from the oldest segment. A
+    block taken back by a cache hit while free is not searched for: its entry goes stale, recognised by
+    ``ref_cnt > 0`` or by a newer segment id in ``_free_seg``. The prefix-cache map ``hash -> block`` is
+    likewise checked against ``block_hash`` on lookup, so evicting a block is one array write. The order
+    in which blocks are reused is exactly vLLM's LRU order; the bookkeeping is numpy array operations per
+    request instead of Python work per block.
+    """
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (one is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        # Insertion order = LRU order; block 0 (null block) is never handed out.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self.cached: dict[int, int] = {}   # hash -> block id
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int64)
         self.ref_cnt[0] = 1
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        self.block_hash = np.zeros(num_blocks, dtype=np.uint64)   # 0 = holds no cached content
+        self.cached: dict[int, int] = {}                            # hash -> block (validated on lookup)
+        self._free_seg = np.zeros(num_blocks, dtype=np.int64)      # segment holding the live free entry
+        self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0]])  # [id, blocks, next]
+        self._next_segment = 1
+        self.num_free_blocks = num_blocks - 1
 
     @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests (vLLM's ``kv_cache_usage``)."""
-        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
-    def allocate(self, n: int) -> list[int]:
-        popitem = self.free_queue.popitem
-        out = [popitem(False)[0] for _ in range(n)]
-        block_hash, cached, ref_cnt = self.block_hash, self.cached, self.ref_cnt
-        for b in out:
-            ref_cnt[b] = 1
-            h = block_hash[b]
-            if h is not None:          # evict its cached content
-                if cached.get(h) == b:
-                    del cached[h]
-                block_hash[b] = None
+    def free_blocks(self) -> list[int]:
+        """The free queue in eviction order (for inspection; the hot paths never build it)."""
+        out = []
+        ref, fs = self.ref_cnt, self._free_seg
+        for sid, blocks, pos in self._segments:
+            out += [b for b in blocks[pos:] if fs[b] == sid and ref[b] == 0]
         return out
 
+    def allocate(self, n: int) -> list[int]:
+        """Take the n least recently freed blocks (evicting their cached content). Caller checks n ≤ free."""
+        if n <= 0:
+            return []
+        segs, ref, fs = self._segments, self.ref_cnt, self._free_seg
+        parts = []
+        got = 0
+        while got < n:
+            seg = segs[0]
+            sid, blocks, pos = seg
+            take = blocks[pos:pos + (n - got)]
+            seg[2] = pos + len(take)
+            if seg[2] >= len(blocks):
+                segs.popleft()
+            arr = np.array(take, dtype=np.int64)
+            arr = arr[(fs[arr] == sid) & (ref[arr] == 0)]
+            parts.append(arr)
+            got += len(arr)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        ref[out] = 1
+        self.block_hash[out] = 0
+        self.num_free_blocks -= n
+        return out.tolist()
+
+    def allocate_one(self) -> int | None:
+        """One block, without array overhead (the decode group needs one block at a time)."""
+        segs, ref, fs = self._segments, self.ref_cnt, self._free_seg
+        while segs:
+            seg = segs[0]
+            sid, blocks, pos = seg
+            n = len(blocks)
+            while pos < n:
+                b = blocks[pos]
+                pos += 1
+                if fs[b] == sid and ref[b] == 0:
+                    if pos >= n:
+                        segs.popleft()
+                    else:
+                        seg[2] = pos
+                    ref[b] = 1
+                    self.block_hash[b] = 0
+                    self.num_free_blocks -= 1
+                    return b
+            segs.popleft()
+        return None
+
     def touch(self, blocks: list[int]) -> None:
-        """Take a reference on cache-hit blocks, pulling free ones out of the eviction queue."""
-        for b in blocks:
-            if self.ref_cnt[b] == 0:
-                del self.free_queue[b]
-            self.ref_cnt[b] += 1
+        """Take a reference on cache-hit blocks; free ones leave the queue (their entry goes stale)."""
+        arr = np.array(blocks, dtype=np.int64)
+        self.num_free_blocks -= int(np.count_nonzero(self.ref_cnt[arr] == 0))
+        self.ref_cnt[arr] += 1
 
     def release(self, blocks_in_eviction_order: list[int]) -> None:
-        ref_cnt, free_queue = self.ref_cnt, self.free_queue
-        for b in blocks_in_eviction_order:
-            c = ref_cnt[b] - 1
-            ref_cnt[b] = c
-            if c == 0:
-                free_queue[b] = None
+        arr = np.array(blocks_in_eviction_order, dtype=np.int64)
+        ref = self.ref_cnt
+        ref[arr] -= 1
+        zeros = arr[ref[arr] == 0]
+        if zeros.size:
+            sid = self._next_segment
+            self._next_segment += 1
+            self._free_seg[zeros] = sid
+            self._segments.append([sid, zeros.tolist(), 0])
+            self.num_free_blocks += int(zeros.size)
 
-    def cache(self, block: int, h: int) -> None:
-        if self.block_hash[block] is None:
-            self.block_hash[block] = h
-            self.cached.setdefault(h, block)
+    def lookup(self, h: int) -> int | None:
+        """The block holding content hash h, if any (stale map entries are dropped here)."""
+        b = self.cached.get(h)
+        if b is None:
+            return None
+        if self.block_hash[b] != h:
+            del self.cached[h]
+            return None
+        return b
+
+    def register(self, blocks: list[int], hashes: list[int]) -> None:
+        """Record freshly filled blocks in the prefix cache."""
+        self.block_hash[np.array(blocks, dtype=np.int64)] = np.array(hashes, dtype=np.uint64)
+        self.cached.update(zip(hashes, blocks, strict=True))
+        if len(self.cached) > 8 * self.num_blocks + 4096:   # drop stale entries now and then
+            held = np.flatnonzero(self.block_hash)
+            self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
 
 
 class KVCacheManager:
@@ -191,10 +257,10 @@ class KVCacheManager:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(req, max_blocks)
-        cached = self.pool.cached
+        lookup = self.pool.lookup
         hits = []
         for i in range(max_blocks):
-            b = cached.get(hashes[i])
+            b = lookup(hashes[i])
             if b is None:
                 break
             hits.append(b)
@@ -217,12 +283,12 @@ class KVCacheManager:
         to_alloc = -(-total // self.block_size) - len(req.block_ids) - len(new_computed_blocks)
         if new_computed_blocks:
             evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0)
-            if to_alloc + evictable_hits > len(pool.free_queue):
+            if to_alloc + evictable_hits > pool.num_free_blocks:
                 return False
             pool.touch(new_computed_blocks)
             req.block_ids.extend(new_computed_blocks)
             req.num_hashed_blocks_cached = len(req.block_ids)
-        elif to_alloc > len(pool.free_queue):
+        elif to_alloc > pool.num_free_blocks:
             return False
         if to_alloc > 0:
             req.block_ids.extend(pool.allocate(to_alloc))
@@ -236,14 +302,9 @@ class KVCacheManager:
         start = req.num_hashed_blocks_cached
         if full <= start:
             return
-        hashes = self._ensure_hashes(req, full)[start:full]
-        blocks = req.block_ids[start:full]
         # freshly allocated blocks carry no hash yet; a duplicate hash (the same prefix computed twice at
-        # once) maps to the newest block, and evicting the older one leaves that mapping alone
-        block_hash = self.pool.block_hash
-        for b, h in zip(blocks, hashes, strict=True):
-            block_hash[b] = h
-        self.pool.cached.update(zip(hashes, blocks, strict=True))
+        # once) maps to the newest block
+        self.pool.register(req.block_ids[start:full], self._ensure_hashes(req, full)[start:full])
         req.num_hashed_blocks_cached = full
 
     def free(self, req: Request, preempted: bool = False) -> None:
@@ -253,10 +314,9 @@ class KVCacheManager:
         them (including generated blocks that only it can ever match)."""
         if preempted and self.enable_caching and req.block_ids:
             full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
-            if full > req.num_hashed_blocks_cached:
-                hashes = self._ensure_hashes(req, full)
-                for i in range(req.num_hashed_blocks_cached, full):
-                    self.pool.cache(req.block_ids[i], hashes[i])
+            start = req.num_hashed_blocks_cached
+            if full > start:
+                self.pool.register(req.block_ids[start:full], self._ensure_hashes(req, full)[start:full])
         if req.block_ids:
             self.pool.release(req.block_ids[::-1])
             req.block_ids = []

@@ -220,7 +220,6 @@ class Scheduler:
         Returns the first step whose needs could not be met (last_step + 1 when all were)."""
         heap = self._block_heap
         pool = self.kv.pool
-        free_queue, block_hash, cached, ref_cnt = pool.free_queue, pool.block_hash, pool.cached, pool.ref_cnt
         bs = self.kv.block_size
         caching = self.kv.enable_caching
         while heap and heap[0][0] <= last_step:
@@ -228,16 +227,10 @@ class Scheduler:
             if req.decode_join_step != join or req.status is not RequestStatus.RUNNING:
                 heapq.heappop(heap)        # stale: the request left the group
                 continue
-            if not free_queue:
+            b = pool.allocate_one()
+            if b is None:
                 return due
             heapq.heapreplace(heap, (due + bs, seq, join, req))
-            b = free_queue.popitem(False)[0]       # BlockPool.allocate(1), inlined on this hot path
-            ref_cnt[b] = 1
-            h = block_hash[b]
-            if h is not None:
-                if cached.get(h) == b:
-                    del cached[h]
-                block_hash[b] = None
             req.block_ids.append(b)
             if caching and req.output_token_ids is not None:
                 # tokens computed once step `due` runs: everything before the new block is full

@@ -85,8 +85,8 @@ class StepModel:
                  config: StepConfig) -> None:
         self.model, self.hw, self.calib, self.precision, self.config = model, hw, calib, precision, config
         self._capture = tuple(sorted(config.cudagraph_capture_sizes))
-        self._row_cache: dict[int, np.ndarray] = {}
-        self._sampling_cache: dict[int, np.ndarray] = {}
+        self._row_cache: dict[int, tuple[np.ndarray, float]] = {}
+        self._sampling_cache: dict[int, tuple[np.ndarray, float]] = {}
         self._n_families = len(FAMILIES)
 
     # -- single kernels --------------------------------------------------------------------------
@@ -112,27 +112,27 @@ class StepModel:
         return (FULL_GRAPH if batch.is_decode_only else PIECEWISE), padded
 
     # -- the cached token-parallel part -------------------------------------------------------------
-    def _token_part(self, m_padded: int, sampling_rows: int) -> np.ndarray:
-        """Seconds per family of everything but attention and launch: cached per row count and per
-        sampling-row count separately (mixed steps vary both, but each takes few distinct values)."""
+    def _token_part(self, m_padded: int, sampling_rows: int) -> tuple[np.ndarray, float]:
+        """(seconds per family, their sum) of everything but attention, launch and host: cached per row
+        count and per sampling-row count separately (mixed steps vary both, each takes few values)."""
         rows = self._row_cache.get(m_padded)
         if rows is None:
-            rows = np.zeros(self._n_families)
+            arr = np.zeros(self._n_families)
             for k in K.row_kernels(self.model, m_padded, self.config.tp, self.precision):
-                rows[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
+                arr[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
             tp = self.config.tp
             if tp > 1:
                 msg = K.allreduce_message_bytes(self.model, m_padded, self.precision)
-                rows[FAMILY_INDEX[K.ALL_REDUCE]] = (K.allreduces_per_step(self.model)
-                                                    * allreduce_s(msg, tp, self.hw, self.calib))
-            self._row_cache[m_padded] = rows
+                arr[FAMILY_INDEX[K.ALL_REDUCE]] = (K.allreduces_per_step(self.model)
+                                                   * allreduce_s(msg, tp, self.hw, self.calib))
+            rows = self._row_cache[m_padded] = (arr, float(arr.sum()))
         samp = self._sampling_cache.get(sampling_rows)
         if samp is None:
-            samp = np.zeros(self._n_families)
+            arr = np.zeros(self._n_families)
             for k in K.sampling_kernels(self.model, sampling_rows, self.config.tp, self.precision):
-                samp[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
-            self._sampling_cache[sampling_rows] = samp
-        return rows + samp
+                arr[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
+            samp = self._sampling_cache[sampling_rows] = (arr, float(arr.sum()))
+        return rows[0] + samp[0], rows[1] + samp[1]
 
     def _launch_s(self, mode: str, gpu_s: float) -> float:
         """CPU launch time not hidden behind GPU work (launches run ahead of the GPU asynchronously)."""
@@ -148,17 +148,33 @@ class StepModel:
     # -- public step API ----------------------------------------------------------------------------
     def breakdown_s(self, batch: BatchShape) -> np.ndarray:
         """Seconds per family (ordered as ``kernels.FAMILIES``) for one step."""
+        return self.step(batch)[0]
+
+    def step(self, batch: BatchShape) -> tuple[np.ndarray, float]:
+        """(seconds per family, total seconds) of one step: the engine's hot path, no array reductions."""
         mode, m_padded = self.graph_mode(batch)
-        out = self._token_part(m_padded, batch.num_sampling_rows)
+        out, base_s = self._token_part(m_padded, batch.num_sampling_rows)
+        attn_s = 0.0
         if batch.prefills:
-            out[_I_ATTN_PREFILL] += self.kernel_time_s(self._prefill_attention_kernel(batch))
+            t = self.kernel_time_s(self._prefill_attention_kernel(batch))
+            out[_I_ATTN_PREFILL] += t
+            attn_s += t
         if batch.num_decodes:
-            out[_I_ATTN_DECODE] += self._decode_attention_s(batch.num_decodes, batch.decode_context_tokens)
-        out[_I_LAUNCH] = self._launch_s(mode, float(out.sum()))
+            t = self._decode_attention_s(batch.num_decodes, batch.decode_context_tokens)
+            out[_I_ATTN_DECODE] += t
+            attn_s += t
+        return self._finish(out, base_s + attn_s, mode, batch.num_seqs, batch.num_tokens)
+
+    def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int
+                ) -> tuple[np.ndarray, float]:
+        """Add the exposed launch and host time to a step whose kernels (and collectives) take kernels_s."""
+        launch_s = self._launch_s(mode, kernels_s)
+        gpu_s = kernels_s + launch_s
         host = self.calib.host
-        out[_I_HOST] = host.exposed_s(host.cpu_s(batch.num_seqs, batch.num_tokens), float(out.sum()),
-                                      self.config.async_scheduling)
-        return out
+        host_s = host.exposed_s(host.cpu_s(num_seqs, num_tokens), gpu_s, self.config.async_scheduling)
+        out[_I_LAUNCH] = launch_s
+        out[_I_HOST] = host_s
+        return out, gpu_s + host_s
 
     def _prefill_attention_kernel(self, batch: BatchShape) -> Kernel:
         m, tp, p = self.model, self.config.tp, self.precision
@@ -173,7 +189,7 @@ class StepModel:
             p.act_bytes, p.kv_bytes_per_element, m.num_layers))
 
     def step_time_s(self, batch: BatchShape) -> float:
-        return float(self.breakdown_s(batch).sum())
+        return self.step(batch)[1]
 
     def breakdown_dict(self, batch: BatchShape) -> dict[str, float]:
         return dict(zip(FAMILIES, self.breakdown_s(batch).tolist(), strict=True))
@@ -187,13 +203,16 @@ class StepModel:
         Returns (per-step seconds, summed breakdown per family).
         """
         first = BatchShape((), num_decodes, context_tokens_start)
-        b0 = self.breakdown_s(first)
-        t0 = float(b0.sum())
+        b0, t0 = self.step(first)
         if num_steps == 1:
             return np.array([t0]), b0
+        # only attention (and with it the exposed launch/host time) changes along the window
         ctx_last = context_tokens_start + (num_steps - 1) * num_decodes
-        b1 = self.breakdown_s(BatchShape((), num_decodes, ctx_last))
-        t1 = float(b1.sum())
+        attn0 = b0[_I_ATTN_DECODE]
+        attn1 = self._decode_attention_s(num_decodes, ctx_last)
+        kernels1 = t0 - b0[_I_LAUNCH] - b0[_I_HOST] - attn0 + attn1
+        b1, t1 = self._finish(b0.copy(), kernels1, self.graph_mode(first)[0], num_decodes, num_decodes)
+        b1[_I_ATTN_DECODE] = attn1
         durations = t0 + (t1 - t0) * (np.arange(num_steps) / (num_steps - 1))
         return durations, (b0 + b1) * (num_steps / 2.0)
 
