@@ -98,7 +98,7 @@ def test_json_round_trip_preserves_predictions(small_fit, h100, h100_tables):
         t = h100_tables[fam].subset(np.arange(0, len(h100_tables[fam]), 97))
         a = eta_fit.predict_rows_s(fam, t.columns, h100, calib)
         b = eta_fit.predict_rows_s(fam, t.columns, h100, again)
-        np.testing.assert_allclose(a, b, rtol=1e-4)
+        np.testing.assert_allclose(a, b, rtol=1e-3)   # lattice stored as log-ratio × 1000 (≤ 0.05%)
     assert set(again.comm) >= {"nccl", "custom"}
 
 

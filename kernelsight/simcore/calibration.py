@@ -11,6 +11,7 @@ faster than the roofline divided by the largest η seen in calibration.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass, field
@@ -121,8 +122,18 @@ def _gemm_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
             np.log(pad_m64),
             np.log(pad_m128),
             np.log(pad_n128),
+            _aligned(m),
         ]
     )
+
+
+def _aligned(m: np.ndarray) -> np.ndarray:
+    """1 where the token count is a multiple of 16 (vectorized loads / tile-aligned kernel paths), else 0.
+
+    Measured: m = 4096 vs 4097 differ 5–15% at the same (n, k) — the library picks another kernel
+    configuration for unaligned m. Non-integer m (mean tokens per MoE expert) counts as aligned.
+    """
+    return ((np.mod(m, 16.0) == 0) | (np.mod(m, 1.0) != 0)).astype(float)
 
 
 def _eff_ctx(ctx: np.ndarray, window: np.ndarray) -> np.ndarray:
@@ -172,8 +183,107 @@ def _attn_decode_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
             _log(hd / 128.0),
             _log(ctas / dev["num_sms"]),
             _log(kv_bytes / dev["l2_bytes"]),
+            _l2_spill(_log(kv_bytes / dev["l2_bytes"]), dev.get("l2_spill_center", L2_SPILL_CENTER)),
         ]
     )
+
+
+#: Where the KV working set stops fitting in L2 (log of KV bytes / L2 bytes) and how sharp the change is.
+#: The target tier fits the center per GPU (``device["l2_spill_center"]``); this is the default.
+L2_SPILL_CENTER = 0.0
+L2_SPILL_WIDTH = 0.2
+
+
+def _l2_spill(log_ratio: np.ndarray, center: float = L2_SPILL_CENTER) -> np.ndarray:
+    """0 while the decode KV working set is served from L2, 1 once it streams from DRAM (logistic step).
+
+    Measured: decode time jumps 2–6× when the total KV bytes pass ~1–2× the L2 size (H100 between 33 and
+    67 MB for a 50 MB L2, L40S between 67 and 134 MB for 48 MB): the quadratic alone cannot make that
+    step, a bounded logistic of bytes/L2 can. Where exactly the step sits (the GPU's effective cache
+    capacity) is fitted per GPU in the target tier; the cross-generation tier uses 1× L2.
+    """
+    return 1.0 / (1.0 + np.exp(-np.clip((log_ratio - center) / L2_SPILL_WIDTH, -40.0, 40.0)))
+
+
+def _lg(x: float) -> float:
+    return math.log(x) if x > _TINY else math.log(_TINY)
+
+
+def _gemm_basis_scalar(f: tuple[float, ...], dev: dict[str, float]) -> list[float]:
+    """Pure-Python :func:`_gemm_basis` of one feature tuple."""
+    m, n, k = float(f[0]), float(f[1]), float(f[2])
+    bytes_moved = m * k * dev["in_bytes"] + k * n * dev["weight_bytes"] + m * n * dev["out_bytes"]
+    ai = 2.0 * m * n * k / bytes_moved
+    tile_m = 64.0 if m <= 64 else 128.0
+    tiles = math.ceil(m / tile_m) * math.ceil(n / 128.0) * math.ceil(k / 64.0)
+    return [
+        _lg(m),
+        _lg(n),
+        _lg(k),
+        _lg(ai / dev["balance"]),
+        _lg(tiles / dev["num_sms"]),
+        _lg(bytes_moved / dev["l2_bytes"]),
+        _lg(math.ceil(m / 64.0) * 64.0 / m),
+        _lg(math.ceil(m / 128.0) * 128.0 / m),
+        _lg(math.ceil(n / 128.0) * 128.0 / n),
+        1.0 if (m % 16.0 == 0 or m % 1.0 != 0) else 0.0,
+    ]
+
+
+def _eff_ctx_scalar(ctx: float, window: float) -> float:
+    return min(ctx, max(window, 1.0)) if window > 0 else ctx
+
+
+def _attn_prefill_basis_scalar(f: tuple[float, ...], dev: dict[str, float]) -> list[float]:
+    seqs, new, ctx, qh, kvh, hd = (float(x) for x in f[:6])
+    kvb = float(f[6]) if len(f) > 6 else 2.0
+    win = float(f[7]) if len(f) > 7 else 0.0
+    eff = _eff_ctx_scalar(ctx, win)
+    pairs = seqs * new * eff
+    kv_bytes = seqs * ctx * 2.0 * kvh * hd * kvb
+    q_bytes = seqs * new * 2.0 * qh * hd * 2.0
+    ai = 4.0 * qh * hd * pairs / (kv_bytes + q_bytes)
+    ctas = seqs * math.ceil(new / 128.0) * qh
+    return [
+        _lg(seqs),
+        _lg(new),
+        _lg(eff),
+        _lg(qh),
+        _lg(qh / kvh),
+        _lg(hd / 128.0),
+        _lg(ai / dev["balance"]),
+        _lg(ctas / dev["num_sms"]),
+        _lg((kv_bytes + q_bytes) / dev["l2_bytes"]),
+    ]
+
+
+def _attn_decode_basis_scalar(f: tuple[float, ...], dev: dict[str, float]) -> list[float]:
+    seqs, ctx, qh, kvh, hd = (float(x) for x in f[:5])
+    kvb = float(f[5]) if len(f) > 5 else 2.0
+    win = float(f[6]) if len(f) > 6 else 0.0
+    eff = _eff_ctx_scalar(ctx, win)
+    kv_bytes = seqs * eff * 2.0 * kvh * hd * kvb
+    l2r = _lg(kv_bytes / dev["l2_bytes"])
+    center = dev.get("l2_spill_center", L2_SPILL_CENTER)
+    spill = 1.0 / (1.0 + math.exp(-min(max((l2r - center) / L2_SPILL_WIDTH, -40.0), 40.0)))
+    return [
+        _lg(seqs),
+        _lg(eff),
+        _lg(qh),
+        _lg(qh / kvh),
+        _lg(hd / 128.0),
+        _lg(seqs * kvh / dev["num_sms"]),
+        l2r,
+        spill,
+    ]
+
+
+#: basis name → pure-Python single-row version (must give the same numbers as ``BASES``)
+SCALAR_BASES: dict[str, Any] = {
+    "gemm": _gemm_basis_scalar,
+    "attn_prefill": _attn_prefill_basis_scalar,
+    "attn_decode": _attn_decode_basis_scalar,
+}
 
 
 #: basis name → (function, names of its log-features)
@@ -190,6 +300,7 @@ BASES: dict[str, tuple[Any, tuple[str, ...]]] = {
             "log_pad_m64",
             "log_pad_m128",
             "log_pad_n128",
+            "m_aligned16",
         ),
     ),
     "attn_prefill": (
@@ -216,6 +327,7 @@ BASES: dict[str, tuple[Any, tuple[str, ...]]] = {
             "log_head_dim",
             "log_ctas_per_sm",
             "log_bytes_over_l2",
+            "l2_spill",
         ),
     ),
 }
@@ -247,53 +359,117 @@ def quadratic_design(zhat: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class ResidualGrid:
-    """Multilinear interpolation of a log-η correction on a regular lattice over some basis dims.
+    """Multilinear interpolation of a log-time correction on a rectilinear lattice over some basis dims.
 
-    ``dims`` index the basis columns; ``lo``/``step`` place the knots; ``values`` is the flattened lattice
-    (C order). Outside the lattice the edge value holds (clamped), so the correction stays bounded.
+    ``dims`` index the basis columns; ``knots[j]`` are the increasing knot positions along ``dims[j]``
+    (the target tier puts them at the measured grid's own values, so a shape of the sweep grid is
+    corrected by its measured neighbours); ``values`` is the flattened lattice (C order). Outside the
+    lattice the edge value holds (clamped), so the correction stays bounded.
     """
 
     dims: tuple[int, ...]
-    lo: tuple[float, ...]
-    step: tuple[float, ...]
-    shape: tuple[int, ...]
+    knots: tuple[tuple[float, ...], ...]
     values: tuple[float, ...]
-    _vals: np.ndarray = field(init=False, repr=False, compare=False)   # cached lattice array
+    _vals: np.ndarray = field(init=False, repr=False, compare=False)   # lattice array
+    _strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_vals", np.asarray(self.values, dtype=float).reshape(self.shape))
+        shape = self.shape
+        object.__setattr__(self, "_vals", np.asarray(self.values, dtype=float).reshape(shape))
+        strides, acc = [], 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= s
+        object.__setattr__(self, "_strides", tuple(reversed(strides)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(k) for k in self.knots)
 
     def __call__(self, z: np.ndarray) -> np.ndarray:
-        idx0, frac = grid_coordinates(z[:, list(self.dims)], self.lo, self.step, self.shape)
+        shape = self.shape
+        idx0, frac = knot_coordinates(z[:, list(self.dims)], self.knots)
         bits = _corner_bits(len(self.dims))                                   # (C, d)
         w = np.where(bits[None, :, :], frac[:, None, :], 1.0 - frac[:, None, :]).prod(axis=2)   # (n, C)
-        idx = np.minimum(idx0[:, None, :] + bits[None, :, :], np.asarray(self.shape) - 1)       # (n, C, d)
-        flat = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), self.shape)
+        idx = np.minimum(idx0[:, None, :] + bits[None, :, :], np.asarray(shape) - 1)            # (n, C, d)
+        flat = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
         return (w * self._vals.ravel()[flat]).sum(axis=1)
+
+    def scalar(self, z: list[float]) -> float:
+        """Pure-Python evaluation at one basis row (the step model's uncached path)."""
+        vals = self.values
+        base = 0
+        axes: list[tuple[float, int]] = []
+        for j, dim in enumerate(self.dims):
+            kn = self.knots[j]
+            x = z[dim]
+            last = len(kn) - 1
+            if x <= kn[0]:
+                i, f = 0, 0.0
+            elif x >= kn[last]:
+                i, f = last - 1, 1.0
+            else:
+                i = bisect.bisect_right(kn, x) - 1
+                f = (x - kn[i]) / (kn[i + 1] - kn[i])
+            base += i * self._strides[j]
+            axes.append((f, self._strides[j]))
+        # successive linear interpolation over the 2^d corners
+        points = [(base, 1.0)]
+        for f, stride in axes:
+            if f == 0.0:
+                continue
+            if f == 1.0:
+                points = [(o + stride, w) for o, w in points]
+                continue
+            g = 1.0 - f
+            points = [p for o, w in points for p in ((o, w * g), (o + stride, w * f))]
+        return sum(vals[o] * w for o, w in points)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "dims": list(self.dims),
-            "lo": list(self.lo),
-            "step": list(self.step),
-            "shape": list(self.shape),
-            "values": [round(v, 5) for v in self.values],
+            "knots": [[round(x, 6) for x in k] for k in self.knots],
+            "values_milli": [round(v * 1000.0) for v in self.values],   # compact: log-ratio × 1000
         }
 
 
-def grid_coordinates(
-    zs: np.ndarray, lo: tuple[float, ...], step: tuple[float, ...], shape: tuple[int, ...]
+def knot_coordinates(
+    zs: np.ndarray, knots: tuple[tuple[float, ...], ...]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Lower knot index and fractional position of each point along each grid dim (clamped)."""
-    pos = (zs - np.asarray(lo)) / np.asarray(step)
-    pos = np.clip(pos, 0.0, np.asarray(shape, dtype=float) - 1.0)
-    idx0 = np.minimum(np.floor(pos).astype(int), np.asarray(shape) - 2).clip(min=0)
-    return idx0, pos - idx0
+    """Lower knot index and fractional position of each point along each lattice dim (clamped)."""
+    idx0 = np.empty(zs.shape, dtype=np.int64)
+    frac = np.empty(zs.shape)
+    for j, kn in enumerate(knots):
+        k = np.asarray(kn, dtype=float)
+        i = np.clip(np.searchsorted(k, zs[:, j], side="right") - 1, 0, len(k) - 2)
+        idx0[:, j] = i
+        frac[:, j] = np.clip((zs[:, j] - k[i]) / (k[i + 1] - k[i]), 0.0, 1.0)
+    return idx0, frac
+
+
+def _grid_from_dict(g: dict[str, Any]) -> ResidualGrid:
+    if "knots" in g:
+        knots = tuple(tuple(float(x) for x in k) for k in g["knots"])
+    else:  # older files: a regular lattice given by lo / step / shape
+        knots = tuple(
+            tuple(float(lo + i * st) for i in range(int(n))) for lo, st, n in zip(g["lo"], g["step"], g["shape"],
+                                                                                  strict=True)
+        )
+    if "values_milli" in g:
+        values = tuple(float(v) * 1e-3 for v in g["values_milli"])
+    else:
+        values = tuple(float(v) for v in g["values"])
+    return ResidualGrid(tuple(int(d) for d in g["dims"]), knots, values)
 
 
 @dataclass(frozen=True, slots=True)
 class LogPolyEta:
-    """η = lo + (hi − lo)·sigmoid(β·quad(ẑ)), time scaled by exp(grid(z)) (see the block comment)."""
+    """η = lo + (hi − lo)·sigmoid(β·quad(ẑ)), time scaled by exp(grid(z)) (see the block comment).
+
+    ``zlo``/``zhi`` (optional) are the range of the basis seen in fitting: the polynomial is evaluated at
+    the basis clamped to it, so extrapolation (a GPU or shape outside the sources' range) holds the edge
+    value instead of following a quadratic away.
+    """
 
     basis: str
     device: dict[str, float]
@@ -304,11 +480,16 @@ class LogPolyEta:
     hi: float = 1.5
     overhead_s: float | None = None  # fixed latency of kernels this model covers (None: family's)
     grid: ResidualGrid | None = None
+    zlo: tuple[float, ...] | None = None
+    zhi: tuple[float, ...] | None = None
     _arrays: tuple[np.ndarray, ...] = field(init=False, repr=False, compare=False)  # center, scale, coef
+    _pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         arrays = tuple(np.asarray(v, dtype=float) for v in (self.center, self.scale, self.coef))
         object.__setattr__(self, "_arrays", arrays)
+        d = len(self.center)
+        object.__setattr__(self, "_pairs", tuple((i, j) for i in range(d) for j in range(i, d)))
 
     def eta_array(self, features: np.ndarray) -> np.ndarray:
         return self.eta_and_overhead_array(features)[0]
@@ -320,6 +501,8 @@ class LogPolyEta:
 
     def smooth_eta(self, z: np.ndarray) -> np.ndarray:
         center, scale, coef = self._arrays
+        if self.zlo is not None and self.zhi is not None:
+            z = np.clip(z, np.asarray(self.zlo), np.asarray(self.zhi))
         zhat = (z - center) / scale
         s = quadratic_design(zhat) @ coef
         return self.lo + (self.hi - self.lo) / (1.0 + np.exp(-np.clip(s, -40.0, 40.0)))
@@ -332,15 +515,39 @@ class LogPolyEta:
             eta, ovh = eta / scale, ovh * scale
         return eta, ovh
 
+    def eta_overhead_scalar(self, features: tuple[float, ...]) -> tuple[float, float]:
+        """(η, overhead_s) of one feature tuple in pure Python (same numbers as the array path)."""
+        z = SCALAR_BASES[self.basis](features, self.device)
+        zc = z
+        if self.zlo is not None and self.zhi is not None:
+            zc = [min(max(x, a), b) for x, a, b in zip(z, self.zlo, self.zhi, strict=True)]
+        zh = [(x - c) / s for x, c, s in zip(zc, self.center, self.scale, strict=True)]
+        coef = self.coef
+        d = len(zh)
+        s = coef[0]
+        for i in range(d):
+            s += coef[1 + i] * zh[i]
+        k = 1 + d
+        for i, j in self._pairs:
+            s += coef[k] * zh[i] * zh[j]
+            k += 1
+        s = min(max(s, -40.0), 40.0)
+        eta = self.lo + (self.hi - self.lo) / (1.0 + math.exp(-s))
+        ovh = self.overhead_s or 0.0
+        if self.grid is not None:
+            scale = math.exp(min(max(self.grid.scalar(z), -3.0), 3.0))
+            eta, ovh = eta / scale, ovh * scale
+        return eta, ovh
+
     def eta(self, features: tuple[float, ...]) -> float:
-        return float(self.eta_array(np.asarray(features, dtype=float)[None, :])[0])
+        return self.eta_overhead_scalar(features)[0]
 
     def overhead(self, features: tuple[float, ...]) -> float | None:
         if self.overhead_s is None:
             return None
         if self.grid is None:
             return self.overhead_s
-        return float(self.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])[1][0])
+        return self.eta_overhead_scalar(features)[1]
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -354,6 +561,8 @@ class LogPolyEta:
             "hi": self.hi,
             "overhead_s": self.overhead_s,
         }
+        if self.zlo is not None and self.zhi is not None:
+            d["zlo"], d["zhi"] = list(self.zlo), list(self.zhi)
         if self.grid is not None:
             d["grid"] = self.grid.to_dict()
         return d
@@ -361,27 +570,18 @@ class LogPolyEta:
 
 def _logpoly_from_dict(d: dict[str, Any]) -> LogPolyEta:
     g = d.get("grid")
-    grid = (
-        None
-        if g is None
-        else ResidualGrid(
-            tuple(g["dims"]),
-            tuple(g["lo"]),
-            tuple(g["step"]),
-            tuple(g["shape"]),
-            tuple(float(v) for v in g["values"]),
-        )
-    )
     return LogPolyEta(
         d["basis"],
         {k: float(v) for k, v in d["device"].items()},
-        tuple(d["center"]),
-        tuple(d["scale"]),
-        tuple(d["coef"]),
+        tuple(float(x) for x in d["center"]),
+        tuple(float(x) for x in d["scale"]),
+        tuple(float(x) for x in d["coef"]),
         float(d.get("lo", 0.01)),
         float(d.get("hi", 1.5)),
         None if d.get("overhead_s") is None else float(d["overhead_s"]),
-        grid,
+        None if g is None else _grid_from_dict(g),
+        None if d.get("zlo") is None else tuple(float(x) for x in d["zlo"]),
+        None if d.get("zhi") is None else tuple(float(x) for x in d["zhi"]),
     )
 
 
@@ -399,6 +599,9 @@ class SwitchEta:
 
     def eta(self, features: tuple[float, ...]) -> float:
         return self.pick(features).eta(features)
+
+    def eta_overhead_scalar(self, features: tuple[float, ...]) -> tuple[float, float | None]:
+        return _eta_overhead_of(self.pick(features), features)
 
     def overhead(self, features: tuple[float, ...]) -> float | None:
         m = self.pick(features)
@@ -437,11 +640,19 @@ class EnsembleEta:
             log_ovh += w * np.log(np.maximum(o, 1e-12))
         return np.exp(log_eta), np.exp(log_ovh)
 
+    def eta_overhead_scalar(self, features: tuple[float, ...]) -> tuple[float, float]:
+        log_eta = log_ovh = 0.0
+        for m, w in zip(self.members, self.weights, strict=True):
+            e, o = _eta_overhead_of(m, features)
+            log_eta += w * math.log(max(e, _TINY))
+            log_ovh += w * math.log(max(o or 0.0, 1e-12))
+        return math.exp(log_eta), math.exp(log_ovh)
+
     def eta(self, features: tuple[float, ...]) -> float:
-        return float(self.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])[0][0])
+        return self.eta_overhead_scalar(features)[0]
 
     def overhead(self, features: tuple[float, ...]) -> float | None:
-        return float(self.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])[1][0])
+        return self.eta_overhead_scalar(features)[1]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -449,6 +660,16 @@ class EnsembleEta:
             "weights": list(self.weights),
             "members": [m.to_dict() for m in self.members],
         }
+
+
+def _eta_overhead_of(model: EtaModel, features: tuple[float, ...]) -> tuple[float, float | None]:
+    """(η, own fixed latency or None) of any η model at one feature tuple, pure Python where possible."""
+    if isinstance(model, LogPolyEta):
+        e, o = model.eta_overhead_scalar(features)
+        return e, (None if model.overhead_s is None else o)
+    if isinstance(model, SwitchEta | EnsembleEta):
+        return model.eta_overhead_scalar(features)
+    return model.eta(features), None
 
 
 def switch_key(value: float) -> str:
@@ -590,16 +811,7 @@ class Calibration:
         if hit is not None:
             return hit
         model = self.eta.get(family) or self.eta["default"]
-        if isinstance(model, SwitchEta):
-            model = model.pick(features)
-        own: float | None = None
-        if hasattr(model, "eta_and_overhead_array"):
-            e_arr, o_arr = model.eta_and_overhead_array(np.asarray(features, dtype=float)[None, :])
-            eta = float(e_arr[0])
-            if not (isinstance(model, LogPolyEta) and model.overhead_s is None):
-                own = float(o_arr[0])
-        else:
-            eta = model.eta(features)
+        eta, own = _eta_overhead_of(model, features)
         if len(self._memo) > 200_000:   # bounded: decode contexts make many distinct keys
             self._memo.clear()
         out = (min(max(eta, self.eta_floor), self.eta_max), own)

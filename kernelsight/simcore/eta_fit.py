@@ -15,6 +15,7 @@ Optionally (target tier) a residual lattice over the raw shape absorbs what the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -32,7 +33,7 @@ from kernelsight.simcore.calibration import (
     SwitchEta,
     basis_matrix,
     default_calibration,
-    grid_coordinates,
+    knot_coordinates,
     quadratic_design,
     switch_key,
 )
@@ -273,12 +274,35 @@ def fit_logpoly(
     return beta, float(np.exp(theta)), center, scale
 
 
+def lattice_knots(x: np.ndarray, min_gap: float) -> tuple[float, ...]:
+    """Knots along one log-feature: its distinct measured values, merged while closer than ``min_gap``.
+
+    Placing knots at the sweep grid's own values means a shape of the grid is corrected by its measured
+    neighbours along each axis (interpolation, not a smooth law); ``min_gap`` caps the lattice size.
+    ``min_gap < 0`` asks for a regular lattice with knots ``|min_gap|`` apart instead.
+    """
+    u = np.unique(np.round(x, 6))
+    if len(u) == 1:
+        return (float(u[0]) - 0.5, float(u[0]) + 0.5)
+    if min_gap < 0:  # a regular lattice, |min_gap| apart, spanning the measured range
+        count = int(max(2, np.ceil((u[-1] - u[0]) / -min_gap - 1e-9) + 1))
+        return tuple(float(v) for v in np.linspace(u[0], u[-1], count))
+    if min_gap <= 0:
+        return tuple(float(v) for v in u)
+    kept = [float(u[0])]
+    for v in u[1:-1]:
+        if v - kept[-1] >= min_gap and u[-1] - v >= 0.5 * min_gap:
+            kept.append(float(v))
+    kept.append(float(u[-1]))
+    return tuple(kept)
+
+
 def fit_residual_grid(
     z: np.ndarray,
     dims: tuple[int, ...],
     log_ratio: np.ndarray,
     weight: np.ndarray,
-    knots_per_octave: float = 1.0,
+    min_gaps: tuple[float, ...] | None = None,
     smooth: float = 0.3,
     ridge: float = 1e-3,
     cg_iters: int = 300,
@@ -291,14 +315,10 @@ def fit_residual_grid(
     i.e. to the smooth model.
     """
     zs = z[:, list(dims)]
-    lo = zs.min(axis=0)
-    hi = zs.max(axis=0)
-    per_unit = knots_per_octave / np.log(2.0)
-    shape = tuple(
-        int(max(2, np.ceil((h - lo_j) * per_unit - 1e-9) + 1)) for lo_j, h in zip(lo, hi, strict=True)
-    )
-    step = tuple(float(max((h - lo_j) / (s - 1), 1e-6)) for lo_j, h, s in zip(lo, hi, shape, strict=True))
-    idx0, frac = grid_coordinates(zs, tuple(lo), step, shape)
+    gaps = min_gaps if min_gaps is not None else (0.0,) * len(dims)
+    knots = tuple(lattice_knots(zs[:, j], gaps[j]) for j in range(len(dims)))
+    shape = tuple(len(k) for k in knots)
+    idx0, frac = knot_coordinates(zs, knots)
     size = int(np.prod(shape))
     d = len(dims)
     corner_idx = []
@@ -310,17 +330,22 @@ def fit_residual_grid(
             bit = (corner >> j) & 1
             w = w * (frac[:, j] if bit else 1.0 - frac[:, j])
             flat = flat * shape[j] + np.minimum(idx0[:, j] + bit, shape[j] - 1)
-        corner_idx.append(flat)
-        corner_w.append(w)
-    sw = np.sqrt(weight)
+        keep = w > 0
+        corner_idx.append(flat[keep])
+        corner_w.append((w[keep], keep))
+    sw2 = weight
     scale_pen = len(z) / size
 
     def interp(v: np.ndarray) -> np.ndarray:
-        return sum(w * v[i] for i, w in zip(corner_idx, corner_w, strict=True))
+        out = np.zeros(len(z))
+        for i, (w, keep) in zip(corner_idx, corner_w, strict=True):
+            out[keep] += w * v[i]
+        return out
 
     def interp_t(r: np.ndarray) -> np.ndarray:
         return sum(
-            np.bincount(i, weights=w * r, minlength=size) for i, w in zip(corner_idx, corner_w, strict=True)
+            np.bincount(i, weights=w * r[keep], minlength=size)
+            for i, (w, keep) in zip(corner_idx, corner_w, strict=True)
         )
 
     def penalty(v: np.ndarray) -> np.ndarray:
@@ -336,7 +361,7 @@ def fit_residual_grid(
         return out.ravel()
 
     def matvec(v: np.ndarray) -> np.ndarray:
-        return interp_t(sw**2 * interp(v)) + scale_pen * (smooth * penalty(v) + ridge * v)
+        return interp_t(sw2 * interp(v)) + scale_pen * (smooth * penalty(v) + ridge * v)
 
     rhs = interp_t(weight * log_ratio)
     v = np.zeros(size)
@@ -354,12 +379,21 @@ def fit_residual_grid(
         rr_new = float(r @ r)
         pvec = r + (rr_new / rr) * pvec
         rr = rr_new
-    return ResidualGrid(tuple(dims), tuple(float(x) for x in lo), step, shape, tuple(float(x) for x in v))
+    return ResidualGrid(tuple(dims), knots, tuple(float(x) for x in v))
 
 
 #: Raw-shape basis dims the target-tier residual lattice spans, per family.
-GRID_DIMS = {"gemm": (0, 1, 2), "attn_prefill": (0, 1, 3, 4, 5), "attn_decode": (0, 1, 2, 3, 4)}
-GRID_KNOTS_PER_OCTAVE = {"gemm": 2.0, "attn_prefill": 1.0, "attn_decode": 1.0}
+GRID_DIMS = {"gemm": (0, 1, 2, 9), "attn_prefill": (0, 1, 3, 4, 5), "attn_decode": (0, 1, 2, 3, 4, 7)}
+#: Smallest log-gap between lattice knots per dim (0: a knot at every measured value; < 0: a regular
+#: lattice that many log units apart, e.g. −ln2/2 = two knots per octave). Chosen on an inner split of the
+#: training rows (H100/L40S/A100): per-value knots overfit GEMMs and prefill (neighbouring m differ by
+#: kernel choice, not smoothly), but help decode, whose L2 step sits between two measured contexts.
+_OCT2, _OCT1 = -math.log(2.0) / 2.0, -math.log(2.0)
+GRID_MIN_GAPS = {
+    "gemm": (_OCT2, _OCT2, _OCT2, 0.0),
+    "attn_prefill": (_OCT1, _OCT1, _OCT1, _OCT1, _OCT1),
+    "attn_decode": (0.0, 0.0, 0.9, 0.9, 0.0, 0.45),
+}
 
 
 def fit_submodel(
@@ -375,6 +409,8 @@ def fit_submodel(
 ) -> SubFit:
     """Fit η (+ overhead) of one family variant on one GPU."""
     dev = device_constants(family, variant, hw)
+    if family == "attn_decode":
+        dev["l2_spill_center"] = fit_spill_center(rows.features, dev, roof_s, lat_s)
     z = basis_matrix(basis_name(family), rows.features, dev)
     beta, ovh, center, scale = fit_logpoly(z, roof_s, lat_s)
     model = LogPolyEta(
@@ -386,12 +422,41 @@ def fit_submodel(
         ETA_LO,
         ETA_HI,
         ovh,
+        zlo=tuple(z.min(axis=0).tolist()),
+        zhi=tuple(z.max(axis=0).tolist()),
     )
     if residual_grid:
         model = add_residual_grid(model, family, z, roof_s, lat_s, rounds=grid_rounds)
     eta, ovh_rows = model.from_basis(z)
     pred = roof_s / eta + ovh_rows
     return SubFit(model, len(z), float(np.mean(np.abs(pred - lat_s) / lat_s)), float(eta.max()))
+
+
+#: Candidate positions (log KV bytes / L2) of the decode L2 step searched in the target tier.
+SPILL_CENTERS = tuple(-0.75 + 0.25 * i for i in range(11))
+
+
+def fit_spill_center(
+    features: np.ndarray, dev: dict[str, float], roof_s: np.ndarray, lat_s: np.ndarray, max_rows: int = 4000
+) -> float:
+    """Position of the decode L2 step (a GPU property): the candidate whose smooth fit has the least loss.
+
+    Searched on a fixed subsample (≤ ``max_rows`` rows, deterministic) with a short fit, so it costs
+    a few seconds at most.
+    """
+    n = len(roof_s)
+    idx = np.arange(n) if n <= max_rows else np.random.default_rng(0).choice(n, max_rows, replace=False)
+    best, best_loss = 0.0, np.inf
+    for c in SPILL_CENTERS:
+        d = dict(dev, l2_spill_center=c)
+        z = basis_matrix("attn_decode", features[idx], d)
+        beta, ovh, center, scale = fit_logpoly(z, roof_s[idx], lat_s[idx], iters=25)
+        m = LogPolyEta("attn_decode", d, tuple(center), tuple(scale), tuple(beta), ETA_LO, ETA_HI, ovh)
+        e, o = m.from_basis(z)
+        loss = float(np.mean(np.log((roof_s[idx] / e + o) / lat_s[idx]) ** 2))
+        if loss < best_loss:
+            best, best_loss = c, loss
+    return best
 
 
 def add_residual_grid(
@@ -408,7 +473,7 @@ def add_residual_grid(
             GRID_DIMS[family],
             np.clip(log_ratio, -2.0, 2.0),
             np.ones(len(z)),
-            knots_per_octave=GRID_KNOTS_PER_OCTAVE[family],
+            min_gaps=GRID_MIN_GAPS[family],
         )
         if grid is not None:
             add = replace(add, values=tuple(a + b for a, b in zip(add.values, grid.values, strict=True)))

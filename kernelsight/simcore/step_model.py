@@ -64,12 +64,15 @@ def _snap_log(x: float) -> float:
 
 
 def eta_lookup_features(family: str, features: tuple[float, ...]) -> tuple[float, ...]:
-    """Features at which η is looked up: token counts above 64 rounded up to a multiple of 16 (this keeps
-    every 64/128-row tile count unchanged), mean lengths snapped to a 1/64-octave grid."""
+    """Features at which η is looked up: token counts above 64 rounded up to a multiple of 16 (one less when
+    not a multiple: both keep every 64/128-row tile count and the 16-alignment unchanged), mean lengths
+    snapped to a 1/64-octave grid."""
     if family in (K.GEMM, K.MOE_GEMM):
         m = features[0]
         if m > 64:
-            return (float(math.ceil(m / 16.0) * 16),) + features[1:]
+            # up to the next multiple of 16 (minus one when m is not one, so that η's alignment term stays)
+            snapped = math.ceil(m / 16.0) * 16
+            return (float(snapped if m % 16 == 0 else snapped - 1),) + features[1:]
         return features
     if family == K.ATTN_DECODE:
         return (features[0], _snap_log(features[1])) + features[2:]
