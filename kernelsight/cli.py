@@ -1,17 +1,19 @@
-"""``kernelsight`` command line: serve | simulate | profiles | calibrate | predict."""
+"""``kernelsight`` command line: serve | bench | simulate | profiles | calibrate | predict."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kernelsight.argtypes import fraction, non_negative_int, positive_int, range_ratio, rate
 from kernelsight.simcore.engine_config import EngineArgs
+
+__all__ = ["OneLineParser", "add_engine_args", "engine_args_from", "build_parser", "main", "positive_int",
+           "non_negative_int", "rate", "fraction", "range_ratio"]
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 DEFAULT_HARDWARE = "h100"
@@ -22,42 +24,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-# -- argument types (argparse turns their ValueError into a one-line error) ------------------------------
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
-def non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
-    return v
-
-
-def rate(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 or inf, got {text}")
-    return v
-
-
-def fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
-
-
-def range_ratio(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return v
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -121,133 +87,58 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         calibration=ns.calibration)
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """Workload flags named as ``vllm bench serve`` names them."""
-    g = p.add_argument_group("workload (as vllm bench serve)")
-    g.add_argument("--dataset-name", choices=("random", "trace"), default="random",
-                   help="random token prompts, or a JSONL(.gz) request trace (default: random)")
-    g.add_argument("--dataset-path", default=None,
-                   help="trace file: one JSON per line with arrival_time_ns, input_toks, output_toks and "
-                        "optional input_tok_ids (gzip or plain)")
-    g.add_argument("--num-prompts", type=positive_int, default=1000,
-                   help="requests to send (default: 1000; a trace sends at most its own length)")
-    g.add_argument("--random-input-len", "--input-len", type=positive_int, default=1024,
-                   help="random dataset: prompt tokens (default: 1024)")
-    g.add_argument("--random-output-len", "--output-len", type=positive_int, default=128,
-                   help="random dataset: output tokens (default: 128)")
-    g.add_argument("--random-range-ratio", type=range_ratio, default=0.0,
-                   help="random dataset: lengths uniform in [L·(1−r), L·(1+r)] (default: 0)")
-    g.add_argument("--random-prefix-len", type=non_negative_int, default=0,
-                   help="random dataset: tokens of one prefix shared by all prompts (default: 0)")
-    g.add_argument("--request-rate", type=rate, default=None,
-                   help="requests/s, Poisson with --burstiness 1 (default: inf = all at once; a trace keeps "
-                        "its own timestamps unless this is given)")
-    g.add_argument("--burstiness", type=rate, default=1.0,
-                   help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier (default: 1)")
-    g.add_argument("--max-concurrency", type=positive_int, default=None,
-                   help="at most this many requests in flight (closed loop with --request-rate inf)")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="generate exactly the requested output lengths (default: on, as vllm bench serve "
-                        "forces for random prompts and the trace's lengths are exact; --no-ignore-eos lets "
-                        "the output-length model stop early)")
-    g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                   help="metrics to report percentiles for (default: %(default)s)")
-    g.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles (default: 99)")
-    g.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50")
-
-
-def _parse_float_list(text: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{what} must be comma-separated numbers, got {text!r}") from None
-
-
-def _parse_goodput(items: Sequence[str] | None) -> dict[str, float] | None:
-    if not items:
-        return None
-    out = {}
-    for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or key not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
-        out[key] = float(value)
-    return out
-
-
 # -- simulate ---------------------------------------------------------------------------------------
 def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.loadgen.workload import add_report_args, add_workload_args
+
     p = sub.add_parser(
         "simulate", help="fast-forward a workload through the simulator (no HTTP) and report like vllm bench serve",
         description="Run a workload through the simulated vLLM engine on a virtual clock and print the "
-                    "metrics `vllm bench serve` would report against a real deployment.")
-    add_workload_args(p)
+                    "metrics `vllm bench serve` would report against a real deployment (the same workload flags "
+                    "and report as `kernelsight bench`).")
+    add_workload_args(p, with_seed=False)      # --seed comes with the engine flags
     add_engine_args(p)
-    o = p.add_argument_group("output")
-    o.add_argument("--result-json", default=None, help="write the result (bench serve keys + config) here")
+    o = add_report_args(p, default_metrics="ttft,tpot,itl,e2el")
     o.add_argument("--timeline", default=None,
                    help="CSV per step: time, running, waiting, KV usage, scheduled tokens, step seconds")
-    o.add_argument("--save-detailed", action="store_true", help="include per-request lists in --result-json")
     p.set_defaults(func=cmd_simulate)
 
 
-def load_workload(ns: argparse.Namespace, vocab_size: int):
-    from kernelsight.loadgen.arrivals import arrival_times_s
-    from kernelsight.loadgen.datasets import random_dataset, trace_dataset
-
-    if ns.dataset_name == "trace":
-        if not ns.dataset_path:
-            raise ValueError("--dataset-name trace needs --dataset-path")
-        if not Path(ns.dataset_path).is_file():
-            raise ValueError(f"--dataset-path {ns.dataset_path}: no such file")
-        samples = trace_dataset(ns.dataset_path, ns.num_prompts)
-        if ns.request_rate is None:
-            return samples, [s.arrival_offset_s or 0.0 for s in samples]
-    else:
-        samples = random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len,
-                                 ns.random_range_ratio, vocab_size, ns.seed, ns.random_prefix_len)
-    req_rate = ns.request_rate if ns.request_rate is not None else math.inf
-    return samples, arrival_times_s(len(samples), req_rate, ns.burstiness, ns.seed).tolist()
-
-
 def cmd_simulate(ns: argparse.Namespace) -> int:
-    from kernelsight.loadgen.fastforward import run_fast_forward, write_timeline
-    from kernelsight.loadgen.metrics import compute_bench_metrics, detailed_fields, per_request_fields
+    from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_fast_forward, write_timeline
+    from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
+    from kernelsight.loadgen.progress import Progress
     from kernelsight.loadgen.report import format_report, format_table
+    from kernelsight.loadgen.tokenizer import resolve_tokenizer
+    from kernelsight.loadgen.workload import build_workload, metric_options, result_header
     from kernelsight.runtime import create_engine_config
 
     config = create_engine_config(engine_args_from(ns))
-    percentiles = _parse_float_list(ns.metric_percentiles, "metric-percentiles")
-    metrics = [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()]
-    goodput = _parse_goodput(ns.goodput)
-    samples, arrivals = load_workload(ns, config.model.vocab_size)
+    mopts = metric_options(ns)
+    wl = build_workload(ns, config.model.vocab_size, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
+    samples = wl.samples
     too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) are longer than max_model_len={config.scheduler.max_model_len} "
                          f"(longest {max(too_long)} tokens)")
-    ignore_eos = True if ns.ignore_eos is None else ns.ignore_eos
-    res = run_fast_forward(config, samples, arrivals, max_concurrency=ns.max_concurrency, ignore_eos=ignore_eos,
-                           record_timeline=ns.timeline is not None)
-    stats = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=metrics,
-                                  percentiles=percentiles, goodput_slos_ms=goodput)
-    req_rate = ns.request_rate if ns.request_rate is not None else (
-        "trace" if ns.dataset_name == "trace" else "inf")
-    result: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "kernelsight-simulate",
-        "backend": "kernelsight", "label": None, "model_id": config.model.name, "tokenizer_id": config.model.name,
-        "num_prompts": len(samples), "request_rate": req_rate if not isinstance(req_rate, float) else req_rate,
-        "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
-    }
-    result.update(stats)
-    result.update(per_request_fields(res.records))
-    if ns.save_detailed:
-        result.update(detailed_fields(res.records))
+    bar = Progress(len(samples), "requests (simulated)", enabled=ns.progress)
+    res = run_fast_forward(config, samples, wl.arrivals_s, max_concurrency=ns.max_concurrency,
+                           ignore_eos=wl.ignore_eos, record_timeline=ns.timeline is not None or ns.plot is not None,
+                           on_finished=bar.update if bar.enabled else None)
+    bar.close()
+    stats = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=mopts.percentile_metrics,
+                                  percentiles=mopts.percentiles, goodput_slos_ms=mopts.goodput_slos_ms)
+    header = result_header(backend="kernelsight", endpoint_type="kernelsight-simulate", model_id=config.model.name,
+                           tokenizer_id=ns.tokenizer or config.model.name, num_prompts=len(samples),
+                           request_rate=wl.request_rate, burstiness=ns.burstiness, max_concurrency=ns.max_concurrency)
     busy = sum(res.breakdown_s.values()) or 1.0
-    result["config"] = config.summary()
-    result["kernel_time_breakdown"] = {
-        f: {"seconds": round(s, 6), "fraction": round(s / busy, 5)} for f, s in res.breakdown_s.items()}
-    result["simulator"] = res.simulator_stats()
+    extra: dict[str, Any] = {
+        "config": config.summary(),
+        "kernel_time_breakdown": {f: {"seconds": round(s, 6), "fraction": round(s / busy, 5)}
+                                  for f, s in res.breakdown_s.items()},
+        "simulator": res.simulator_stats(),
+    }
+    result = assemble_result(header, stats, res.records, detailed=ns.save_detailed, extra=extra)
 
     s = config.summary()
     print(f"kernelsight simulate: {s['model']} on {s['hardware']} (TP {s['tensor_parallel_size']}, "
@@ -255,9 +146,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens = {s['kv_cache_tokens']} tokens; "
           f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, "
           f"max_model_len {s['max_model_len']}")
-    report = dict(result)
-    report["request_rate"] = req_rate
-    print(format_report(report, title=" Simulated Serving Benchmark Result "))
+    print(format_report(result, title=" Simulated Serving Benchmark Result "))
     rows = [{"family": f, "seconds": v["seconds"], "percent": 100 * v["fraction"]}
             for f, v in result["kernel_time_breakdown"].items() if v["seconds"] > 0]
     print("Step time by kernel family:")
@@ -271,6 +160,17 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.timeline:
         write_timeline(ns.timeline, res.timeline or [])
         print(f"wrote {ns.timeline}")
+    if ns.plot:
+        from kernelsight.loadgen.plot import write_plot_html
+
+        cols = list(zip(*res.timeline, strict=True)) if res.timeline else [[] for _ in TIMELINE_COLUMNS]
+        timeline = dict(zip(TIMELINE_COLUMNS, cols, strict=True))
+        summary = {"model": s["model"], "hardware": s["hardware"], **{k: result[k] for k in (
+            "num_prompts", "request_rate", "duration", "completed", "request_throughput", "output_throughput")},
+            **{k: v for k, v in result.items() if k.startswith("mean_")}}
+        write_plot_html(ns.plot, f"kernelsight simulate: {s['model']} on {s['hardware']}", res.records,
+                        summary=summary, timeline=timeline)
+        print(f"wrote {ns.plot}")
     return 0
 
 
@@ -325,7 +225,8 @@ def _optional_commands():
     except ImportError:       # the server extra (fastapi, uvicorn, transformers) is not installed
         pass
     from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
-    return out + [add_calibrate_parser, add_predict_parser]
+    from kernelsight.loadgen.bench import add_bench_parser  # aiohttp is imported only when bench runs
+    return out + [add_bench_parser, add_calibrate_parser, add_predict_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -114,3 +114,21 @@ def test_same_seed_identical_result_json(tmp_path):
             r.pop(volatile)
         outs.append(r)
     assert outs[0] == outs[1]
+
+
+def test_bench_help_has_vllm_bench_serve_flags(capsys):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    with pytest.raises(SystemExit):
+        sub.choices["bench"].parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--base-url", "--endpoint", "--model", "--tokenizer", "--dataset-name", "--dataset-path",
+                 "--num-prompts", "--request-rate", "--burstiness", "--max-concurrency", "--random-input-len",
+                 "--random-output-len", "--random-range-ratio", "--random-prefix-len", "--prefix-repetition-prefix-len",
+                 "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes", "--prefix-repetition-output-len",
+                 "--ignore-eos", "--seed", "--goodput", "--percentile-metrics", "--metric-percentiles", "--result-json",
+                 "--save-detailed", "--plot", "--scrape-metrics", "--time-scale"):
+        assert flag in text, flag
+    for a in sub.choices["bench"]._actions:
+        if a.option_strings and a.option_strings[0] != "--help":
+            assert a.help, f"{a.option_strings} has no help"

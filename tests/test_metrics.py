@@ -160,7 +160,7 @@ def test_fast_on_10k_records():
 
 def test_detailed_and_per_request_fields():
     d = detailed_fields(_records())
-    assert list(d) == ["input_lens", "output_lens", "ttfts", "itls", "start_times", "errors"]
+    assert list(d) == ["input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors"]
     assert d["input_lens"] == [10, 20, 5, 7]
     assert d["output_lens"] == [3, 5, 1, 0]
     assert d["itls"][1] == [0.1, 0.1, 0.4] and d["itls"][3] == []

@@ -1,11 +1,15 @@
 """Workload datasets for the load generator (spec §7.2).
 
-Two sources:
-
 * ``random_dataset`` -- the ``vllm bench serve --dataset-name random`` workload, in token ids only
   (no tokenizer here, so there is no decode/re-encode round trip: lengths are exact).
 * ``trace_dataset`` -- a JSONL (optionally gzip) trace with per-request arrival offsets and exact
   input/output lengths, e.g. ``sharegpt-llama-3.1-8b-300-sps10.jsonl.gz``.
+* ``sharegpt_dataset`` -- ShareGPT-format JSON conversations (text; counted with a tokenizer).
+* ``prefix_repetition_dataset`` -- a few shared random prefixes, each followed by random suffixes
+  (token ids, so prefix sharing is exact).
+* ``custom_dataset`` -- a JSONL of ``{"prompt": ..., "output_tokens": ...}``.
+
+Text datasets take any tokenizer with ``encode(text, add_special_tokens=True) -> list[int]``.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any, Protocol
 
 import numpy as np
 
-__all__ = ["SampleRequest", "random_dataset", "trace_dataset"]
+__all__ = ["SampleRequest", "random_dataset", "trace_dataset", "sharegpt_dataset", "prefix_repetition_dataset",
+           "custom_dataset", "oversample"]
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 _GZIP_MAGIC = b"\x1f\x8b"
 # Synthetic ids avoid the lowest ids, where small vocabularies keep special tokens (bos/eos/unk).
@@ -198,3 +207,105 @@ def trace_dataset(
             )
         )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# oversampling, ShareGPT, prefix repetition, custom JSONL
+# --------------------------------------------------------------------------------------------
+
+
+def oversample(samples: list[SampleRequest], num_prompts: int, seed: int) -> list[SampleRequest]:
+    """Repeat randomly drawn entries until there are ``num_prompts`` (vllm bench serve oversamples a
+    dataset smaller than ``--num-prompts`` unless ``--no-oversample``)."""
+    if len(samples) >= num_prompts or not samples:
+        return samples
+    rng = np.random.default_rng([seed, 0x05A])
+    extra = rng.integers(0, len(samples), size=num_prompts - len(samples))
+    return samples + [samples[int(i)] for i in extra]
+
+
+def sharegpt_dataset(path: str | os.PathLike, num_prompts: int, tokenizer: _Encoder, seed: int, *,
+                     output_len: int | None = None, do_oversample: bool = True,
+                     max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[SampleRequest]:
+    """ShareGPT JSON (a list of ``{"conversations": [{"value": prompt}, {"value": completion}, ...]}``),
+    filtered by vllm bench serve's rules (spec §7.2): shuffled with the seed; the first two turns of each
+    conversation are the prompt and the reference completion, whose token count is the output length
+    unless ``output_len`` fixes it; pairs with a prompt < 4 tokens, an output < 4 (unless fixed), a prompt
+    > 1024 or prompt + output > 2048 tokens are dropped."""
+    with _open_text(path) as fh:
+        data = json.load(fh)
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
+    convs = [d["conversations"] for d in data
+             if isinstance(d, dict) and isinstance(d.get("conversations"), list) and len(d["conversations"]) >= 2]
+    order = np.random.default_rng(seed).permutation(len(convs))
+    out: list[SampleRequest] = []
+    for k in order:
+        if len(out) >= num_prompts:
+            break
+        turns = convs[int(k)]
+        prompt, completion = str(turns[0].get("value", "")), str(turns[1].get("value", ""))
+        ids = tokenizer.encode(prompt)
+        n_out = output_len if output_len is not None else len(tokenizer.encode(completion, add_special_tokens=False))
+        if len(ids) < 4 or (output_len is None and n_out < 4):
+            continue
+        if len(ids) > max_prompt_len or len(ids) + n_out > max_total_len:
+            continue
+        out.append(SampleRequest(prompt_token_ids=ids, prompt_len=len(ids), expected_output_len=n_out,
+                                 prompt=prompt))
+    if not out:
+        raise ValueError(f"{path}: no conversation passed the ShareGPT length filters")
+    return oversample(out, num_prompts, seed) if do_oversample else out
+
+
+def prefix_repetition_dataset(num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                              output_len: int, vocab_size: int, seed: int) -> list[SampleRequest]:
+    """``num_prefixes`` random prefixes, ``num_prompts // num_prefixes`` prompts each (prefix + a random
+    suffix), shuffled, then oversampled up to ``num_prompts``. Token ids, so sharing is exact."""
+    if num_prefixes < 1 or num_prompts < num_prefixes:
+        raise ValueError(f"--prefix-repetition-num-prefixes must be in [1, num_prompts={num_prompts}], "
+                         f"got {num_prefixes}")
+    if prefix_len + suffix_len < 1 or output_len < 1:
+        raise ValueError("prefix repetition needs prefix_len + suffix_len >= 1 and output_len >= 1")
+    rng = np.random.default_rng(seed)
+    low = min(_SYNTH_LOW_ID, vocab_size - 1)
+    out: list[SampleRequest] = []
+    for _ in range(num_prefixes):
+        prefix = rng.integers(low, vocab_size, size=prefix_len).tolist()
+        for _ in range(num_prompts // num_prefixes):
+            ids = prefix + rng.integers(low, vocab_size, size=suffix_len).tolist()
+            out.append(SampleRequest(prompt_token_ids=ids, prompt_len=len(ids), expected_output_len=output_len))
+    perm = rng.permutation(len(out))
+    return oversample([out[int(i)] for i in perm], num_prompts, seed)
+
+
+def custom_dataset(path: str | os.PathLike, num_prompts: int, tokenizer: _Encoder, seed: int, *,
+                   output_len: int = 256, do_oversample: bool = True,
+                   chat_template: Any = None) -> list[SampleRequest]:
+    """A JSONL of ``{"prompt": str, "output_tokens": int?}``. ``output_len`` -1 takes each line's
+    ``output_tokens``; otherwise every request asks for ``output_len``. ``chat_template(prompt) -> str``
+    wraps the prompt (vLLM applies the model's template unless ``--skip-chat-template``)."""
+    out: list[SampleRequest] = []
+    with _open_text(path) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if len(out) >= num_prompts:
+                break
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{path} line {lineno}: expected an object with a string 'prompt'")
+            if output_len == -1:
+                n_out = _req_int(obj, "output_tokens", lineno, 1)
+            else:
+                n_out = output_len
+            prompt = chat_template(obj["prompt"]) if chat_template is not None else obj["prompt"]
+            ids = tokenizer.encode(prompt, add_special_tokens=chat_template is None)
+            out.append(SampleRequest(prompt_token_ids=ids, prompt_len=len(ids), expected_output_len=n_out,
+                                     prompt=prompt))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return oversample(out, num_prompts, seed) if do_oversample else out

@@ -11,7 +11,7 @@ import csv
 import gc
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,8 +74,12 @@ class FastForwardResult:
 
 def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float], *,
                      max_concurrency: int | None = None, ignore_eos: bool = True,
-                     record_timeline: bool = False) -> FastForwardResult:
-    """Simulate ``samples`` sent at ``arrivals_s`` (seconds from the start) and measure every request."""
+                     record_timeline: bool = False,
+                     on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
+    """Simulate ``samples`` sent at ``arrivals_s`` (seconds from the start) and measure every request.
+
+    ``on_finished(n)`` is called after each engine window with the number of requests it finished (progress).
+    """
     if len(samples) != len(arrivals_s):
         raise ValueError("one arrival time per sample is required")
     if max_concurrency is not None and max_concurrency < 1:
@@ -86,14 +90,15 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0)
+        return _run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0, on_finished)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
-         max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float) -> FastForwardResult:
+         max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
+         on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
     engine = create_engine(config, per_token_events=False)
     order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
     pending = deque(order)
@@ -126,6 +131,7 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             continue
         ends.extend(res.step_end_s)
         freed = False
+        n_before = in_flight
         for ev in res.events:
             tr = trackers[ev.request_id]
             kind = ev.kind
@@ -141,6 +147,8 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
                 freed = True
         if timeline is not None:
             _extend_timeline(timeline, res)
+        if on_finished is not None and in_flight < n_before:
+            on_finished(n_before - in_flight)
         if freed and pending:
             send(res.end_s)
 

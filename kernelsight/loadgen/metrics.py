@@ -17,6 +17,7 @@ __all__ = [
     "PERCENTILE_METRICS",
     "GOODPUT_METRICS",
     "compute_bench_metrics",
+    "assemble_result",
     "detailed_fields",
     "per_request_fields",
     "percentile_key",
@@ -46,6 +47,7 @@ class RequestRecord:
     start_s: float = 0.0  # send time (just before the POST), relative to the benchmark start
     queue_s: float = 0.0  # client-side wait (max-concurrency semaphore), before start_s
     error: str = ""
+    generated_text: str = ""
 
 
 def percentile_key(p: float, metric: str) -> str:
@@ -216,6 +218,7 @@ def detailed_fields(records: Sequence[RequestRecord]) -> dict:
         "ttfts": [float(r.ttft_s) for r in records],
         "itls": [np.asarray(r.itl_s, dtype=np.float64).tolist() for r in records],
         "start_times": [float(r.start_s) for r in records],
+        "generated_texts": [r.generated_text for r in records],
         "errors": [r.error for r in records],
     }
 
@@ -227,3 +230,44 @@ def per_request_fields(records: Sequence[RequestRecord]) -> dict:
         "latencies": [float(r.latency_s) for r in records],
         "queue_times": [float(r.queue_s) for r in records],
     }
+
+
+# Keys of compute_bench_metrics() that come before the per-request arrays in the 0.33 result JSON.
+_HEAD_KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+              "request_goodput", "output_throughput", "total_token_throughput")
+_PEAK_KEYS = ("max_output_tokens_per_s", "max_concurrent_requests")
+
+
+def assemble_result(header: dict, stats: dict, records: Sequence[RequestRecord], *, detailed: bool,
+                    extra: dict | None = None) -> dict:
+    """The whole result JSON in ``vllm bench serve`` 0.33 key order (spec §7.5).
+
+    ``header`` holds date .. max_concurrency; ``stats`` is ``compute_bench_metrics``' output; ``extra``
+    (kernelsight's own keys, e.g. the engine config or scraped server gauges) goes after ``rtfx`` and
+    before the per-metric statistics, where vLLM puts its optional blocks. Without ``detailed`` the
+    starred keys (input_lens, output_lens, ttfts, itls, start_times, generated_texts, errors) are left
+    out, as vLLM does.
+    """
+    out = dict(header)
+    for k in _HEAD_KEYS:
+        out[k] = stats[k]
+    det = detailed_fields(records) if detailed else {}
+    per = per_request_fields(records)
+    for k in ("input_lens", "output_lens", "ttfts", "itls"):
+        if k in det:
+            out[k] = det[k]
+    out["latencies"] = per["latencies"]
+    if "start_times" in det:
+        out["start_times"] = det["start_times"]
+    out["queue_times"] = per["queue_times"]
+    for k in ("generated_texts", "errors"):
+        if k in det:
+            out[k] = det[k]
+    for k in _PEAK_KEYS:
+        out[k] = stats[k]
+    out["rtfx"] = 0.0  # real-time factor of audio requests: none here
+    out.update(extra or {})
+    for k, v in stats.items():
+        if k not in out:
+            out[k] = v
+    return out

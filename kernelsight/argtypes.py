@@ -1,0 +1,42 @@
+"""argparse value types shared by every command (argparse turns their errors into one-line messages)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_int", "non_negative_int", "rate", "fraction", "range_ratio"]
+
+
+def positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
+    return v
+
+
+def rate(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 or inf, got {text}")
+    return v
+
+
+def fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def range_ratio(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return v
