@@ -148,3 +148,16 @@ def test_decode_window_matches_single_steps(llama8b, h100):
     for d, s in zip(durations, singles, strict=True):
         assert d == pytest.approx(s, rel=2e-3)
     assert total.sum() == pytest.approx(sum(durations), rel=1e-9)
+
+
+@pytest.mark.parametrize("model_id", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1"])
+def test_specialised_decode_attention_equals_generic_kernel_path(model_id):
+    cfg = resolve_engine_config(EngineArgs(model=model_id, tensor_parallel_size=2, max_model_len=8192),
+                                profiles.load_model(model_id), profiles.load_hardware("h100"),
+                                profiles.load_calibration("h100"))
+    sm = build_step_model(cfg)
+    m, p = cfg.model, cfg.precision
+    for b, ctx in [(1, 100), (37, 37 * 1234), (256, 256 * 4000)]:
+        k = K.attention_decode_kernel(b, ctx, m.num_attention_heads // 2, max(m.num_kv_heads // 2, 1), m.head_dim,
+                                      p.act_bytes, p.kv_bytes_per_element, m.num_layers, m.sliding_window)
+        assert sm._decode_attention_s(b, ctx) == pytest.approx(sm.kernel_time_s(k), rel=1e-12)

@@ -89,6 +89,8 @@ class StepModel:
         self.model, self.hw, self.calib, self.precision, self.config = model, hw, calib, precision, config
         self._capture = tuple(sorted(config.cudagraph_capture_sizes))
         self._row_cache: dict[int, tuple[np.ndarray, float]] = {}
+        self._decode_eta: dict[tuple[int, float], tuple[float, float]] = {}
+        self._attn_peak_flops_per_s = hw.peak_flops_per_s("bf16")   # attention kernels run in bf16
         self._sampling_cache: dict[int, tuple[np.ndarray, float]] = {}
         self._n_families = len(FAMILIES)
 
@@ -186,10 +188,35 @@ class StepModel:
                                           m.num_layers)
 
     def _decode_attention_s(self, num_decodes: int, context_tokens: int) -> float:
+        """Decode attention of one step: ``kernel_time_s`` of ``attention_decode_kernel``, specialised.
+
+        It runs for every step and twice per decode window, so η is memoized per (batch, snapped mean
+        context) and the roofline is evaluated inline; the result equals the generic path's.
+        """
         m, tp, p = self.model, self.config.tp, self.precision
-        return self.kernel_time_s(K.attention_decode_kernel(
-            num_decodes, context_tokens, m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1), m.head_dim,
-            p.act_bytes, p.kv_bytes_per_element, m.num_layers))
+        key = (num_decodes, _snap_log(context_tokens / max(num_decodes, 1)))
+        hit = self._decode_eta.get(key)
+        if hit is None:
+            k = K.attention_decode_kernel(num_decodes, context_tokens, m.num_attention_heads // tp,
+                                          max(m.num_kv_heads // tp, 1), m.head_dim, p.act_bytes,
+                                          p.kv_bytes_per_element, m.num_layers, m.sliding_window)
+            features = eta_lookup_features(k.family, k.features)
+            hit = (self.calib.kernel_eta(k.family, features), self.calib.kernel_overhead_s(k.family, features))
+            self._decode_eta[key] = hit
+        eta, overhead_s = hit
+        q_heads = m.num_attention_heads // tp
+        kv_heads = max(m.num_kv_heads // tp, 1)
+        d = m.head_dim
+        ctx = context_tokens
+        if m.sliding_window and num_decodes:
+            ctx = int(min(ctx, num_decodes * m.sliding_window))
+        flops = 4.0 * q_heads * d * ctx
+        bytes_moved = ctx * 2.0 * kv_heads * d * p.kv_bytes_per_element + 2.0 * num_decodes * q_heads * d * p.act_bytes
+        tiles = float(max(num_decodes * q_heads, 1))
+        n_sm = self.hw.num_sms
+        wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
+        roof = max(flops * wave_u / self._attn_peak_flops_per_s, bytes_moved / self.hw.mem_bytes_per_s)
+        return (roof / eta + overhead_s) * m.num_layers
 
     def step_time_s(self, batch: BatchShape) -> float:
         return self.step(batch)[1]
