@@ -10,10 +10,12 @@ before the KV cache runs out, so the result is the same as stepping one by one.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -241,7 +243,7 @@ class Engine:
             breakdown, total_s = self.step_model.step(out.batch)
             durations = [total_s]
         k = len(durations)
-        ends = (start + np.cumsum(durations)).tolist() if k > 1 else [start + durations[0]]
+        ends = list(accumulate(durations, initial=start))[1:] if k > 1 else [start + durations[0]]
         snapshot = list(sched.members) if per_token else ()
         upd = sched.update(out, k)
         for req in upd.first_tokens:
@@ -266,7 +268,7 @@ class Engine:
                                        req.parent_id, req.index))
         return self._commit(start, ends, first_index, events, out.total_tokens, breakdown)
 
-    def _window(self, out, start: float, k: int, until_s: float | None) -> tuple[np.ndarray, np.ndarray]:
+    def _window(self, out, start: float, k: int, until_s: float | None) -> tuple[list[float], np.ndarray]:
         """Durations of a window of up to k pure-decode steps, cut at the step during which the next
         arrival (or until_s) falls and where the KV cache can no longer feed the group."""
         b, ctx0 = out.batch.num_decodes, out.batch.decode_context_tokens
@@ -276,8 +278,8 @@ class Engine:
             limit = until_s
         k_cut = k
         if limit is not None:
-            ends = start + np.cumsum(durations)
-            k_cut = min(k, int(np.searchsorted(ends, limit, side="left")) + 1)
+            ends = list(accumulate(durations, initial=start))
+            k_cut = min(k, bisect.bisect_left(ends, limit, 1))   # the step whose end reaches the limit
         k_cut = self.scheduler.extend_window(k_cut)
         if k_cut != k:
             durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut)

@@ -225,7 +225,7 @@ class StepModel:
         return dict(zip(FAMILIES, self.breakdown_s(batch).tolist(), strict=True))
 
     def decode_window(self, num_decodes: int, context_tokens_start: int, num_steps: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
+                      ) -> tuple[list[float], np.ndarray]:
         """Durations of ``num_steps`` consecutive decode-only steps of the same ``num_decodes`` requests.
 
         Each step every request's context grows by one token. Attention time is exact at the first and
@@ -235,7 +235,7 @@ class StepModel:
         first = BatchShape((), num_decodes, context_tokens_start)
         b0, t0 = self.step(first)
         if num_steps == 1:
-            return np.array([t0]), b0
+            return [t0], b0
         # only attention (and with it the exposed launch/host time) changes along the window
         ctx_last = context_tokens_start + (num_steps - 1) * num_decodes
         attn0 = b0[_I_ATTN_DECODE]
@@ -243,7 +243,8 @@ class StepModel:
         kernels1 = t0 - b0[_I_LAUNCH] - b0[_I_HOST] - attn0 + attn1
         b1, t1 = self._finish(b0.copy(), kernels1, self.graph_mode(first)[0], num_decodes, num_decodes)
         b1[_I_ATTN_DECODE] = attn1
-        durations = t0 + (t1 - t0) * (np.arange(num_steps) / (num_steps - 1))
+        slope = (t1 - t0) / (num_steps - 1)
+        durations = [t0 + slope * i for i in range(num_steps)]   # windows are short: lists beat arrays
         return durations, (b0 + b1) * (num_steps / 2.0)
 
 
