@@ -209,17 +209,7 @@ async def _serve_all(servers: list[Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernelsight.cli import OneLineParser
+    """``python -m kernelsight.server ARGS`` is ``kernelsight serve ARGS``."""
+    from kernelsight.cli import main as cli_main
 
-    parser = OneLineParser(prog="kernelsight")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    add_serve_parser(sub)
-    args = ["serve", *(sys.argv[1:] if argv is None else argv)]
-    ns = parser.parse_args(args)
-    try:
-        return int(ns.func(ns) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"kernelsight serve: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
