@@ -19,7 +19,7 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 import numpy as np
@@ -43,6 +43,9 @@ class SampleRequest:
     expected_output_len: int
     arrival_offset_s: float | None = None  # trace datasets carry their own timing
     prompt: str | None = None  # text, when the dataset has text
+    # The same ids as an int64 array when the dataset built them that way: the simulator hashes prompt
+    # blocks with numpy, and converting 10,000 long Python lists would cost it more than the rest of a step.
+    token_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,7 +88,7 @@ def random_dataset(
 
     rng = np.random.default_rng(seed)
     # Same draw order as vLLM: shared prefix, then input lengths, output lengths, offsets.
-    prefix_ids: list[int] = rng.integers(0, vocab_size, size=prefix_len).tolist()
+    prefix = rng.integers(0, vocab_size, size=prefix_len)
 
     in_low, in_high = _len_bounds(input_len, range_ratio)
     out_low, out_high = _len_bounds(output_len, range_ratio)
@@ -100,13 +103,14 @@ def random_dataset(
     for i in range(num_prompts):
         body_len = int(input_lens[i])
         # Consecutive ids from a per-request offset: cheap, and distinct bodies across requests.
-        body = ((int(offsets[i]) + i + np.arange(body_len)) % vocab_size).tolist()
-        ids = prefix_ids + body
+        body = (int(offsets[i]) + i + np.arange(body_len)) % vocab_size
+        arr = np.concatenate((prefix, body)) if prefix_len else body
         requests.append(
             SampleRequest(
-                prompt_token_ids=ids,
-                prompt_len=len(ids),
+                prompt_token_ids=arr.tolist(),
+                prompt_len=len(arr),
                 expected_output_len=int(output_lens[i]),
+                token_array=arr,
             )
         )
     return requests

@@ -114,7 +114,8 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             send_s = max(float(arrivals_s[i]), now_s)
             rid = f"ff-{i}"
             trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]))
-            engine.add_request(rid, s.prompt_token_ids, s.expected_output_len, ignore_eos=ignore_eos,
+            prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
+            engine.add_request(rid, prompt, s.expected_output_len, ignore_eos=ignore_eos,
                                arrival_s=send_s)
             in_flight += 1
 

@@ -126,7 +126,8 @@ class Engine:
         if plen >= max_len:
             raise ValueError(f"prompt of {plen} tokens does not fit max_model_len={max_len}")
         t = self.now_s if arrival_s is None else arrival_s
-        prompt = tuple(prompt_token_ids)   # immutable: block hashes are taken over slices of it
+        # immutable: block hashes are taken over it (an int array is kept as is: hashing reads it directly)
+        prompt = prompt_token_ids if hasattr(prompt_token_ids, "dtype") else tuple(prompt_token_ids)
         ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         if n > 1:
             self._children[request_id] = ids

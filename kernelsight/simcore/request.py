@@ -74,12 +74,14 @@ class Request:
         can only ever be reused by the same request (after preemption), never falsely shared.
         """
         start, end = block_index * block_size, (block_index + 1) * block_size
-        plen = len(self.prompt_token_ids)
+        prompt = self.prompt_token_ids
+        plen = len(prompt)
+        head = prompt[start:min(end, plen)] if start < plen else ()
+        if hasattr(head, "tolist"):          # an int array: hash plain ints, as for list prompts
+            head = tuple(head.tolist())
         if end <= plen:
-            return self.prompt_token_ids[start:end]
+            return head
         outs = self.output_token_ids
         if outs is not None and end - plen <= len(outs):
-            head = tuple(self.prompt_token_ids[start:plen]) if start < plen else ()
             return head + tuple(outs[max(start - plen, 0):end - plen])  # noqa: RUF005
-        head = tuple(self.prompt_token_ids[start:plen]) if start < plen else ()
         return head + (("gen", self.request_id, block_index),)
