@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from kernelsight.server.bridge import EngineBridge, Seq, Submission
+from kernelsight.server.logprobs import MAX_LOGPROBS, LogprobSynth
 from kernelsight.server.metrics import CONTENT_TYPE, ServerMetrics
 from kernelsight.server.protocol import (
     MAX_COMPLETION_PROMPTS,
@@ -88,6 +89,7 @@ class ServerState:
         self.fingerprint = (f"vllm-{VLLM_VERSION}" + (f"-tp{tp}" if tp > 1 else "") + (f"-dp{dp}" if dp > 1 else "")
                             + f"-{digest}")
         self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
+        self.logprobs = LogprobSynth(tok)
 
     def pick_bridge(self, request: Request) -> EngineBridge:
         """vLLM's DP balancing: the engine with the lowest waiting·4 + running, or X-data-parallel-rank."""
@@ -463,11 +465,11 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
         _check_sampling(req, None if echo_only else max_tokens, "max_tokens")
         if req.suffix is not None:
             raise bad_request("suffix is not currently supported", "suffix")
-        if req.prompt_logprobs is not None and req.stream:
-            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
         prompts = await _completion_prompts(state, req.prompt, req.add_special_tokens)
         gen = _Generation(state, request, req, "cmpl-" + _request_base(request, req.request_id), lora, stops,
                           is_chat=False)
+        gen.lp_k = req.logprobs
+        gen.plp_k = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
         return await gen.run(prompts, max_tokens, echo_only=echo_only, field_name="max_tokens")
 
     @app.post("/v1/chat/completions")
@@ -494,6 +496,8 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
         gen = _Generation(state, request, req, "chatcmpl-" + _request_base(request, req.request_id), lora, stops,
                           is_chat=True)
         gen.echo_text = _chat_echo(messages) if req.echo else None
+        gen.lp_k = (req.top_logprobs or 0) if req.logprobs else None
+        gen.plp_k = req.prompt_logprobs
         return await gen.run([(ids, text)], max_tokens, echo_only=False, field_name=field_name)
 
     _add_auth_and_ids(app, opts)
@@ -590,6 +594,8 @@ class _Generation:
         self.model = lora or state.model_name
         self.created = int(time.time())
         self.echo_text: str | None = None
+        self.lp_k: int | None = None      # logprobs per generated token (completions logprobs / chat top_logprobs)
+        self.plp_k: int | None = None     # prompt logprobs
         so = req.stream_options
         self.include_usage = bool(state.opts.enable_force_include_usage or (so is not None and so.include_usage))
         self.continuous = bool(self.include_usage and so is not None and so.continuous_usage_stats)
@@ -619,6 +625,46 @@ class _Generation:
                            f"is longer than the maximum model length of {L}. Make sure that `max_model_len` is no "
                            f"smaller than the number of text tokens (prompt + requested output tokens).")
 
+    def _logprobs_error(self) -> APIError | None:
+        """The engine's max_logprobs check (input processor: sample logprobs first, then prompt logprobs)."""
+        vocab = self.state.tok.vocab_size
+        for k, what, param in ((self.lp_k, "sample", "logprobs"), (self.plp_k, "prompt", "prompt_logprobs")):
+            if k:
+                num = vocab if k == -1 else k
+                if num > MAX_LOGPROBS:
+                    return bad_request(f"Requested {what} logprobs of {num}, which is greater than max allowed: "
+                                       f"{MAX_LOGPROBS}", param)
+        return None
+
+    # -- logprobs (only built when requested) -------------------------------------------------
+    def _token_steps(self, v: _SeqView, start: int, stop: int, k: int) -> list:
+        toks = v.seq.tokens
+        key = toks.key
+        ent = self.state.logprobs.entries
+        out = []
+        for i in range(start, stop):
+            tid, text = toks.token(i)
+            out.append((tid, text, ent(key, i, tid, text, k)))
+        return out
+
+    def _prompt_lp(self, p: int) -> list:
+        """Engine prompt-logprob dicts of prompt p (computed once, shared by its n choices)."""
+        cache = self.__dict__.setdefault("_plp", {})
+        if p not in cache:
+            cache[p] = self.state.logprobs.prompt(self.prompts[p][0], self.plp_k or 0)
+        return cache[p]
+
+    def _prompt_steps(self, p: int) -> list:
+        """Echoed prompt tokens as completion logprob steps (the first one has no logprob)."""
+        ids = self.prompts[p][0]
+        plp = self._prompt_lp(p)
+        dec = self.state.tok.decode
+        return [(t, dec([t], skip_special_tokens=False) if e is None else e[0][1], e)
+                for t, e in zip(ids, plp, strict=True)]
+
+    def _choice_prompt_lp(self, p: int) -> list | None:
+        return self.state.logprobs.prompt_wire(self._prompt_lp(p)) if self.plp_k is not None else None
+
     def _keys(self, prompts: list[tuple[list[int], str | None]]) -> list[int] | None:
         """Deterministic outputs (like greedy or seeded sampling) for identical prompts; else random."""
         req = self.req
@@ -634,6 +680,18 @@ class _Generation:
                   field_name: str) -> Response:
         req = self.req
         limits = self._limits(prompts, max_tokens, field_name)
+        lp_err = self._logprobs_error()
+        if lp_err is not None:
+            if not req.stream:
+                raise lp_err
+            self.prompts = prompts
+            return SSEResponse(self._error_stream(lp_err), self.headers)
+        if self.plp_k is not None:      # requested only: long prompts off the event loop (~0.1 ms per token)
+            self.prompts = prompts
+            cache = self.__dict__.setdefault("_plp", {})
+            for p, (ids, _) in enumerate(prompts):
+                if len(ids) > 256:
+                    cache[p] = await asyncio.to_thread(self.state.logprobs.prompt, ids, self.plp_k)
         if echo_only:
             return self._echo_only(prompts)
         bad_len = next((len(ids) for ids, _ in prompts if len(ids) >= self.state.max_model_len), None)
@@ -707,13 +765,15 @@ class _Generation:
                                 "message": {"role": "assistant", "content": content, "refusal": None,
                                             "annotations": None, "audio": None, "function_call": None,
                                             "reasoning": None},
-                                "logprobs": None, "finish_reason": v.finish_reason, "stop_reason": v.stop_reason,
+                                "logprobs": None if self.lp_k is None else self.state.logprobs.chat(
+                                    self._token_steps(v, 0, v.consumed, self.lp_k), self.lp_k),
+                                "finish_reason": v.finish_reason, "stop_reason": v.stop_reason,
                                 "token_ids": v.ids if self.req.return_token_ids else None,
                                 "routed_experts": None, "weight_versions": None})
             return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                     "choices": choices, "service_tier": None, "system_fingerprint": self.state.fingerprint,
                     "usage": self._usage(total, details_null=True),
-                    "prompt_logprobs": None,
+                    "prompt_logprobs": self._choice_prompt_lp(0),
                     "prompt_token_ids": self.prompts[0][0] if self.req.return_token_ids else None,
                     "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
         n = self.req.n
@@ -722,9 +782,16 @@ class _Generation:
             p = v.seq.index // n
             ids, text = self.prompts[p]
             prefix = (text if text is not None else self.state.tok.decode(ids)) if self.req.echo else ""
-            choices.append({"index": v.seq.index, "text": prefix + v.text, "logprobs": None,
+            logprobs = None
+            if self.lp_k is not None:
+                steps = self._token_steps(v, 0, v.consumed, self.lp_k)
+                if self.req.echo:
+                    steps = self._prompt_steps(p) + steps
+                logprobs = self.state.logprobs.completion(steps, 0, self.lp_k)
+            choices.append({"index": v.seq.index, "text": prefix + v.text, "logprobs": logprobs,
                             "finish_reason": v.finish_reason, "stop_reason": v.stop_reason,
-                            "token_ids": v.ids if self.req.return_token_ids else None, "prompt_logprobs": None,
+                            "token_ids": v.ids if self.req.return_token_ids else None,
+                            "prompt_logprobs": self._choice_prompt_lp(p),
                             "prompt_token_ids": ids if self.req.return_token_ids else None,
                             "routed_experts": None, "weight_versions": None})
         return self._completion_envelope(choices, total)
@@ -742,11 +809,14 @@ class _Generation:
         n = self.req.n
         choices = []
         for p, (ids, text) in enumerate(prompts):
+            logprobs = None
+            if self.lp_k is not None:
+                logprobs = self.state.logprobs.completion(self._prompt_steps(p), 0, self.lp_k)
             for i in range(n):
                 choices.append({"index": p * n + i, "text": text if text is not None else self.state.tok.decode(ids),
-                                "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None,
-                                "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
-                                "weight_versions": None})
+                                "logprobs": logprobs, "finish_reason": "length", "stop_reason": None,
+                                "token_ids": None, "prompt_logprobs": self._choice_prompt_lp(p),
+                                "prompt_token_ids": None, "routed_experts": None, "weight_versions": None})
         body = self._completion_envelope(choices, 0)
         body["usage"]["prompt_tokens_details"] = None if not self.state.opts.enable_prompt_tokens_details else \
             {"cached_tokens": 0}
@@ -756,7 +826,8 @@ class _Generation:
 
     async def _echo_stream(self, choices: list[dict[str, Any]]) -> AsyncIterator[str]:
         for c in choices:
-            yield self._cmpl_chunk(c["index"], c["text"], "length", None, final=True)
+            lp = dumps(c["logprobs"]) if c["logprobs"] is not None else "null"
+            yield self._cmpl_chunk(c["index"], c["text"], "length", None, final=True, logprobs=lp)
         if self.include_usage:
             yield self._usage_chunk(0)
         yield "data: [DONE]\n\n"
@@ -775,9 +846,9 @@ class _Generation:
         return h
 
     def _cmpl_chunk(self, index: int, text: str, finish: str | None, stop_reason: str | None, final: bool,
-                    token_ids: list[int] | None = None, usage: dict | None = None) -> str:
+                    token_ids: list[int] | None = None, usage: dict | None = None, logprobs: str = "null") -> str:
         ids = dumps(token_ids) if token_ids is not None else "null"
-        choice = (f'{{"index":{index},"text":{dumps(text)},"logprobs":null,"finish_reason":{dumps(finish)},'
+        choice = (f'{{"index":{index},"text":{dumps(text)},"logprobs":{logprobs},"finish_reason":{dumps(finish)},'
                   f'"stop_reason":{dumps(stop_reason)},"prompt_token_ids":null,"token_ids":{ids},'
                   f'"weight_versions":null}}')
         tail = f',"usage":{dumps(usage)}' if usage is not None else ""
@@ -792,13 +863,14 @@ class _Generation:
                 f'"prompt_text":null}}\n\n')
 
     def _chat_chunk(self, index: int, text: str | None, finish: str | None, stop_reason: str | None,
-                    token_ids: list[int] | None = None, usage: dict | None = None) -> str:
+                    token_ids: list[int] | None = None, usage: dict | None = None, logprobs: str = "null") -> str:
         delta = f'{{"content":{dumps(text)}}}' if text is not None else "{}"
         ids = dumps(token_ids) if token_ids is not None else "null"
         if finish is None:
-            choice = f'{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":null,"token_ids":{ids}}}'
+            choice = (f'{{"index":{index},"delta":{delta},"logprobs":{logprobs},"finish_reason":null,'
+                      f'"token_ids":{ids}}}')
         else:
-            choice = (f'{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":{dumps(finish)},'
+            choice = (f'{{"index":{index},"delta":{delta},"logprobs":{logprobs},"finish_reason":{dumps(finish)},'
                       f'"stop_reason":{dumps(stop_reason)},"token_ids":{ids},"weight_versions":null}}')
         tail = f',"usage":{dumps(usage)}' if usage is not None else ""
         if finish is not None and not self.include_usage:
@@ -814,11 +886,15 @@ class _Generation:
     async def _stream(self, bridge: EngineBridge, sub: Submission) -> AsyncIterator[str]:
         req = self.req
         want_ids = bool(req.return_token_ids)
+        lp_k = self.lp_k
+        lps = self.state.logprobs
         role_sent = False
         finished = False
         try:
             if not self.is_chat and req.echo:
                 echoed: set[int] = set()
+            if lp_k is not None and not self.is_chat:
+                text_lens = [0] * len(self.views)      # vLLM's previous_text_lens: generated text only
             while True:
                 await sub.event.wait()
                 sub.event.clear()
@@ -829,6 +905,18 @@ class _Generation:
                     if delta is None:
                         continue
                     new_ids = v.ids[before:] if want_ids else None
+                    lp = "null"
+                    lp_new = False      # new tokens carry logprobs: their chunk is never skipped
+                    if lp_k is not None:
+                        steps = self._token_steps(v, before, v.consumed, lp_k)
+                        lp_new = bool(steps)
+                        if self.is_chat:
+                            lp = dumps(lps.chat(steps, lp_k))
+                        else:
+                            if req.echo and v.seq.index not in echoed:
+                                steps = self._prompt_steps(v.seq.index // req.n) + steps
+                            lp = dumps(lps.completion(steps, text_lens[v.seq.index], lp_k))
+                            text_lens[v.seq.index] += len(delta)
                     usage = None
                     if self.continuous:
                         usage = self._usage(v.num_tokens, details_null=False, completion_details=True)
@@ -842,19 +930,19 @@ class _Generation:
                                 parts.append(self._chat_role_chunk(rv.seq.index, ru))
                                 if self.echo_text:
                                     parts.append(self._chat_chunk(rv.seq.index, self.echo_text, None, None))
-                        if fin is None and delta == "" and not new_ids:
+                        if fin is None and delta == "" and not new_ids and not lp_new:
                             continue
                         text = delta if (delta or fin is None or v.num_tokens) else None
-                        parts.append(self._chat_chunk(v.seq.index, text, fin, v.stop_reason, new_ids, usage))
+                        parts.append(self._chat_chunk(v.seq.index, text, fin, v.stop_reason, new_ids, usage, lp))
                     else:
                         if req.echo and v.seq.index not in echoed:
                             echoed.add(v.seq.index)
                             ids, text = self.prompts[v.seq.index // req.n]
                             delta = (text if text is not None else self.state.tok.decode(ids)) + delta
-                        if fin is None and delta == "" and not new_ids:
+                        if fin is None and delta == "" and not new_ids and not lp_new:
                             continue
                         parts.append(self._cmpl_chunk(v.seq.index, delta, fin, v.stop_reason, fin is not None,
-                                                      new_ids, usage))
+                                                      new_ids, usage, lp))
                 if parts:
                     yield "".join(parts)
                 if sub.done and all(v.done for v in self.views):

@@ -56,6 +56,11 @@ class OutputTokens(Sequence[int]):
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def key(self) -> int:
+        """The draw key (fixed by seed / greedy decoding): logprobs are derived from it too."""
+        return int(self._key)
+
     def _pool_idx(self, start: int, stop: int) -> np.ndarray:
         pos = np.arange(start, stop, dtype=np.uint64)
         with np.errstate(over="ignore"):

@@ -6,7 +6,7 @@ import json
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 VLLM_VERSION = "0.33.0"
 MAX_COMPLETION_PROMPTS = 1024     # VLLM_MAX_COMPLETION_PROMPTS
@@ -16,6 +16,22 @@ MAX_STOP_STRINGS = 4              # VLLM_MAX_STOP_STRINGS (0.33)
 def dumps(obj: Any) -> str:
     """Compact JSON, as vLLM writes responses and SSE chunks."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class VLLMValidationError(ValueError):
+    """A request-model check that names the offending parameter (reported as the error's ``param``)."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+def _check_prompt_logprobs(data: Any) -> None:
+    if (plp := data.get("prompt_logprobs")) is not None and isinstance(plp, int):
+        if data.get("stream") and (plp > 0 or plp == -1):
+            raise VLLMValidationError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if plp < 0 and plp != -1:
+            raise VLLMValidationError("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
 
 
 class StreamOptions(BaseModel):
@@ -61,6 +77,16 @@ class CompletionRequest(_Common):
     add_special_tokens: bool = True
     suffix: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def check_logprobs(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_prompt_logprobs(data)
+            lp = data.get("logprobs")
+            if isinstance(lp, int) and not isinstance(lp, bool) and lp < 0 and lp != -1:
+                raise VLLMValidationError("`logprobs` must be a positive value or -1.", "logprobs")
+        return data
+
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
@@ -68,11 +94,26 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_logprobs(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_prompt_logprobs(data)
+            top = data.get("top_logprobs")
+            if top and isinstance(top, int):
+                if top < 0 and top != -1:
+                    raise VLLMValidationError("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+                if (top == -1 or top > 0) and not data.get("logprobs"):
+                    raise VLLMValidationError("when using `top_logprobs`, `logprobs` must be set to true.",
+                                              "top_logprobs")
+        return data
 
 
 class TokenizeRequest(BaseModel):
@@ -143,6 +184,11 @@ def validation_error(exc: ValidationError | list[dict[str, Any]]) -> APIError:
         lines.append(f"  {clean!r}")
     loc = errors[0].get("loc", ()) if errors else ()
     param = ".".join(str(x) for x in loc) if loc else None
+    for e in errors:     # a VLLMValidationError raised by a request-model check names its parameter
+        err = (e.get("ctx") or {}).get("error")
+        if isinstance(err, VLLMValidationError):
+            param = err.parameter
+            break
     return APIError("\n".join(lines), HTTPStatus.BAD_REQUEST.phrase, 400, param)
 
 
