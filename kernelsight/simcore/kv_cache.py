@@ -101,6 +101,7 @@ class BlockPool:
         self._free_seg = np.zeros(num_blocks, dtype=np.int64)      # segment holding the live free entry
         self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0]])  # [id, blocks, next]
         self._next_segment = 1
+        self._dirty: set[int] = set()     # segments holding entries taken back by cache hits
         self.num_free_blocks = num_blocks - 1
 
     @property
@@ -142,11 +143,23 @@ class BlockPool:
 
     def allocate_one(self) -> int | None:
         """One block, without array overhead (the decode group needs one block at a time)."""
-        segs, ref, fs = self._segments, self.ref_cnt, self._free_seg
+        segs = self._segments
         while segs:
             seg = segs[0]
             sid, blocks, pos = seg
             n = len(blocks)
+            if sid not in self._dirty:
+                # no block of this segment was taken back by a cache hit: every remaining entry is live
+                b = blocks[pos]
+                if pos + 1 >= n:
+                    segs.popleft()
+                else:
+                    seg[2] = pos + 1
+                self.ref_cnt[b] = 1
+                self.block_hash[b] = 0
+                self.num_free_blocks -= 1
+                return b
+            ref, fs = self.ref_cnt, self._free_seg
             while pos < n:
                 b = blocks[pos]
                 pos += 1
@@ -165,7 +178,10 @@ class BlockPool:
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks; free ones leave the queue (their entry goes stale)."""
         arr = np.array(blocks, dtype=np.int64)
-        self.num_free_blocks -= int(np.count_nonzero(self.ref_cnt[arr] == 0))
+        was_free = arr[self.ref_cnt[arr] == 0]
+        if was_free.size:
+            self.num_free_blocks -= int(was_free.size)
+            self._dirty.update(self._free_seg[was_free].tolist())   # their segments now hold stale entries
         self.ref_cnt[arr] += 1
 
     def release(self, blocks_in_eviction_order: list[int]) -> None:
