@@ -573,7 +573,7 @@ def test_k8s_hpa_uses_an_adapter_metric(k8s, adapter_rules):
     assert hpa["apiVersion"] == "autoscaling/v2"
     ref = hpa["spec"]["scaleTargetRef"]
     assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", dep["metadata"]["name"])
-    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    assert hpa["spec"]["minReplicas"] >= 1 and hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
     exposed = {r["name"]["as"]: r for r in adapter_rules}
     (m,) = hpa["spec"]["metrics"]
     assert m["type"] == "Pods" and m["pods"]["target"]["type"] == "AverageValue"

@@ -110,7 +110,7 @@ def test_synth_invariants(srv):
         assert lps == sorted(lps, reverse=True) and sum(math.exp(x) for x in lps) <= 1 + 1e-6
         assert len({e[0] for e in big}) == len(big)
         assert {e[:3] for e in small} <= {e[:3] for e in big}      # fewer alternatives: the same values
-    assert 1 in ranks and max(ranks) > 1                          # not always the argmax
+    assert min(ranks) == 1 and max(ranks) > 1                     # often, but not always, the argmax
 
 
 # -- completions ---------------------------------------------------------------------------------------
