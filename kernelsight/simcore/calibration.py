@@ -889,11 +889,6 @@ def default_calibration(hardware: str) -> Calibration:
     )
 
 
-def sanity_check_eta(value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"η must be a positive finite number, got {value}")
-
-
 __all__ = [
     "BASES",
     "Calibration",

@@ -211,9 +211,6 @@ class Scheduler:
         self._group_on = False
         return runs
 
-    def member_computed_tokens(self, req: Request) -> int:
-        return req.num_computed_tokens + (self.step_index - req.decode_join_step if req.decode_join_step >= 0 else 0)
-
     def _allocate_group_blocks(self, last_step: int) -> int:
         """Give members every block they need for steps ≤ last_step, in due order, while blocks last.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,8 +245,3 @@ class StepModel:
         slope = (t1 - t0) / (num_steps - 1)
         durations = [t0 + slope * i for i in range(num_steps)]   # windows are short: lists beat arrays
         return durations, (b0 + b1) * (num_steps / 2.0)
-
-
-def sum_breakdowns(parts: Sequence[np.ndarray]) -> dict[str, float]:
-    total = np.sum(parts, axis=0) if parts else np.zeros(len(FAMILIES))
-    return dict(zip(FAMILIES, total.tolist(), strict=True))
