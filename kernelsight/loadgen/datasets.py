@@ -19,6 +19,7 @@ import io
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
@@ -130,6 +131,22 @@ def _open_text(path: str | os.PathLike) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
+def _jsonl_objects(path: str | os.PathLike, label: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file (gzip or plain); bad lines raise with
+    ``label`` and the line number."""
+    with _open_text(path) as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{label} line {lineno}: invalid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict):
+                raise ValueError(f"{label} line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
 def _synth_ids(line_index: int, n_tokens: int, vocab_size: int) -> list[int]:
     """Deterministic pseudo-random ids for one trace line.
 
@@ -171,28 +188,19 @@ def trace_dataset(
         raise ValueError(f"synth_vocab_size must be > {_SYNTH_LOW_ID}, got {synth_vocab_size}")
 
     rows: list[tuple[int, int, int, int, list[int] | None]] = []  # (arrival_ns, lineno, in, out, ids)
-    with _open_text(path) as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"trace line {lineno}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise ValueError(f"trace line {lineno}: expected a JSON object, got {type(obj).__name__}")
-            arrival_ns = _req_int(obj, "arrival_time_ns", lineno, 0)
-            n_in = _req_int(obj, "input_toks", lineno, 1)
-            n_out = _req_int(obj, "output_toks", lineno, 1)
-            ids = obj.get("input_tok_ids")
-            if ids is not None:
-                if not isinstance(ids, list):
-                    raise ValueError(f"trace line {lineno}: 'input_tok_ids' must be a list")
-                if len(ids) != n_in:
-                    raise ValueError(
-                        f"trace line {lineno}: len(input_tok_ids)={len(ids)} != input_toks={n_in}"
-                    )
-            rows.append((arrival_ns, lineno, n_in, n_out, ids))
+    for lineno, obj in _jsonl_objects(path, "trace"):
+        arrival_ns = _req_int(obj, "arrival_time_ns", lineno, 0)
+        n_in = _req_int(obj, "input_toks", lineno, 1)
+        n_out = _req_int(obj, "output_toks", lineno, 1)
+        ids = obj.get("input_tok_ids")
+        if ids is not None:
+            if not isinstance(ids, list):
+                raise ValueError(f"trace line {lineno}: 'input_tok_ids' must be a list")
+            if len(ids) != n_in:
+                raise ValueError(
+                    f"trace line {lineno}: len(input_tok_ids)={len(ids)} != input_toks={n_in}"
+                )
+        rows.append((arrival_ns, lineno, n_in, n_out, ids))
 
     rows.sort(key=lambda r: (r[0], r[1]))  # by arrival; file order breaks ties
     if num_prompts is not None:
@@ -290,26 +298,19 @@ def custom_dataset(path: str | os.PathLike, num_prompts: int, tokenizer: _Encode
     ``output_tokens``; otherwise every request asks for ``output_len``. ``chat_template(prompt) -> str``
     wraps the prompt (vLLM applies the model's template unless ``--skip-chat-template``)."""
     out: list[SampleRequest] = []
-    with _open_text(path) as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if len(out) >= num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{path} line {lineno}: expected an object with a string 'prompt'")
-            if output_len == -1:
-                n_out = _req_int(obj, "output_tokens", lineno, 1)
-            else:
-                n_out = output_len
-            prompt = chat_template(obj["prompt"]) if chat_template is not None else obj["prompt"]
-            ids = tokenizer.encode(prompt, add_special_tokens=chat_template is None)
-            out.append(SampleRequest(prompt_token_ids=ids, prompt_len=len(ids), expected_output_len=n_out,
-                                     prompt=prompt))
+    for lineno, obj in _jsonl_objects(path, str(path)):
+        if len(out) >= num_prompts:
+            break
+        if not isinstance(obj.get("prompt"), str):
+            raise ValueError(f"{path} line {lineno}: expected an object with a string 'prompt'")
+        if output_len == -1:
+            n_out = _req_int(obj, "output_tokens", lineno, 1)
+        else:
+            n_out = output_len
+        prompt = chat_template(obj["prompt"]) if chat_template is not None else obj["prompt"]
+        ids = tokenizer.encode(prompt, add_special_tokens=chat_template is None)
+        out.append(SampleRequest(prompt_token_ids=ids, prompt_len=len(ids), expected_output_len=n_out,
+                                 prompt=prompt))
     if not out:
         raise ValueError(f"{path}: no prompts")
     return oversample(out, num_prompts, seed) if do_oversample else out
