@@ -5,6 +5,13 @@ fixed isl/osl, `concurrency` clients each sending one request after another) is 
 `concurrency` closed-loop clients sending fixed-length random-token prompts with exact output lengths.
 Prints measured vs simulated mean TTFT and TPOT per row with the % error, then the median |error|, and
 writes benchmarks/results/silicon_h100.json.
+
+It also separates what the GPU batch sees from what only the client sees. Rows that differ only in the
+output length give two closed-loop equations per configuration: over one request's decode phase
+D = (osl − 1)·TPOT the other C − 1 clients send N = (C − 1)·D / (TTFT + D) prompts, each stalling the
+shared decode batch by s, so D = (osl − 1)·d + N·s. Solving for the plain decode step d and the prefill
+stall s (measured and simulated alike) shows how much of the measured TTFT is GPU work that holds up the
+batch (≈ s) and how much is spent outside it (TTFT − s: API server, client, queueing before the engine).
 Usage: python benchmarks/silicon_h100.py [--calibration FILE] [--rounds R] [--limit N]
 """
 
@@ -55,6 +62,47 @@ def simulate_row(row: dict, calibration: str | None, rounds: int, seed: int) -> 
     return ttft, tpot
 
 
+def solve_stall(conc: int, pts: list[tuple[int, float, float]]) -> tuple[float, float] | None:
+    """(decode step d, prefill stall s) in ms from two (osl, ttft_ms, tpot_ms) points of one configuration."""
+    eqs = []
+    for osl, ttft, tpot in pts:
+        decode_ms = (osl - 1) * tpot
+        others = (conc - 1) * decode_ms / (ttft + decode_ms)     # prompts of other clients during my decode
+        eqs.append(((osl - 1, others), decode_ms))
+    (a, b), y1 = eqs[0]
+    (c, d), y2 = eqs[1]
+    det = a * d - b * c
+    if abs(det) < 1e-9:
+        return None
+    return (y1 * d - b * y2) / det, (a * y2 - c * y1) / det
+
+
+def prefill_stalls(rows: list[dict], max_conc: int = 16) -> list[dict]:
+    """Per configuration with ≥ 2 output lengths (low concurrency, where clients rarely collide)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["conc"] <= max_conc:
+            groups.setdefault((r["model"], r["prec"], r["tp"], r["isl"], r["conc"]), []).append(r)
+    out = []
+    for (model, prec, tp, isl, conc), rs in groups.items():
+        # the decode step must not drift with the growing context between the two lengths: the two shortest
+        # outputs, the longer no longer than the prompt (or 1024)
+        by_osl = sorted({r["osl"]: r for r in rs}.values(), key=lambda r: r["osl"])
+        if len(by_osl) < 2 or by_osl[1]["osl"] > max(isl, 1024):
+            continue
+        lo, hi = by_osl[0], by_osl[1]
+        real = solve_stall(conc, [(r["osl"], r["ttft_ms"], r["tpot_ms"]) for r in (lo, hi)])
+        sim = solve_stall(conc, [(r["osl"], r["sim_ttft_ms"], r["sim_tpot_ms"]) for r in (lo, hi)])
+        if real is None or sim is None:
+            continue
+        ttft = float(np.mean([r["ttft_ms"] for r in (lo, hi)]))
+        out.append({"model": model, "prec": prec, "tp": tp, "isl": isl, "conc": conc,
+                    "stall_ms": real[1], "sim_stall_ms": sim[1], "ttft_ms": ttft,
+                    "sim_ttft_ms": float(np.mean([r["sim_ttft_ms"] for r in (lo, hi)])),
+                    "outside_batch_ms": ttft - real[1]})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calibration", default=None, help="calibration JSON (default: bundled h100-sxm)")
@@ -78,8 +126,13 @@ def main() -> int:
     med_tpot = float(np.median([abs(r["tpot_err_pct"]) for r in out]))
     print(f"median |error|: TTFT {med_ttft:.1f}% (target ≤ 15%), TPOT {med_tpot:.1f}% (target ≤ 8%) "
           f"over {len(out)} rows")
+    stalls = prefill_stalls(out)
+    if stalls:
+        print("\nprefill stall of the shared decode batch, solved from rows that differ only in osl (ms):")
+        print(format_table(stalls, list(stalls[0])))
     path = write_result("silicon_h100", {"rows": out, "median_abs_ttft_err_pct": med_ttft,
-                                         "median_abs_tpot_err_pct": med_tpot, "rounds": ns.rounds})
+                                         "median_abs_tpot_err_pct": med_tpot, "rounds": ns.rounds,
+                                         "prefill_stalls": stalls})
     print(f"wrote {path}")
     return 0
 
