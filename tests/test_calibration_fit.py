@@ -12,7 +12,16 @@ from kernelsight.calibrate.evaluate import mape_table, roofline_calibration
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import LogPolyEta, SwitchEta, calibration_from_dict
+from kernelsight.simcore.calibration import (
+    RESIDUAL_COORDS,
+    RESIDUAL_COORDS_SCALAR,
+    LogPolyEta,
+    ResidualGrid,
+    SwitchEta,
+    _grid_from_dict,
+    basis_matrix,
+    calibration_from_dict,
+)
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 
@@ -129,3 +138,99 @@ def test_scalar_and_vector_paths_agree(small_fit, h100):
     assert calib.kernel_overhead_s("gemm", k.features) == pytest.approx(ovh[0])
     # old-style 3-feature GEMM tuples fall back to the default (bf16) variant
     assert calib.kernel_eta("gemm", k.features[:3]) == pytest.approx(eta[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# target-tier residual lattice (raw shape coordinates)
+# ------------------------------------------------------------------------------------------------
+def _decode_features(batch, ctx, qh, kvh, hd, window, kv_bytes=2.0) -> np.ndarray:
+    """attn_decode feature rows (seqs, ctx, qh, kvh, hd, kv_bytes, window) from broadcastable columns."""
+    cols = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (batch, ctx, qh, kvh, hd, kv_bytes, window)))
+    return np.column_stack(cols)
+
+
+def _synthetic_decode_grid(smooth: float = 1e-4):
+    """A lattice fitted to a known log-ratio on a full decode sweep: window rows ×3, plus a ctx trend."""
+    b, c, w = np.meshgrid([1.0, 4.0, 16.0, 64.0], [1.0, 15.0, 255.0, 4095.0], [0.0, 128.0], indexing="ij")
+    F = _decode_features(b.ravel(), c.ravel(), 32.0, 8.0, 128.0, w.ravel())
+    target = np.where(F[:, 6] > 0, np.log(3.0), 0.0) + 0.05 * np.log(F[:, 1])
+    coords = RESIDUAL_COORDS["attn_decode"](F)
+    grid = eta_fit.fit_residual_grid(coords, (0, 1, 5), target, np.ones(len(F)), smooth=smooth, coords="raw")
+    return grid, F, target
+
+
+def test_residual_lattice_reproduces_training_points():
+    grid, F, target = _synthetic_decode_grid()
+    got = grid(RESIDUAL_COORDS["attn_decode"](F))
+    np.testing.assert_allclose(got, target, atol=0.02)
+    # the window is an axis of its own: same effective context, different kernel path, different correction
+    assert grid.shape == (4, 4, 2) and grid.coords == "raw"
+
+
+def test_residual_lattice_is_clamped_outside_and_scalar_agrees():
+    grid, F, _ = _synthetic_decode_grid()
+    edge = RESIDUAL_COORDS["attn_decode"](_decode_features(64.0, 4095.0, 32.0, 8.0, 128.0, 128.0))
+    far = RESIDUAL_COORDS["attn_decode"](_decode_features(1e6, 1e9, 32.0, 8.0, 128.0, 1e7))
+    assert grid(far)[0] == pytest.approx(grid(edge)[0])   # edge value holds beyond the lattice
+    assert abs(grid(far)[0]) <= max(abs(v) for v in grid.values)
+    mid = _decode_features([3.0, 20.0], [100.0, 3000.0], 32.0, 8.0, 128.0, [0.0, 60.0])
+    vec = grid(RESIDUAL_COORDS["attn_decode"](mid))
+    for row, v in zip(mid, vec, strict=True):
+        assert grid.scalar(RESIDUAL_COORDS_SCALAR["attn_decode"](tuple(row))) == pytest.approx(v, abs=1e-12)
+
+
+def test_residual_lattice_json_round_trip():
+    grid, F, _ = _synthetic_decode_grid()
+    again = _grid_from_dict(json.loads(json.dumps(grid.to_dict())))
+    assert again.coords == "raw" and again.dims == grid.dims and again.shape == grid.shape
+    z = RESIDUAL_COORDS["attn_decode"](F)
+    np.testing.assert_allclose(again(z), grid(z), atol=1e-3)   # stored as int16 milli-log-ratios
+
+
+def test_residual_cannot_push_eta_above_eta_max(h100):
+    """A lattice asking for a huge speed-up (log-ratio −3) still leaves η ≤ eta_max: predictions ≥ roof/η_max."""
+    grid, F, _ = _synthetic_decode_grid()
+    fast = ResidualGrid(grid.dims, grid.knots, tuple(-3.0 for _ in grid.values), "raw")
+    dev = eta_fit.device_constants("attn_decode", "2", h100)
+    z = basis_matrix("attn_decode", F, dev)
+    beta, ovh, center, scale = eta_fit.fit_logpoly(z, np.full(len(F), 1e-5), np.full(len(F), 2e-5))
+    model = LogPolyEta("attn_decode", dev, tuple(center), tuple(scale), tuple(beta), overhead_s=ovh, grid=fast)
+    calib = eta_fit.default_calibration(h100.name)
+    calib.eta["attn_decode"] = model
+    calib.eta_max = 1.2
+    for row in F:
+        assert calib.kernel_eta("attn_decode", tuple(row)) <= 1.2
+    rows = eta_fit.kernel_rows(
+        "attn_decode",
+        {
+            "batch": F[:, 0], "cached_len": F[:, 1] - 1, "num_heads": F[:, 2], "num_kv_heads": F[:, 3],
+            "head_dim": F[:, 4], "kv_dtype": np.full(len(F), "bf16"), "window": F[:, 6],
+        },
+    )
+    eta, _ = eta_fit.eta_and_overhead(calib, "attn_decode", rows)
+    assert np.all(eta <= 1.2)
+
+
+def test_fitted_lattices_use_raw_coordinates_and_agree_scalar(small_fit):
+    """Fitted attention lattices key on the raw sweep axes; the step model's scalar path gives the same η."""
+    calib, _ = small_fit
+    model = calib.eta["attn_decode"].models["2"]
+    assert model.grid is not None and model.grid.coords == "raw" and len(model.grid.dims) == 6
+    F = _decode_features([1.0, 37.0, 256.0], [100.0, 3000.0, 70000.0], [32.0, 40.0, 8.0], [8.0, 8.0, 1.0],
+                         128.0, [0.0, 128.0, 4096.0])
+    eta_vec, ovh_vec = model.eta_and_overhead_array(F)
+    for row, e, o in zip(F, eta_vec, ovh_vec, strict=True):
+        es, os_ = model.eta_overhead_scalar(tuple(row))
+        assert es == pytest.approx(e, rel=1e-9) and os_ == pytest.approx(o, rel=1e-9)
+
+
+def test_stage_lattices_fold_into_one():
+    """Coarse sub-lattices added into the full lattice give the same correction as evaluating them apart."""
+    full, F, _ = _synthetic_decode_grid()
+    coords = RESIDUAL_COORDS["attn_decode"](F)
+    stage = eta_fit.fit_residual_grid(coords, (0, 5), 0.1 * np.log(F[:, 0]) - 0.3 * (F[:, 6] > 0),
+                                      np.ones(len(F)), coords="raw")
+    folded = eta_fit._fold_stages(full, [stage])
+    np.testing.assert_allclose(folded(coords), full(coords) + stage(coords), atol=1e-12)
+    mid = RESIDUAL_COORDS["attn_decode"](_decode_features(5.0, 100.0, 32.0, 8.0, 128.0, 60.0))
+    assert folded(mid)[0] == pytest.approx(full(mid)[0] + stage(mid)[0])

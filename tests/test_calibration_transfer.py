@@ -85,3 +85,92 @@ def test_transfer_round_trips_and_excludes_target(sources):
     f = gemm_kernel("g", 256, 4096, 4096, "bf16", 2.0, 2.0).features
     assert again.kernel_eta("gemm", f) == pytest.approx(calib.kernel_eta("gemm", f))
     assert np.isfinite(again.comm["nccl"].alpha_s)
+
+
+def _smooth(model, features):
+    """η and fixed latency of a source's fitted model without its residual lattice (what transfers)."""
+    sub = model.pick(features)
+    return dataclasses.replace(sub, grid=None).eta_overhead_scalar(features)
+
+
+def test_transfer_to_a_twin_of_the_source_reproduces_it(sources):
+    # A GPU with exactly the L40S's spec: the rule must hand back the L40S's own smooth model (ρ and clock
+    # ratios are 1, the spec-normalized features coincide).
+    calib, hw = next((c, h) for c, h in sources if h.name == "l40s")
+    twin = dataclasses.replace(hw, name="l40s-twin")
+    out = cross_generation_calibration(twin, [(calib, hw)])
+    kernels = [
+        gemm_kernel("g", 40, 4096, 4096, "bf16", 2.0, 2.0),
+        gemm_kernel("g", 4096, 14336, 4096, "bf16", 2.0, 2.0),
+        attention_decode_kernel(8, 8 * 300, 32, 8, 128, 2.0, 2.0),  # L2-resident KV
+        attention_decode_kernel(64, 64 * 4096, 32, 8, 128, 2.0, 2.0),  # streams from DRAM
+    ]
+    for k in kernels:
+        eta, ovh = _smooth(calib.eta[k.family], k.features)
+        assert out.kernel_eta(k.family, k.features) == pytest.approx(min(eta, out.eta_max), rel=1e-9)
+        assert out.kernel_overhead_s(k.family, k.features) == pytest.approx(ovh, rel=1e-9)
+
+
+def test_cache_gain_ratio_moves_only_l2_resident_memory_bound_work():
+    from kernelsight.simcore.calibration import basis_matrix, cache_gain_ratio
+
+    dev = {"num_sms": 128.0, "l2_bytes": 64 * 2**20, "balance": 200.0}
+    # decode: batch 4 × 256 tokens (≈ 4 MB of KV, in L2) and batch 64 × 16k tokens (≈ 4 GB, DRAM)
+    feats = np.array([[4, 256, 32, 8, 128, 2, 0], [64, 16384, 32, 8, 128, 2, 0]], dtype=float)
+    z = basis_matrix("attn_decode", feats, dev)
+    same = cache_gain_ratio("attn_decode", z, dict(dev, l2_bw_ratio_source=2.0, l2_bw_ratio_target=2.0))
+    assert same == pytest.approx([1.0, 1.0])
+    faster_l2 = cache_gain_ratio("attn_decode", z, dict(dev, l2_bw_ratio_source=2.0, l2_bw_ratio_target=6.0))
+    assert faster_l2[0] > 2.0  # resident: close to the 3× L2 bandwidth ratio
+    assert faster_l2[1] == pytest.approx(1.0, abs=1e-3)  # streaming: DRAM bound either way
+    assert np.all(cache_gain_ratio("attn_decode", z, dev) == 1.0)  # no transfer keys: untouched
+    # a compute-bound prefill whose working set fits in L2 is not sped up by a faster L2
+    big_l2 = dict(dev, l2_bytes=1024 * 2**20, l2_bw_ratio_source=2.0, l2_bw_ratio_target=6.0)
+    p = np.array([[1, 4096, 4096, 32, 8, 128, 2, 0]], dtype=float)
+    assert cache_gain_ratio("attn_prefill", basis_matrix("attn_prefill", p, big_l2), big_l2) == pytest.approx([1.0])
+
+
+def test_faster_l2_never_slows_a_transferred_kernel(sources):
+    # Same GPU except twice the SMs × clock product (ρ doubles, balance halves for compute): an L2-resident
+    # decode must not get slower, a DRAM-streaming one must stay within a few percent.
+    h = load_hardware("h100-sxm")
+    srcs = [s for s in sources if s[1].name != "h100-sxm"]
+    base = cross_generation_calibration(h, srcs)
+    more_l2 = dataclasses.replace(h, name="more-l2", boost_clock_hz=2 * h.boost_clock_hz)
+    fast = cross_generation_calibration(more_l2, srcs)
+    small = attention_decode_kernel(4, 4 * 512, 32, 8, 128, 2.0, 2.0)
+    assert fast.kernel_eta("attn_decode", small.features) >= base.kernel_eta("attn_decode", small.features)
+    assert fast.kernel_overhead_s("attn_decode", small.features) < base.kernel_overhead_s(
+        "attn_decode", small.features
+    )  # higher clock: shorter fixed latency
+
+
+def test_cross_generation_covers_every_bundled_gpu(sources):
+    from kernelsight.profiles import list_hardware
+
+    k = gemm_kernel("g", 40, 4096, 4096, "bf16", 2.0, 2.0)
+    dec = attention_decode_kernel(32, 32 * 1024, 32, 8, 128, 2.0, 2.0)
+    for name in list_hardware():
+        hw = load_hardware(name)
+        calib = cross_generation_calibration(hw, sources)
+        for kern in (k, dec):
+            eta = calib.kernel_eta(kern.family, kern.features)
+            assert calib.eta_floor <= eta <= calib.eta_max
+            assert 0.2 <= eta <= 1.5, (name, kern.family, eta)
+
+
+def test_unmeasured_format_gets_no_compute_speedup_but_keeps_its_bytes(sources):
+    # The A100 measured bf16 GEMMs only. Transferred to the H100 alone, an fp8 GEMM runs on its bf16 η: a big
+    # compute-bound one must not be credited the 2× fp8 peak, a memory-bound one keeps its halved weight bytes.
+    a100 = next(s for s in sources if s[1].name == "a100-sxm")
+    assert "1" not in a100[0].eta["gemm"].models
+    h100 = load_hardware("h100-sxm")
+    calib = cross_generation_calibration(h100, [a100])
+
+    def t(m: int, fmt: str) -> float:
+        k = gemm_kernel("g", m, 8192, 8192, fmt, 2.0 if fmt == "bf16" else 1.0, 2.0)
+        roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, h100)
+        return roof / calib.kernel_eta("gemm", k.features) + calib.kernel_overhead_s("gemm", k.features)
+
+    assert t(8192, "fp8") >= 0.95 * t(8192, "bf16")
+    assert t(1, "fp8") < 0.75 * t(1, "bf16")

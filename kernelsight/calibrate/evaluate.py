@@ -14,8 +14,7 @@ import numpy as np
 
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import Calibration, ConstantEta, calibration_from_dict
-from kernelsight.simcore.comm import ring_bus_bytes
+from kernelsight.simcore.calibration import COMM_OPS, Calibration, ConstantEta, calibration_from_dict
 from kernelsight.simcore.eta_transfer import cross_generation_calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -96,19 +95,20 @@ def predict_table_s(table: Table, hw: HardwareSpec, calib: Calibration) -> np.nd
 
 
 def predict_comm_s(cols: Mapping[str, np.ndarray], hw: HardwareSpec, calib: Calibration) -> np.ndarray:
-    """All-reduce rows through the α–β model of their backend; other collectives → NaN (not modelled)."""
+    """Collective rows (all_reduce / all_gather / reduce_scatter / all_to_all) through their backend's model
+    (measured curves, else its α–β line); unknown ops → NaN."""
     out = np.full(len(cols["op"]), np.nan)
     gpus = np.asarray(cols["num_gpus"], dtype=float)
     msg = np.asarray(cols["message_bytes"], dtype=float)
+    dtypes = cols["dtype"] if "dtype" in cols else np.full(len(out), "bf16")
     for i, (op, backend) in enumerate(zip(cols["op"], cols["backend"], strict=True)):
-        if op != "all_reduce":
+        if str(op) not in COMM_OPS:
             continue
         name = COMM_BACKENDS.get(str(backend), str(backend))
         model = calib.comm.get(name) or calib.comm.get("custom" if name == "custom_eager" else "nccl")
         if model is None:
             continue
-        bw = hw.intra_node_bytes_per_s * model.bus_bytes_per_s_fraction
-        out[i] = model.alpha_for(int(gpus[i])) + ring_bus_bytes(msg[i], gpus[i]) / bw
+        out[i] = model.time_s(str(op), float(msg[i]), int(gpus[i]), hw.intra_node_bytes_per_s, str(dtypes[i]))
     return out
 
 

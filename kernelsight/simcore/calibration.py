@@ -11,6 +11,7 @@ faster than the roofline divided by the largest η seen in calibration.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import functools
 import math
@@ -76,7 +77,7 @@ class ConstantEta:
 #     z   = basis(features, device)                  (log-features; some divided by spec constants)
 #     s   = β · [1, ẑ, ẑ_i ẑ_j (i ≤ j)]            ẑ = (z − center) / scale
 #     η   = lo + (hi − lo) · sigmoid(s)
-#   kernel_s = (roof_s / η + overhead_s) · exp(g(z))      g = optional residual lattice (target tier)
+#   kernel_s = (roof_s / η + overhead_s) · exp(g(x))      g = optional residual lattice, x = raw shape (target tier)
 #   i.e. the model reports η·exp(−g) and overhead_s·exp(g), so both terms scale together
 #
 # Why this form: latency/roofline is governed by a few ratios — arithmetic intensity against the
@@ -87,8 +88,8 @@ class ConstantEta:
 # oscillate between measured shapes. Expressing the device-dependent axes relative to the spec
 # (balance, SM count, L2) is what lets coefficients learned on one GPU transfer to another
 # (``eta_transfer``). The residual lattice is a multilinear (continuous, bounded) correction of the
-# log kernel time on a one-knot-per-octave lattice of the raw shape, fitted only when the target GPU
-# itself was measured: it captures library kernel-selection effects (split-K, tile configs, which fp8
+# log kernel time on a lattice of the raw sweep axes (knots at the measured values), fitted only when
+# the target GPU itself was measured: it captures library kernel-selection effects (split-K, tile configs, which fp8
 # kernel vLLM dispatches) that no smooth law of the shape can, and that do not transfer anyway.
 # Scaling the fixed latency too is what lets it correct small, latency-bound shapes.
 # ---------------------------------------------------------------------------------------------------
@@ -203,6 +204,66 @@ def _l2_spill(log_ratio: np.ndarray, center: float = L2_SPILL_CENTER) -> np.ndar
     capacity) is fitted per GPU in the target tier; the cross-generation tier uses 1× L2.
     """
     return 1.0 / (1.0 + np.exp(-np.clip((log_ratio - center) / L2_SPILL_WIDTH, -40.0, 40.0)))
+
+
+#: Cross-generation re-expression of the L2 benefit (``eta_transfer``): a working set of ``bytes/L2`` = e^center
+#: is half served from L2; the change is spread over ``width`` log units (smoother than the decode spill step:
+#: it stands for every family's partial L2 reuse, not one kernel's cliff).
+CACHE_GAIN_WIDTH = 0.5
+#: basis → (center, columns of log working set / L2, log AI / balance, log work units / SM); None: always
+#: memory-bound. Attention reuses up to ~1× L2. GEMMs only up to ~e^−1.5 ≈ 0.2× L2 (their sweeps show no L2
+#: benefit for weight-streaming shapes even on the L40S: η ≈ 0.8 at m ≤ 64, n = k = 4096, 32 MB of weights in a
+#: 96 MB L2, but η up to 2 for a few-MB working set). Centers tried leave-one-GPU-out: 0, −1.5, −2.5, −3.5.
+_CACHE_COLUMNS: dict[str, tuple[float, int, int | None, int | None]] = {
+    "gemm": (-1.5, 5, 3, 4),
+    "attn_prefill": (0.0, 8, 6, 7),
+    "attn_decode": (0.0, 6, None, None),
+}
+
+
+def cache_gain_ratio(basis: str, z: np.ndarray, device: dict[str, float]) -> np.ndarray:
+    """η factor that swaps a transferred model's L2 benefit for the target's (all 1 without transfer keys).
+
+    A source's η already contains its own L2 speed-up where the working set fits its L2 (η > 1 there). With
+    ρ = L2 bandwidth ÷ DRAM bandwidth of a device (``device["l2_bw_ratio_source"]`` / ``"..._target"``, set
+    by ``eta_transfer``), the memory time of a kernel relative to its DRAM roof is ``s + (1 − s)/ρ`` (s: the
+    share of the working set that streams from DRAM, a logistic of log bytes/L2); the compute roof is
+    unaffected. So η moves by ``max(u, s + (1−s)/ρ_src) / max(u, s + (1−s)/ρ_tgt)`` with u = compute roof ÷
+    DRAM roof (AI/balance × wave quantization): > 1 for a target whose L2 is relatively faster, never for a
+    compute-bound kernel or a working set far beyond L2.
+    """
+    rs, rt = device.get("l2_bw_ratio_source"), device.get("l2_bw_ratio_target")
+    if rs is None or rt is None or basis not in _CACHE_COLUMNS:
+        return np.ones(len(z))
+    center, xc, _, _ = _CACHE_COLUMNS[basis]
+    spill = 1.0 / (1.0 + np.exp(-np.clip((z[:, xc] - center) / CACHE_GAIN_WIDTH, -40.0, 40.0)))
+    u = _compute_over_memory(basis, z)
+    return np.maximum(u, spill + (1.0 - spill) / rs) / np.maximum(u, spill + (1.0 - spill) / rt)
+
+
+def _compute_over_memory(basis: str, z: np.ndarray) -> np.ndarray:
+    """u = compute roof ÷ DRAM roof from the basis (AI/balance × wave quantization as roofline.py); 0 for decode."""
+    _, _, ac, tc = _CACHE_COLUMNS[basis]
+    if ac is None or tc is None:
+        return np.zeros(len(z))
+    per_sm = np.exp(z[:, tc])
+    return np.exp(z[:, ac]) * np.ceil(per_sm) / np.maximum(per_sm, _TINY)
+
+
+def transfer_eta_factor(basis: str, z: np.ndarray, device: dict[str, float]) -> np.ndarray:
+    """All η adjustments a cross-generation member carries in its device constants (see ``eta_transfer``).
+
+    Besides :func:`cache_gain_ratio`: ``device["fallback_peak_ratio"]`` = R marks a GEMM format this source
+    never measured, stood in for by a format with R× less peak (bf16 for fp8). Its compute roof is taken at the
+    measured format's peak — no speed-up from a format nobody measured — while the memory roof (fewer bytes)
+    stays: η × max(u, 1) / max(u·R, 1).
+    """
+    out = cache_gain_ratio(basis, z, device)
+    ratio = device.get("fallback_peak_ratio")
+    if ratio is not None and basis in _CACHE_COLUMNS:
+        u = _compute_over_memory(basis, z)
+        out = out * np.maximum(u, 1.0) / np.maximum(u * ratio, 1.0)
+    return out
 
 
 def _lg(x: float) -> float:
@@ -359,17 +420,20 @@ def quadratic_design(zhat: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class ResidualGrid:
-    """Multilinear interpolation of a log-time correction on a rectilinear lattice over some basis dims.
+    """Multilinear interpolation of a log-time correction on a rectilinear lattice over some coordinate dims.
 
-    ``dims`` index the basis columns; ``knots[j]`` are the increasing knot positions along ``dims[j]``
-    (the target tier puts them at the measured grid's own values, so a shape of the sweep grid is
-    corrected by its measured neighbours); ``values`` is the flattened lattice (C order). Outside the
-    lattice the edge value holds (clamped), so the correction stays bounded.
+    ``dims`` index the columns of the coordinates named by ``coords``: ``"raw"`` = the family's raw shape
+    axes (:data:`RESIDUAL_COORDS`, independent of the smooth model's basis), ``"basis"`` = the smooth
+    model's basis (older files). ``knots[j]`` are the increasing knot positions along ``dims[j]`` (the
+    target tier puts them at the measured grid's own values, so a shape of the sweep grid is corrected
+    by its measured neighbours); ``values`` is the flattened lattice (C order). Outside the lattice the
+    edge value holds (clamped), so the correction stays bounded.
     """
 
     dims: tuple[int, ...]
     knots: tuple[tuple[float, ...], ...]
     values: tuple[float, ...]
+    coords: str = "basis"
     _vals: np.ndarray = field(init=False, repr=False, compare=False)   # lattice array
     _strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -427,10 +491,25 @@ class ResidualGrid:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "coords": self.coords,
             "dims": list(self.dims),
             "knots": [[round(x, 6) for x in k] for k in self.knots],
-            "values_milli": [round(v * 1000.0) for v in self.values],   # compact: log-ratio × 1000
+            # compact: log-ratio × 1000 as little-endian int16, base64 (|value| ≤ 3 is applied anyway)
+            "values_milli_i16": base64.b64encode(
+                np.clip(np.round(self._vals.ravel() * 1000.0), -32767, 32767).astype("<i2").tobytes()
+            ).decode("ascii"),
         }
+
+    def coordinates(self, basis: str, z: np.ndarray, features: np.ndarray | None) -> np.ndarray:
+        """The matrix this lattice is indexed by: basis rows ``z`` or the raw coordinates of ``features``."""
+        if self.coords == "basis":
+            return z
+        if features is None:
+            raise ValueError("a raw-coordinate residual lattice needs the feature rows")
+        return RESIDUAL_COORDS[basis](np.atleast_2d(np.asarray(features, dtype=float)))
+
+    def scalar_coordinates(self, basis: str, z: list[float], features: tuple[float, ...]) -> list[float]:
+        return z if self.coords == "basis" else RESIDUAL_COORDS_SCALAR[basis](features)
 
 
 def knot_coordinates(
@@ -455,11 +534,54 @@ def _grid_from_dict(g: dict[str, Any]) -> ResidualGrid:
             tuple(float(lo + i * st) for i in range(int(n))) for lo, st, n in zip(g["lo"], g["step"], g["shape"],
                                                                                   strict=True)
         )
-    if "values_milli" in g:
+    if "values_milli_i16" in g:
+        raw = np.frombuffer(base64.b64decode(g["values_milli_i16"]), dtype="<i2")
+        values = tuple((raw.astype(float) * 1e-3).tolist())
+    elif "values_milli" in g:
         values = tuple(float(v) * 1e-3 for v in g["values_milli"])
     else:
         values = tuple(float(v) for v in g["values"])
-    return ResidualGrid(tuple(int(d) for d in g["dims"]), knots, values)
+    return ResidualGrid(tuple(int(d) for d in g["dims"]), knots, values, str(g.get("coords", "basis")))
+
+
+# Raw shape coordinates of the target-tier residual lattice, per basis: logs of the sweep's own axes, so the
+# lattice keys on what was measured (incl. the sliding window, which switches attention kernel paths but is
+# folded into the effective context in the smooth basis), whatever the smooth model's basis becomes.
+def _gemm_coords(F: np.ndarray) -> np.ndarray:
+    """(m, n, k[, code]) → log m, log n, log k, m multiple of 16 (0/1)."""
+    return np.column_stack([_log(F[:, 0]), _log(F[:, 1]), _log(F[:, 2]), _aligned(F[:, 0])])
+
+
+def _attn_coords(F: np.ndarray, new: int, qh: int, win: int) -> np.ndarray:
+    """log seqs, log tokens (new for prefill, context for decode), log q heads, log KV heads, log head_dim,
+    log(1 + window)."""
+    w = F[:, win] if F.shape[1] > win else np.zeros(len(F))
+    return np.column_stack([_log(F[:, 0]), _log(F[:, new]), _log(F[:, qh]), _log(F[:, qh + 1]),
+                            _log(F[:, qh + 2]), np.log1p(np.maximum(w, 0.0))])
+
+
+def _attn_coords_scalar(f: tuple[float, ...], new: int, qh: int, win: int) -> list[float]:
+    w = float(f[win]) if len(f) > win else 0.0
+    return [_lg(float(f[0])), _lg(float(f[new])), _lg(float(f[qh])), _lg(float(f[qh + 1])),
+            _lg(float(f[qh + 2])), math.log1p(max(w, 0.0))]
+
+
+def _gemm_coords_scalar(f: tuple[float, ...]) -> list[float]:
+    m = float(f[0])
+    return [_lg(m), _lg(float(f[1])), _lg(float(f[2])), 1.0 if (m % 16.0 == 0 or m % 1.0 != 0) else 0.0]
+
+
+#: basis → raw residual coordinates (rows × d); feature layouts as in ``kernels.py``
+RESIDUAL_COORDS: dict[str, Any] = {
+    "gemm": _gemm_coords,
+    "attn_prefill": lambda F: _attn_coords(F, 1, 3, 7),
+    "attn_decode": lambda F: _attn_coords(F, 1, 2, 6),
+}
+RESIDUAL_COORDS_SCALAR: dict[str, Any] = {
+    "gemm": _gemm_coords_scalar,
+    "attn_prefill": lambda f: _attn_coords_scalar(f, 1, 3, 7),
+    "attn_decode": lambda f: _attn_coords_scalar(f, 1, 2, 6),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,7 +619,7 @@ class LogPolyEta:
     def eta_and_overhead_array(self, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(η, overhead_s) per feature row, residual lattice applied to both."""
         z = basis_matrix(self.basis, features, self.device)
-        return self.from_basis(z)
+        return self.from_basis(z, features)
 
     def smooth_eta(self, z: np.ndarray) -> np.ndarray:
         center, scale, coef = self._arrays
@@ -507,11 +629,14 @@ class LogPolyEta:
         s = quadratic_design(zhat) @ coef
         return self.lo + (self.hi - self.lo) / (1.0 + np.exp(-np.clip(s, -40.0, 40.0)))
 
-    def from_basis(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def from_basis(self, z: np.ndarray, features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(η, overhead_s) at basis rows ``z``; ``features`` (the same rows) is needed by a raw-coordinate grid."""
         eta = self.smooth_eta(z)
+        if "l2_bw_ratio_target" in self.device or "fallback_peak_ratio" in self.device:  # cross-generation
+            eta = eta * transfer_eta_factor(self.basis, z, self.device)
         ovh = np.full(len(z), self.overhead_s or 0.0)
         if self.grid is not None:
-            scale = np.exp(np.clip(self.grid(z), -3.0, 3.0))
+            scale = np.exp(np.clip(self.grid(self.grid.coordinates(self.basis, z, features)), -3.0, 3.0))
             eta, ovh = eta / scale, ovh * scale
         return eta, ovh
 
@@ -533,9 +658,12 @@ class LogPolyEta:
             k += 1
         s = min(max(s, -40.0), 40.0)
         eta = self.lo + (self.hi - self.lo) / (1.0 + math.exp(-s))
+        if "l2_bw_ratio_target" in self.device or "fallback_peak_ratio" in self.device:
+            eta *= float(transfer_eta_factor(self.basis, np.asarray([z], dtype=float), self.device)[0])
         ovh = self.overhead_s or 0.0
         if self.grid is not None:
-            scale = math.exp(min(max(self.grid.scalar(z), -3.0), 3.0))
+            g = self.grid.scalar(self.grid.scalar_coordinates(self.basis, z, features))
+            scale = math.exp(min(max(g, -3.0), 3.0))
             eta, ovh = eta / scale, ovh * scale
         return eta, ovh
 
@@ -697,19 +825,123 @@ def eta_model_from_dict(d: dict[str, Any]) -> EtaModel:
         raise ValueError(f"unknown η model form {d.get('form')!r}; known: {sorted(ETA_FORMS)}") from exc
 
 
+#: Collective ops with a bus-bytes rule; message_bytes is the full (reduced / gathered / exchanged) buffer.
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+_DTYPE_CLASS = {
+    "half": "16", "fp16": "16", "float16": "16", "bf16": "16", "bfloat16": "16",
+    "int8": "8", "uint8": "8", "fp8": "8", "float8": "8",
+    "float": "32", "fp32": "32", "float32": "32",
+}
+
+
+def comm_dtype_class(dtype: str) -> str:
+    """Element width class of a collective's dtype: NCCL costs depend on it (reduction kernels, NVLS support)."""
+    return _DTYPE_CLASS.get(str(dtype).lower(), str(dtype).lower())
+
+
+def comm_bus_factor(op: str, num_gpus: int) -> float:
+    """Bytes each GPU moves over its link per message byte (NCCL's "bus bandwidth" convention):
+    ring all-reduce 2(T−1)/T, all-gather / reduce-scatter / all-to-all (T−1)/T."""
+    t = max(int(num_gpus), 1)
+    return (2.0 if op == "all_reduce" else 1.0) * (t - 1) / t
+
+
+def comm_curve_key(op: str, dtype_class: str, num_gpus: int) -> str:
+    return f"{op}/{dtype_class}/{int(num_gpus)}"
+
+
+@dataclass(frozen=True, slots=True)
+class CommCurve:
+    """Measured latency of one collective (op, dtype class, GPU count) of one backend, as a piecewise α–β line.
+
+    Between knots the time is linear in the message size (each segment is an α–β line, exact for a single
+    protocol regime; protocol switches show as kinks); below the first knot it stays at the first knot's
+    latency (the α floor); beyond the last knot it grows at ``tail_s_per_byte`` (the asymptotic bandwidth).
+    Knot latencies are non-decreasing, so the curve is monotone.
+    """
+
+    message_bytes: tuple[float, ...]
+    latency_s: tuple[float, ...]
+    tail_s_per_byte: float  # per message byte beyond the last knot
+
+    def time_s(self, message_bytes: float) -> float:
+        b, t = self.message_bytes, self.latency_s
+        if message_bytes >= b[-1]:
+            return t[-1] + (message_bytes - b[-1]) * self.tail_s_per_byte
+        if message_bytes <= b[0]:
+            return t[0]
+        j = bisect.bisect_right(b, message_bytes)
+        w = (message_bytes - b[j - 1]) / (b[j] - b[j - 1])
+        return t[j - 1] + w * (t[j] - t[j - 1])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message_bytes": list(self.message_bytes), "latency_s": list(self.latency_s),
+                "tail_s_per_byte": self.tail_s_per_byte}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CommCurve:
+        return cls(tuple(float(x) for x in d["message_bytes"]), tuple(float(x) for x in d["latency_s"]),
+                   float(d["tail_s_per_byte"]))
+
+
 @dataclass(frozen=True, slots=True)
 class CommModel:
-    """α–β model of one collective backend: ``t = alpha_s + bus_bytes / bus_bytes_per_s``.
+    """Latency model of one collective backend (``nccl``, vLLM ``custom`` / ``custom_eager`` all-reduce).
 
-    ``alpha_s_by_gpus`` optionally refines α per GPU count (NCCL's latency grows with the ring size).
+    ``curves`` (by :func:`comm_curve_key`) hold measured or transferred piecewise α–β curves; anything they do
+    not cover falls back to the single α–β line ``t = alpha_s + bus_bytes / (fraction · link bandwidth)``
+    (``alpha_s_by_gpus`` refines α per GPU count: NCCL's latency grows with the ring size). Every time is at
+    least the physical bound bus bytes / link bandwidth. Calibration files without ``curves`` still load.
     """
 
     alpha_s: float
     bus_bytes_per_s_fraction: float  # of the spec interconnect bandwidth actually reached
     alpha_s_by_gpus: dict[str, float] = field(default_factory=dict)
+    curves: dict[str, CommCurve] = field(default_factory=dict)
+    _memo: dict[tuple[str, float, int, str, float], float] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def alpha_for(self, num_gpus: int) -> float:
         return self.alpha_s_by_gpus.get(str(int(num_gpus)), self.alpha_s)
+
+    def curve_for(self, op: str, num_gpus: int, dtype: str = "bf16") -> tuple[CommCurve, int] | None:
+        """The curve of (op, dtype class, GPU count), else of the same dtype class at the nearest measured GPU
+        count, else of another dtype class; with the GPU count it was measured at (None: no curve for op)."""
+        cls = comm_dtype_class(dtype)
+        found = [(k.split("/"), c) for k, c in self.curves.items() if k.startswith(op + "/")]
+        if not found:
+            return None
+        same = [(int(p[2]), c) for p, c in found if p[1] == cls] or [
+            (int(p[2]), c) for p, c in found if p[1] == "16"] or [(int(p[2]), c) for p, c in found]
+        t = max(int(num_gpus), 1)
+        g, curve = min(same, key=lambda gc: (abs(math.log(gc[0] / t)), -gc[0]))
+        return curve, g
+
+    def time_s(self, op: str, message_bytes: float, num_gpus: int, link_bytes_per_s: float,
+               dtype: str = "bf16") -> float:
+        """Seconds of one collective of ``message_bytes`` over ``num_gpus`` GPUs whose links carry
+        ``link_bytes_per_s`` each (one direction). Memoized: the step model asks for few distinct sizes."""
+        if num_gpus <= 1:
+            return 0.0
+        key = (op, float(message_bytes), int(num_gpus), comm_dtype_class(dtype), float(link_bytes_per_s))
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        bus = comm_bus_factor(op, num_gpus) * message_bytes
+        found = self.curve_for(op, num_gpus, dtype)
+        if found is None:
+            t = self.alpha_for(num_gpus) + bus / (link_bytes_per_s * self.bus_bytes_per_s_fraction)
+        else:
+            curve, g = found
+            # another GPU count: the same bus bytes per GPU cost about the same (the message is rescaled)
+            t = curve.time_s(bus / comm_bus_factor(op, g)) if g != int(num_gpus) else curve.time_s(message_bytes)
+        t = max(t, bus / link_bytes_per_s)
+        if len(self._memo) > 50_000:
+            self._memo.clear()
+        self._memo[key] = t
+        return t
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -718,7 +950,19 @@ class CommModel:
         }
         if self.alpha_s_by_gpus:
             d["alpha_s_by_gpus"] = dict(self.alpha_s_by_gpus)
+        if self.curves:
+            d["curves"] = {k: c.to_dict() for k, c in sorted(self.curves.items())}
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CommModel:
+        """Reads both the α–β-only files (alpha_s / bus_bytes_per_s_fraction) and files with curves."""
+        return cls(
+            float(d["alpha_s"]),
+            float(d["bus_bytes_per_s_fraction"]),
+            {str(g): float(a) for g, a in d.get("alpha_s_by_gpus", {}).items()},
+            {str(k): CommCurve.from_dict(v) for k, v in d.get("curves", {}).items()},
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -843,14 +1087,7 @@ def calibration_from_dict(d: dict[str, Any]) -> Calibration:
         overhead_s={k: float(v) for k, v in d["overhead_s"].items()},
         eta_max=float(d.get("eta_max", 1.0)),
         eta_floor=float(d.get("eta_floor", 0.02)),
-        comm={
-            k: CommModel(
-                float(v["alpha_s"]),
-                float(v["bus_bytes_per_s_fraction"]),
-                {str(g): float(a) for g, a in v.get("alpha_s_by_gpus", {}).items()},
-            )
-            for k, v in d.get("comm", {}).items()
-        },
+        comm={k: CommModel.from_dict(v) for k, v in d.get("comm", {}).items()},
         host=HostModel(**d.get("host", {})),
         launch=LaunchModel(**d.get("launch", {})),
         source=d.get("source", ""),
@@ -891,7 +1128,9 @@ def default_calibration(hardware: str) -> Calibration:
 
 __all__ = [
     "BASES",
+    "COMM_OPS",
     "Calibration",
+    "CommCurve",
     "CommModel",
     "ConstantEta",
     "EnsembleEta",
@@ -903,9 +1142,14 @@ __all__ = [
     "ResidualGrid",
     "SwitchEta",
     "basis_matrix",
+    "cache_gain_ratio",
     "calibration_from_dict",
+    "comm_bus_factor",
+    "comm_curve_key",
+    "comm_dtype_class",
     "default_calibration",
     "eta_model_from_dict",
     "quadratic_design",
     "switch_key",
+    "transfer_eta_factor",
 ]

@@ -10,7 +10,18 @@ with η of the :class:`~kernelsight.simcore.calibration.LogPolyEta` form (bounde
 device-normalized log-features). The loss is the squared log-ratio of predicted to measured latency
 — i.e. relative error, what MAPE judges — minimized by Levenberg–Marquardt with a small ridge on the
 polynomial terms (keeps extrapolation tame). Duplicate measurements are simply more samples.
-Optionally (target tier) a residual lattice over the raw shape absorbs what the smooth form misses.
+
+Target tier: a residual lattice g over the sweep's raw shape axes (GEMM: m, n, k, m % 16; attention:
+seqs, tokens, q heads, KV heads, head_dim, window — in logs) multiplies the time by exp(g). Why: what
+the smooth form misses is library kernel selection (tile configs, split-K, GQA packing switched off by a
+window, FA2 vs FlashInfer vs Triton by head_dim), a property of the raw shape that jumps between
+neighbouring grid values and does not transfer across GPUs. Form: multilinear on knots at the measured
+values (merged where dense), penalized least squares (second differences fill unmeasured knots from
+their neighbours, a ridge pulls toward 0), attention first through coarse sub-lattices that pool the
+broad trends. Bounded: edge values hold outside the lattice, |g| ≤ 3, and η stays ≤ eta_max. Measured
+floor: the residual varies at the grid spacing, not by noise (repeated measurements agree to ~1%, but
+the mean of a GEMM row's two immediate grid neighbours, all measured, predicts it only to 4.7–6.6% along
+the best axis), so at 25% training density interpolation does not reach the paper's 3.8% everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import numpy as np
 
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import (
+    RESIDUAL_COORDS,
     Calibration,
     CommModel,
     ConstantEta,
@@ -306,47 +318,42 @@ def fit_residual_grid(
     smooth: float = 0.3,
     ridge: float = 1e-3,
     cg_iters: int = 300,
+    coords: str = "basis",
 ) -> ResidualGrid:
-    """Penalized least-squares lattice of log time corrections.
+    """Penalized least-squares lattice of log time corrections over columns ``dims`` of ``z``.
 
-    Minimizes Σ w (interp(v) − r)² + smooth·(N/K)·‖Δ²v‖² + ridge·(N/K)·‖v‖² by conjugate gradients
-    (matrix-free: the interpolation weights act through ``bincount``). The second-difference penalty
-    fills knots no sample touches by smooth interpolation; the ridge pulls far-off regions back to 0,
-    i.e. to the smooth model.
+    Minimizes Σ w (interp(v) − r)² + smooth·(N/K)·‖Δ²v‖² + ridge·(N/K)·‖v‖² by Jacobi-preconditioned
+    conjugate gradients (matrix-free: the interpolation acts through two ``bincount`` calls on its nonzero
+    (row, knot, weight) triplets). The second-difference penalty fills knots no sample touches by smooth
+    interpolation from their neighbours; the ridge pulls far-off regions back to 0, i.e. to the smooth model.
     """
     zs = z[:, list(dims)]
-    gaps = min_gaps if min_gaps is not None else (0.0,) * len(dims)
-    knots = tuple(lattice_knots(zs[:, j], gaps[j]) for j in range(len(dims)))
+    n, d = zs.shape
+    gaps = min_gaps if min_gaps is not None else (0.0,) * d
+    knots = tuple(lattice_knots(zs[:, j], gaps[j]) for j in range(d))
     shape = tuple(len(k) for k in knots)
-    idx0, frac = knot_coordinates(zs, knots)
     size = int(np.prod(shape))
-    d = len(dims)
-    corner_idx = []
-    corner_w = []
+    idx0, frac = knot_coordinates(zs, knots)
+    rows_l, cols_l, ws_l = [], [], []
     for corner in range(1 << d):
-        w = np.ones(len(z))
-        flat = np.zeros(len(z), dtype=np.int64)
+        w = np.ones(n)
+        flat = np.zeros(n, dtype=np.int64)
         for j in range(d):
             bit = (corner >> j) & 1
             w = w * (frac[:, j] if bit else 1.0 - frac[:, j])
             flat = flat * shape[j] + np.minimum(idx0[:, j] + bit, shape[j] - 1)
-        keep = w > 0
-        corner_idx.append(flat[keep])
-        corner_w.append((w[keep], keep))
-    sw2 = weight
-    scale_pen = len(z) / size
+        keep = w > 1e-12  # grid points sit on knots: most corners carry no weight
+        rows_l.append(np.flatnonzero(keep))
+        cols_l.append(flat[keep])
+        ws_l.append(w[keep])
+    rows, cols, ws = np.concatenate(rows_l), np.concatenate(cols_l), np.concatenate(ws_l)
+    scale_pen = n / size
 
     def interp(v: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(z))
-        for i, (w, keep) in zip(corner_idx, corner_w, strict=True):
-            out[keep] += w * v[i]
-        return out
+        return np.bincount(rows, ws * v[cols], minlength=n)
 
     def interp_t(r: np.ndarray) -> np.ndarray:
-        return sum(
-            np.bincount(i, weights=w * r[keep], minlength=size)
-            for i, (w, keep) in zip(corner_idx, corner_w, strict=True)
-        )
+        return np.bincount(cols, ws * r[rows], minlength=size)
 
     def penalty(v: np.ndarray) -> np.ndarray:
         V = v.reshape(shape)
@@ -354,46 +361,78 @@ def fit_residual_grid(
         for j in range(d):
             if shape[j] < 3:
                 continue
-            y = np.diff(V, 2, axis=j)
             pad = [(0, 0)] * d
             pad[j] = (2, 2)
-            out += np.diff(np.pad(y, pad), 2, axis=j)
+            out += np.diff(np.pad(np.diff(V, 2, axis=j), pad), 2, axis=j)  # (Δ²)ᵀΔ² along axis j
         return out.ravel()
 
     def matvec(v: np.ndarray) -> np.ndarray:
-        return interp_t(sw2 * interp(v)) + scale_pen * (smooth * penalty(v) + ridge * v)
+        return interp_t(weight * interp(v)) + scale_pen * (smooth * penalty(v) + ridge * v)
 
+    # Jacobi preconditioner: data diagonal + the penalty's interior diagonal (6 per axis with ≥ 3 knots)
+    pen_diag = 6.0 * sum(1 for s in shape if s >= 3)
+    m_inv = 1.0 / (np.bincount(cols, weight[rows] * ws * ws, minlength=size) + scale_pen * (smooth * pen_diag + ridge))
     rhs = interp_t(weight * log_ratio)
     v = np.zeros(size)
     r = rhs.copy()
-    pvec = r.copy()
-    rr = float(r @ r)
-    tol = 1e-10 * max(rr, 1e-30)
+    zr = m_inv * r
+    pvec = zr.copy()
+    rz = float(r @ zr)
+    tol = 1e-10 * max(float(rhs @ rhs), 1e-30)
     for _ in range(cg_iters):
-        if rr <= tol:
+        if float(r @ r) <= tol:
             break
         ap = matvec(pvec)
-        alpha = rr / float(pvec @ ap)
+        alpha = rz / float(pvec @ ap)
         v += alpha * pvec
         r -= alpha * ap
-        rr_new = float(r @ r)
-        pvec = r + (rr_new / rr) * pvec
-        rr = rr_new
-    return ResidualGrid(tuple(dims), knots, tuple(float(x) for x in v))
+        zr = m_inv * r
+        rz_new = float(r @ zr)
+        pvec = zr + (rz_new / rz) * pvec
+        rz = rz_new
+    return ResidualGrid(tuple(dims), knots, tuple(v.tolist()), coords)
 
 
-#: Raw-shape basis dims the target-tier residual lattice spans, per family.
-GRID_DIMS = {"gemm": (0, 1, 2, 9), "attn_prefill": (0, 1, 3, 4, 5), "attn_decode": (0, 1, 2, 3, 4, 7)}
+#: Raw shape axes (:data:`~kernelsight.simcore.calibration.RESIDUAL_COORDS`) the target-tier residual lattice
+#: spans, per family: GEMM (log m, n, k, m % 16 == 0); attention (log seqs, tokens, q heads, KV heads,
+#: head_dim, 1 + window) — every axis of the sweep, so e.g. the window (FA2 on the L40S stops packing GQA
+#: heads with a window: decode time ∝ batch × q heads instead of × KV heads) gets its own knots.
+GRID_DIMS = {"gemm": (0, 1, 2, 3), "attn_prefill": (0, 1, 2, 3, 4, 5), "attn_decode": (0, 1, 2, 3, 4, 5)}
 #: Smallest log-gap between lattice knots per dim (0: a knot at every measured value; < 0: a regular
-#: lattice that many log units apart, e.g. −ln2/2 = two knots per octave). Chosen on an inner split of the
-#: training rows (H100/L40S/A100): per-value knots overfit GEMMs and prefill (neighbouring m differ by
-#: kernel choice, not smoothly), but help decode, whose L2 step sits between two measured contexts.
-_OCT2, _OCT1 = -math.log(2.0) / 2.0, -math.log(2.0)
+#: lattice that many log units apart, e.g. −ln2/2 = two knots per octave). Chosen on other splits than the
+#: benchmark's: per-value knots overfit GEMMs (neighbouring m differ by kernel choice, not smoothly), while
+#: attention wants a knot at every measured value except the dense head-count axes (merged to ~1 per 0.6).
+_OCT2 = -math.log(2.0) / 2.0
 GRID_MIN_GAPS = {
     "gemm": (_OCT2, _OCT2, _OCT2, 0.0),
-    "attn_prefill": (_OCT1, _OCT1, _OCT1, _OCT1, _OCT1),
-    "attn_decode": (0.0, 0.0, 0.9, 0.9, 0.0, 0.45),
+    "attn_prefill": (0.0, 0.0, 0.6, 0.6, 0.0, 0.0),
+    "attn_decode": (0.0, 0.0, 0.6, 0.0, 0.0, 0.0),
 }
+#: Second-difference penalty weight per family (same selection as the gaps).
+GRID_SMOOTH = {"gemm": 0.3, "attn_prefill": 0.1, "attn_decode": 0.1}
+#: Coarse sub-lattices fitted before the full one (attention: (seqs, tokens, window) and (heads, head_dim,
+#: window)): they pool the broad trends over many rows, so the sparse 6-D lattice only adds interactions.
+GRID_STAGES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "attn_prefill": ((0, 1, 5), (2, 3, 4, 5)),
+    "attn_decode": ((0, 1, 5), (2, 3, 4, 5)),
+}
+
+
+def _fold_stages(full: ResidualGrid, stages: list[ResidualGrid]) -> ResidualGrid:
+    """One lattice equal to ``full`` + Σ stages (each stage's dims ⊂ full's, on the same knots)."""
+    if not stages:
+        return full
+    total = np.asarray(full.values, dtype=float).reshape(full.shape)
+    for g in stages:
+        pos = [full.dims.index(d) for d in g.dims]
+        if pos != sorted(pos) or any(g.knots[i] != full.knots[p] for i, p in enumerate(pos)):
+            raise ValueError("a stage lattice must share the full lattice's knots (dims in the same order)")
+        view = np.asarray(g.values, dtype=float).reshape(g.shape)
+        shape = [1] * len(full.dims)
+        for i, p in enumerate(pos):
+            shape[p] = g.shape[i]
+        total = total + view.reshape(shape)
+    return replace(full, values=tuple(total.ravel().tolist()))
 
 
 def fit_submodel(
@@ -426,8 +465,8 @@ def fit_submodel(
         zhi=tuple(z.max(axis=0).tolist()),
     )
     if residual_grid:
-        model = add_residual_grid(model, family, z, roof_s, lat_s, rounds=grid_rounds)
-    eta, ovh_rows = model.from_basis(z)
+        model = add_residual_grid(model, family, z, roof_s, lat_s, rounds=grid_rounds, features=rows.features)
+    eta, ovh_rows = model.from_basis(z, rows.features)
     pred = roof_s / eta + ovh_rows
     return SubFit(model, len(z), float(np.mean(np.abs(pred - lat_s) / lat_s)), float(eta.max()))
 
@@ -460,21 +499,46 @@ def fit_spill_center(
 
 
 def add_residual_grid(
-    model: LogPolyEta, family: str, z: np.ndarray, roof_s: np.ndarray, lat_s: np.ndarray, rounds: int = 1
+    model: LogPolyEta,
+    family: str,
+    z: np.ndarray,
+    roof_s: np.ndarray,
+    lat_s: np.ndarray,
+    rounds: int = 1,
+    *,
+    features: np.ndarray,
 ) -> LogPolyEta:
-    """Backfit the residual lattice: log(measured / predicted) kernel time on the raw-shape lattice."""
+    """Backfit the residual lattice: log(measured / predicted) kernel time on the raw-shape lattice.
+
+    ``z`` is the smooth model's basis of the rows, ``features`` their raw feature rows (the lattice's axes).
+    """
     grid = None
+    coords = RESIDUAL_COORDS[model.basis](features)
+    dims, gaps = GRID_DIMS[family], GRID_MIN_GAPS[family]
     for _ in range(rounds):
         current = replace(model, grid=grid)
-        eta, ovh = current.from_basis(z)
+        eta, ovh = current.from_basis(z, features)
         log_ratio = np.log(lat_s / (roof_s / eta + ovh))
+        # Coarse stages first (sub-lattices pooling many rows), then the full lattice on what they leave;
+        # a sub-lattice on the same knots is constant along its missing axes, so it folds into the full one.
+        stages = []
+        for sub in GRID_STAGES.get(family, ()):
+            g = fit_residual_grid(
+                coords, sub, np.clip(log_ratio, -2.0, 2.0), np.ones(len(z)),
+                min_gaps=tuple(gaps[dims.index(d)] for d in sub), smooth=GRID_SMOOTH[family], coords="raw",
+            )
+            log_ratio = log_ratio - g(coords)
+            stages.append(g)
         add = fit_residual_grid(
-            z,
-            GRID_DIMS[family],
+            coords,
+            dims,
             np.clip(log_ratio, -2.0, 2.0),
             np.ones(len(z)),
-            min_gaps=GRID_MIN_GAPS[family],
+            min_gaps=gaps,
+            smooth=GRID_SMOOTH[family],
+            coords="raw",
         )
+        add = _fold_stages(add, stages)
         if grid is not None:
             add = replace(add, values=tuple(a + b for a, b in zip(add.values, grid.values, strict=True)))
         grid = add
@@ -530,11 +594,14 @@ def fit_family(
 
 
 def fit_comm(cols: Columns, hw: HardwareSpec) -> dict[str, CommModel]:
-    """α–β per all-reduce backend (``nccl``; vLLM custom: ``custom`` = in-graph, ``custom_eager``).
+    """Collective models per backend (``nccl``; vLLM custom all-reduce: ``custom`` = in-graph, ``custom_eager``).
 
-    Least squares on relative error of t = α_T + ring_bytes / (link_bw · f), with α per GPU count T.
+    Measured piecewise α–β curves per (op, dtype class, GPU count) (:func:`comm_fit.fit_comm_curves`), plus
+    the single all-reduce α–β line they fall back to elsewhere: least squares on relative error of
+    t = α_T + ring_bytes / (link_bw · f), with α per GPU count T.
     """
     from kernelsight.simcore.comm import ring_bus_bytes
+    from kernelsight.simcore.comm_fit import fit_comm_curves
 
     names = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
     op = np.asarray(cols["op"])
@@ -559,6 +626,9 @@ def fit_comm(cols: Columns, hw: HardwareSpec) -> dict[str, CommModel]:
         coef = np.maximum(coef, 1e-9)
         alphas = {str(g): float(coef[j]) for j, g in enumerate(g_vals)}
         out[name] = CommModel(float(np.median(coef[:-1])), float(1.0 / coef[-1]), alphas)
+    for name, curves in fit_comm_curves(cols, hw).items():
+        line = out.get(name) or CommModel(1.5e-5, 0.7)  # no all-reduce rows: a default line for other ops
+        out[name] = CommModel(line.alpha_s, line.bus_bytes_per_s_fraction, dict(line.alpha_s_by_gpus), curves)
     return out
 
 

@@ -10,14 +10,39 @@ Transfer rule (documented contract):
    source GPU had at *its* ridge point, not at the same m, n, k.
 2. **Only the smooth part transfers.** The target-tier residual lattice encodes one GPU's library
    kernel choices (tile configs, split-K heuristics, which fp8 kernel vLLM dispatched) and is dropped.
-3. **Ensemble by spec similarity.** With several sources, η and the fixed latency are the weighted
+3. **The L2 benefit is re-expressed, not copied.** Where a working set fits in L2, a source's η already
+   holds *its* L2 speed-up over the DRAM roof (η > 1 on the L40S, whose 96 MB L2 sits in front of 864 GB/s
+   GDDR6). That speed-up scales with ρ = L2 bandwidth ÷ DRAM bandwidth, which the datasheet does not give
+   but its parts do: L2 bandwidth ≈ SMs × clock × a per-SM width (:data:`L2_BYTES_PER_CLOCK_PER_SM`, one
+   constant for every GPU). The memory part of the roof is scaled by ``s + (1 − s)/ρ`` (s: share of the
+   working set streaming from DRAM, logistic in log bytes/L2), the compute roof is not; the source's factor
+   is divided out and the target's put in (:func:`~kernelsight.simcore.calibration.cache_gain_ratio`).
+   Without it, A100/H100 (ρ ≈ 1.2) predict the L40S (ρ ≈ 6.6) 2–3× too slow on L2-resident attention.
+   GEMMs reuse a smaller share of L2 than attention (weight-streaming shapes of ~⅓ L2 show no benefit even
+   on the L40S), so their step sits at ~0.2× L2. The decode L2 step's fitted position (in units of the
+   source's L2) carries over as well.
+4. **Fixed latency transfers as time**, scaled by (source clock ÷ target clock)^0.5
+   (:data:`OVERHEAD_CLOCK_EXPONENT`): partly GPU cycles, partly clock-independent.
+5. **Ensemble by spec similarity.** With several sources, η and the fixed latency are the weighted
    geometric mean of the transferred models, weights ∝ exp(−d/τ) with d the distance between the
    two specs in log space (balance, bandwidth, SMs, L2, clock) — a GPU closer to the target (same
    generation, similar balance) counts more, but every source contributes.
-4. Variants no source measured (e.g. fp8 GEMM when only bf16 was measured) fall back to the closest
-   variant the sources have, run on the target's dtype peak.
-5. Collectives: α and achieved-bandwidth fraction per backend are averaged (geometric) over the
-   sources whose interconnect class (NVLink-class vs PCIe) matches the target's; otherwise over all.
+6. Variants a source did not measure (e.g. fp8 GEMM on the A100) take that source's closest variant (its
+   bf16 η) with the compute roof at that variant's peak: no speed-up is credited for a format the source
+   never ran (both measured GPUs reach a lower share of peak in fp8 than in bf16); the memory roof, with the
+   target format's bytes, stays. Tried: only sources that measured the variant — much worse (fp8 from the
+   L40S alone predicts the H100 at 103% MAPE): the other format's η is the better regularizer.
+7. Collectives: measured latency curves per (backend, op, dtype class, GPU count) are split into a
+   bandwidth part (rescaled to the target's link) and a latency part (scaled by the clock ratio), averaged
+   (geometric) over the sources whose interconnect class (NVLink-class vs PCIe) matches the target's;
+   otherwise over all, with a PCIe topology prior (:mod:`kernelsight.simcore.comm_fit` states the rule).
+   The fallback α–β line (α, achieved-bandwidth fraction) is averaged the same way.
+
+Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in calibration.py)
+are global: chosen by leave-one-GPU-out over the three measured GPUs (A100 / H100 / L40S) *jointly*, on the
+mean and the worst per-family MAPE of all folds, never per fold or per target. Tried and not kept: one model
+fitted jointly on all sources' rows in the spec-normalized features (worse than averaging per-GPU models in
+every fold: the shape terms it shares carry each library's kernel choices, not physics).
 """
 
 from __future__ import annotations
@@ -26,6 +51,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import (
     Calibration,
     CommModel,
@@ -34,11 +60,19 @@ from kernelsight.simcore.calibration import (
     LogPolyEta,
     SwitchEta,
     default_calibration,
+    switch_key,
 )
 from kernelsight.simcore.hardware import HardwareSpec
 
 #: Temperature of the similarity weights (units of the log-spec distance).
 SIMILARITY_TAU = 1.0
+#: Effective L2 bytes per SM per clock, for ρ = L2 ÷ DRAM bandwidth (:func:`l2_bw_ratio`). One constant for all
+#: GPUs, chosen by leave-one-GPU-out over A100 / H100 / L40S jointly (8, 16, 32, 64 tried; 16 best on the mean and
+#: the worst family over the three folds). The physical L2 port is wider (~32–64 B/clk/SM); kernels reach part.
+L2_BYTES_PER_CLOCK_PER_SM = 16.0
+#: Fixed per-kernel latency moves as time × (source clock ÷ target clock)^this: part of it is GPU cycles (scales
+#: with the clock), part is not (driver, timer); exponents 0, 0.5, 1 tried leave-one-GPU-out, 0.5 best on the mean.
+OVERHEAD_CLOCK_EXPONENT = 0.5
 TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm")
 
 
@@ -63,20 +97,49 @@ def similarity_weights(
     return [r / total for r in raw]
 
 
-def retarget(model: EtaModel, family: str, variant: str | None, target: HardwareSpec) -> EtaModel:
-    """A source model re-expressed on the target's spec constants, residual lattice dropped."""
+def l2_bw_ratio(hw: HardwareSpec) -> float:
+    """ρ: L2 bandwidth estimated from the spec (SMs × clock × bytes/clk/SM) ÷ DRAM bandwidth."""
+    return L2_BYTES_PER_CLOCK_PER_SM * hw.num_sms * hw.boost_clock_hz / hw.mem_bytes_per_s
+
+
+def overhead_scale(source: HardwareSpec | None, target: HardwareSpec) -> float:
+    """Factor on a source's fixed per-kernel latency on the target (rule 4 of the module docstring)."""
+    if source is None:
+        return 1.0
+    return (source.boost_clock_hz / target.boost_clock_hz) ** OVERHEAD_CLOCK_EXPONENT
+
+
+def retarget(
+    model: EtaModel, family: str, variant: str | None, target: HardwareSpec, source: HardwareSpec | None = None
+) -> EtaModel:
+    """A source model re-expressed on the target's spec constants, residual lattice dropped.
+
+    With the ``source`` spec, the source's L2 benefit is swapped for the target's (ρ of both in the device
+    constants, applied by :func:`~kernelsight.simcore.calibration.cache_gain_ratio`) and the fixed latency is
+    moved by the clock ratio.
+    """
     from kernelsight.simcore.eta_fit import device_constants  # local: eta_fit imports this module's peers
 
     if isinstance(model, LogPolyEta):
         fam = "gemm" if model.basis == "gemm" else family
         dev = device_constants(fam, variant if fam == "gemm" else "2", target)
-        return replace(model, device=dev, grid=None)
+        ovh = model.overhead_s
+        if "l2_spill_center" in model.device:  # decode's L2 step, fitted in units of the source's L2: carries over
+            dev["l2_spill_center"] = model.device["l2_spill_center"]
+        if source is not None:
+            dev.update(l2_bw_ratio_source=l2_bw_ratio(source), l2_bw_ratio_target=l2_bw_ratio(target))
+            ovh = None if ovh is None else ovh * overhead_scale(source, target)
+        return replace(model, device=dev, grid=None, overhead_s=ovh)
     if isinstance(model, SwitchEta):
         return SwitchEta(
-            model.index, {k: retarget(m, family, k, target) for k, m in model.models.items()}, model.default
+            model.index,
+            {k: retarget(m, family, k, target, source) for k, m in model.models.items()},
+            model.default,
         )
     if isinstance(model, EnsembleEta):
-        return EnsembleEta(tuple(retarget(m, family, variant, target) for m in model.members), model.weights)
+        return EnsembleEta(
+            tuple(retarget(m, family, variant, target, source) for m in model.members), model.weights
+        )
     return model
 
 
@@ -86,26 +149,42 @@ def transfer_family(
     weights: Sequence[float],
     target: HardwareSpec,
 ) -> EtaModel | None:
-    picked = [(c.eta[family], w) for (c, _), w in zip(sources, weights, strict=True) if family in c.eta]
+    picked = [(c.eta[family], w, h) for (c, h), w in zip(sources, weights, strict=True) if family in c.eta]
     if not picked:
         return None
-    total = sum(w for _, w in picked)
-    if all(isinstance(m, SwitchEta) for m, _ in picked):
-        switches: list[tuple[SwitchEta, float]] = [(m, w / total) for m, w in picked]  # type: ignore[misc]
-        keys = sorted({k for m, _ in switches for k in m.models})
+    total = sum(w for _, w, _ in picked)
+    if all(isinstance(m, SwitchEta) for m, _, _ in picked):
+        switches: list[tuple[SwitchEta, float, HardwareSpec]] = [
+            (m, w / total, h) for m, w, h in picked  # type: ignore[misc]
+        ]
+        keys = {k for m, _, _ in switches for k in m.models}
+        if family == "gemm":  # every GEMM format vLLM runs gets a model, measured by a source or not (rule 6)
+            keys |= {switch_key(K.GEMM_FORMAT_CODES[f]) for f in ("bf16", "fp8", "fp8_block")}
         out: dict[str, EtaModel] = {}
-        for key in keys:
+        for key in sorted(keys):
             members, ws = [], []
-            for m, w in switches:
+            for m, w, h in switches:
                 sub_key = key if key in m.models else _closest_key(key, list(m.models))
-                members.append(retarget(m.models[sub_key], family, key, target))
+                member = retarget(m.models[sub_key], family, key, target, h)
+                ratio = _format_peak(target, key) / _format_peak(target, sub_key)
+                if ratio > 1.0 and isinstance(member, LogPolyEta) and member.basis == "gemm":
+                    # stand-in from a slower format: never credit the unmeasured format's higher peak
+                    member = replace(member, device=dict(member.device, fallback_peak_ratio=ratio))
+                members.append(member)
                 ws.append(w)
             out[key] = EnsembleEta(tuple(members), tuple(w / sum(ws) for w in ws))
-        default = max((m.default for m, _ in switches), key=[m.default for m, _ in switches].count)
+        default = max((m.default for m, _, _ in switches), key=[m.default for m, _, _ in switches].count)
         return SwitchEta(switches[0][0].index, out, default)
     variant = "0" if family in ("lm_head", "moe_gemm") else None
-    members = tuple(retarget(m, family, variant, target) for m, _ in picked)
-    return EnsembleEta(members, tuple(w / total for _, w in picked))
+    members = tuple(retarget(m, family, variant, target, h) for m, _, h in picked)
+    return EnsembleEta(members, tuple(w / total for _, w, _ in picked))
+
+
+def _format_peak(hw: HardwareSpec, key: str) -> float:
+    """Peak FLOP/s of the GEMM format behind a switch key (GEMM_FORMAT_CODES) on ``hw``."""
+    code = int(float(key))
+    fmt = {c: f for f, c in K.GEMM_FORMAT_CODES.items() if f != "fp16"}.get(code, "bf16")
+    return hw.peak_flops_per_s(K.GEMM_COMPUTE_DTYPE[fmt])
 
 
 def _closest_key(key: str, keys: list[str]) -> str:
@@ -120,14 +199,22 @@ def _fast_link(hw: HardwareSpec) -> bool:
 def transfer_comm(
     sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec
 ) -> dict[str, CommModel]:
+    """Collective models for ``target``: sources of its link class (NVLink-class vs PCIe-only) if any.
+
+    Curves by the spec-driven rule of :mod:`kernelsight.simcore.comm_fit` (bandwidth part rescaled to the
+    target's link, latency part by clock within a class); the fallback α–β line as geometric means.
+    """
+    from kernelsight.simcore.comm_fit import transfer_comm_curves
+
     same = [c for c, h in sources if _fast_link(h) == _fast_link(target)]
     pool = same or [c for c, _ in sources]
+    curves = transfer_comm_curves(sources, target)
     out: dict[str, CommModel] = {}
     for backend in sorted({b for c in pool for b in c.comm}):
         ms = [c.comm[backend] for c in pool if backend in c.comm]
         alpha = math.exp(sum(math.log(m.alpha_s) for m in ms) / len(ms))
         frac = math.exp(sum(math.log(m.bus_bytes_per_s_fraction) for m in ms) / len(ms))
-        out[backend] = CommModel(alpha, frac)
+        out[backend] = CommModel(alpha, frac, curves=curves.get(backend, {}))
     return out
 
 
@@ -147,7 +234,9 @@ def cross_generation_calibration(
             calib.eta[fam] = model
     for fam in TRANSFERRED_FAMILIES:
         vals = [
-            (c.overhead_s[fam], w) for (c, _), w in zip(sources, weights, strict=True) if fam in c.overhead_s
+            (c.overhead_s[fam] * overhead_scale(h, target), w)
+            for (c, h), w in zip(sources, weights, strict=True)
+            if fam in c.overhead_s
         ]
         if vals:
             calib.overhead_s[fam] = math.exp(sum(w * math.log(v) for v, w in vals) / sum(w for _, w in vals))

@@ -1,0 +1,243 @@
+"""Fitting and cross-generation transfer of collective latency curves (:class:`CommCurve`).
+
+What the measurements show (shared/data/kernels/*/comm.csv.gz, NCCL 2.27, vLLM custom all-reduce):
+
+* a flat latency floor up to tens of kB, then protocol switches (NCCL LL → LL128 → Simple, custom one-shot →
+  two-shot) that show as kinks or steps of up to 2× between 256 kB and 8 MB, then a bandwidth-bound line;
+  one α–β line cannot follow this, a piecewise α–β curve through measured sizes can;
+* int8 and 16-bit curves mostly coincide, but not always (H100 8-GPU: NVLink SHARP reduces 16-bit data in the
+  switch, int8 not: 26% apart at 512 MiB), so dtype classes share one shape with a per-class offset that
+  may drift with size;
+* vLLM's custom all-reduce above its 8 MiB buffer is NCCL's curve (it falls back); eager = graph + launch;
+* over PCIe (L40S) the per-GPU bus bandwidth collapses with the GPU count (≈ 0.6, 0.16, 0.045 of the PCIe
+  spec at 2, 4, 8 GPUs) while over NVLink it stays ≈ 0.65–1.0 of the link.
+
+Target tier (:func:`fit_comm_curves`): per (backend, op, GPU count) pool the dtype classes (log offset per
+class, linear in log size), take the median latency per size, clip upward spikes, make it monotone (isotonic
+regression in log time), and use the sizes as knots; beyond the last knot grow at the asymptotic bandwidth
+fitted on ≥ 32 MiB rows (of the curve, else of the backend at that GPU count, else of the backend's op);
+below the first knot follow its segment down to the backend's latency floor. Groups measured at fewer than
+4 sizes borrow the nearest GPU count's shape, scaled to their own points.
+
+Cross-generation (:func:`transfer_comm_curves`): each source curve is split into a bandwidth part
+bus_bytes / B (B = its asymptotic bandwidth) and a latency/protocol remainder L(s) ≥ 0, then
+
+    t_target(s) = k_α · L(s) + bus_bytes(s) / (B / link_source · link_target · g(T))
+
+geometric mean over the sources of the target's link class (NVLink-class vs PCIe-only). Same class:
+k_α = source clock / target clock (small-message protocols spin on flags in SM cycles), g = 1. No source of
+the target's class: k_α = 1 (link latency, not SM cycles, dominates across classes) and g(T) = 2/T from
+NVLink to PCIe (the T GPUs share the host bridge's peer-to-peer path; its inverse T/2 the other way).
+That prior is not fitted to the data: the one PCIe system measured (L40S) falls faster, ≈ (2/T)²;
+PCIe targets get that from a measured PCIe source (same class), which the bundled calibrations include.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from kernelsight.simcore.calibration import (
+    Calibration,
+    CommCurve,
+    comm_bus_factor,
+    comm_curve_key,
+    comm_dtype_class,
+)
+from kernelsight.simcore.comm import has_fast_interconnect
+from kernelsight.simcore.hardware import HardwareSpec
+
+#: measured backend name → calibration backend name
+COMM_BACKENDS = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
+#: rows at least this large are bandwidth-bound enough to fit the asymptotic bandwidth on
+ASYMPTOTE_MIN_BYTES = 32 * 2**20
+#: a size's median more than this (log) above a larger size's is an interference spike, clipped to it
+SPIKE_LOG = 0.1
+#: groups measured at fewer sizes borrow the shape of the nearest GPU count
+MIN_SIZES = 4
+#: same-class transfer scales the latency part by (source clock ÷ target clock)^this. 0, 0.5 and 1 tried
+#: leave-one-GPU-out over A100 / H100 jointly (all-reduce MAPE ≈ 27–45%, 20–29%, 16–18%): 1 kept.
+LATENCY_CLOCK_EXPONENT = 1.0
+
+
+def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for yi, wi in zip(y.tolist(), w.tolist(), strict=True):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return np.array([m for m, _, c in blocks for _ in range(int(c))])
+
+
+def _knots(size: np.ndarray, log_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct sizes, monotone log latency): median per size, spikes clipped, isotonic."""
+    sizes = np.unique(size)
+    med = np.array([np.median(log_t[size == s]) for s in sizes])
+    count = np.array([np.sum(size == s) for s in sizes], dtype=float)
+    later_min = np.minimum.accumulate(med[::-1])[::-1]
+    return sizes, _isotonic(np.minimum(med, later_min + SPIKE_LOG), count)
+
+
+def _interp_s(curve_b: np.ndarray, curve_t: np.ndarray, tail: float, s: np.ndarray) -> np.ndarray:
+    out = np.interp(s, curve_b, curve_t)
+    return np.where(s > curve_b[-1], curve_t[-1] + (s - curve_b[-1]) * tail, out)
+
+
+def _class_offset(x: np.ndarray, r: np.ndarray) -> tuple[float, float]:
+    """(level, slope per octave) of a dtype class's log residual against the pooled curve, shrunk towards 0
+    when the class has few points (a wrong offset costs more than none)."""
+    n = len(r)
+    if n >= 3 and np.ptp(x) >= 4:
+        slope, level = np.polyfit(x, r, 1)
+        return float(level) * n / (n + 1.0), float(slope) * n / (n + 4.0)
+    return float(np.median(r)) * n / (n + 1.0), 0.0
+
+
+def _pooled_shape(
+    by_class: Mapping[str, np.ndarray], size: np.ndarray, log_t: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[float, float]]]:
+    """One monotone knot curve for all dtype classes of a group plus, per class, a log offset linear in
+    log2(size / 1 MiB) (classes mostly coincide, but e.g. NVLS speeds up only 16-bit data, at large sizes)."""
+    off = dict.fromkeys(by_class, (0.0, 0.0))
+    octave = np.log2(np.maximum(size, 1.0) / 2**20)
+    for _ in range(2):  # offsets from the pooled curve, then the curve from offset-corrected points
+        sizes = np.concatenate([size[i] for i in by_class.values()])
+        ys = np.concatenate([log_t[i] - off[c][0] - off[c][1] * octave[i] for c, i in by_class.items()])
+        b, y = _knots(sizes, ys)
+        if len(by_class) == 1:
+            break
+        off = {c: _class_offset(octave[i], log_t[i] - np.interp(size[i], b, y)) for c, i in by_class.items()}
+        mean = [sum(o[j] for o in off.values()) / len(off) for j in (0, 1)]
+        off = {c: (o[0] - mean[0], o[1] - mean[1]) for c, o in off.items()}
+    return b, y, off
+
+
+def _asymptote_s_per_bus_byte(
+    size: np.ndarray, lat_s: np.ndarray, ops: np.ndarray, gpus: np.ndarray
+) -> float | None:
+    """β of t = a_(op,T) + β · bus_bytes, least squares on relative error over rows ≥ ASYMPTOTE_MIN_BYTES."""
+    sel = size >= ASYMPTOTE_MIN_BYTES
+    if len(np.unique(size[sel])) < 2:
+        return None
+    keys = [(str(o), int(g)) for o, g in zip(ops[sel], gpus[sel], strict=True)]
+    cols = sorted(set(keys))
+    a = np.zeros((len(keys), len(cols) + 1))
+    for j, k in enumerate(cols):
+        a[:, j] = [x == k for x in keys]
+    a[:, -1] = [comm_bus_factor(o, g) * s for (o, g), s in zip(keys, size[sel], strict=True)]
+    w = 1.0 / lat_s[sel]
+    coef, *_ = np.linalg.lstsq(a * w[:, None], lat_s[sel] * w, rcond=None)
+    return float(coef[-1]) if coef[-1] > 0 else None
+
+
+def fit_comm_curves(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> dict[str, dict[str, CommCurve]]:
+    """Curves per calibration backend name, keyed by :func:`comm_curve_key`, from measured collective rows."""
+    op = np.asarray(cols["op"]).astype(str)
+    backend = np.asarray(cols["backend"]).astype(str)
+    dtypes = np.asarray(cols["dtype"]).astype(str) if "dtype" in cols else np.full(len(op), "bf16")
+    dclass = np.array([comm_dtype_class(d) for d in dtypes])
+    gpus = np.asarray(cols["num_gpus"], dtype=float).astype(int)
+    size = np.asarray(cols["message_bytes"], dtype=float)
+    lat = np.asarray(cols["latency_us"], dtype=float) * 1e-6
+    ok = np.isfinite(lat) & (lat > 0) & (size > 0) & (gpus > 1) & np.isin(backend, list(COMM_BACKENDS))
+    log_t = np.log(np.where(ok, lat, 1.0))
+    groups: dict[tuple[str, str, int], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i in np.flatnonzero(ok):
+        groups[(backend[i], op[i], int(gpus[i]))][dclass[i]].append(int(i))
+    link = hw.intra_node_bytes_per_s
+
+    def beta(idx: np.ndarray) -> float | None:
+        return _asymptote_s_per_bus_byte(size[idx], lat[idx], op[idx], gpus[idx])
+
+    shapes = {}
+    for key, by in groups.items():
+        by_class = {c: np.array(v) for c, v in by.items()}
+        shapes[key] = (*_pooled_shape(by_class, size, log_t), by_class)
+    out: dict[str, dict[str, CommCurve]] = defaultdict(dict)
+    for (be, o, g), (b, y, off, by_class) in shapes.items():
+        idx = np.concatenate(list(by_class.values()))
+        if len(b) < MIN_SIZES:
+            near = [k for k, v in shapes.items() if k[:2] == (be, o) and k[2] != g and len(v[0]) >= MIN_SIZES]
+            if near:  # borrow the nearest GPU count's shape, scaled to this group's own points
+                n = min(near, key=lambda k: (abs(math.log(k[2] / g)), -k[2]))
+                bn, yn = shapes[n][0], shapes[n][1]
+                fitted = _interp_s(bn, np.exp(yn), comm_bus_factor(o, n[2]) / link, size[idx])
+                b, y = bn, yn + float(np.median(log_t[idx] - np.log(fitted)))
+        same_backend = np.flatnonzero(ok & (backend == be))
+        s_per_bus = (
+            beta(idx)
+            or beta(same_backend[gpus[same_backend] == g])
+            or beta(same_backend[op[same_backend] == o])
+            or 1.0 / (0.7 * link)
+        )
+        tail = max(s_per_bus, 1.0 / link) * comm_bus_factor(o, g)
+        smallest = float(size[same_backend].min())
+        if b[0] > smallest and len(b) > 1:
+            # below the first measured size: its segment's α–β line, down to the backend's latency floor at
+            # this GPU count (nothing of that backend ran faster), as a knot at the backend's smallest size
+            floor = float(lat[same_backend[gpus[same_backend] == g]].min())
+            t0, t1 = math.exp(y[0]), math.exp(y[1])
+            head = max(t0 - (t1 - t0) / (b[1] - b[0]) * (b[0] - smallest), min(floor, t0))
+            b, y = np.concatenate([[smallest], b]), np.concatenate([[math.log(head)], y])
+        for c, (level, per_octave) in off.items():
+            t = np.maximum.accumulate(np.exp(y + level + per_octave * np.log2(b / 2**20)))
+            own = beta(by_class[c]) if len(off) > 1 else None  # a class's own asymptote when it has one
+            c_tail = max(own, 1.0 / link) * comm_bus_factor(o, g) if own else tail
+            out[COMM_BACKENDS[be]][comm_curve_key(o, c, g)] = CommCurve(
+                tuple(float(x) for x in b), tuple(float(x) for x in t), float(c_tail)
+            )
+    return dict(out)
+
+
+def _transfer_curve(
+    curve: CommCurve, op: str, num_gpus: int, src: HardwareSpec, target: HardwareSpec, grid: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """(target latency at ``grid``, tail s per message byte) of one source curve by the module-docstring rule."""
+    bf = comm_bus_factor(op, num_gpus)
+    t_src = _interp_s(np.array(curve.message_bytes), np.array(curve.latency_s), curve.tail_s_per_byte, grid)
+    s_per_bus_src = max(curve.tail_s_per_byte / bf, 1e-300)
+    fraction = 1.0 / (s_per_bus_src * src.intra_node_bytes_per_s)  # of the source's link actually reached
+    latency = np.maximum(t_src - bf * grid * s_per_bus_src, 0.0)
+    if has_fast_interconnect(src) == has_fast_interconnect(target):
+        k_alpha, g_t = (src.boost_clock_hz / target.boost_clock_hz) ** LATENCY_CLOCK_EXPONENT, 1.0
+    else:
+        k_alpha = 1.0
+        g_t = 2.0 / num_gpus if has_fast_interconnect(src) else num_gpus / 2.0
+    bus_bytes_per_s = fraction * target.intra_node_bytes_per_s * g_t
+    t = np.maximum.accumulate(k_alpha * latency + bf * grid / bus_bytes_per_s)
+    return t, bf / bus_bytes_per_s
+
+
+def transfer_comm_curves(
+    sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec
+) -> dict[str, dict[str, CommCurve]]:
+    """Curves for ``target`` from the sources' curves (sources of the target's link class if any)."""
+    same = [(c, h) for c, h in sources if has_fast_interconnect(h) == has_fast_interconnect(target)]
+    pool = same or list(sources)
+    out: dict[str, dict[str, CommCurve]] = defaultdict(dict)
+    for backend in sorted({b for c, _ in pool for b in c.comm}):
+        keys = sorted({k for c, _ in pool if backend in c.comm for k in c.comm[backend].curves})
+        for key in keys:
+            op, _, g = key.split("/")
+            have = [(c.comm[backend].curves[key], h) for c, h in pool
+                    if backend in c.comm and key in c.comm[backend].curves]
+            grid = np.unique(np.concatenate([np.array(cv.message_bytes) for cv, _ in have]))
+            logs, tails = [], []
+            for cv, h in have:
+                t, tail = _transfer_curve(cv, op, int(g), h, target, grid)
+                logs.append(np.log(t))
+                tails.append(math.log(tail))
+            t = np.maximum.accumulate(np.exp(np.mean(logs, axis=0)))
+            out[backend][key] = CommCurve(
+                tuple(float(x) for x in grid), tuple(float(x) for x in t), math.exp(sum(tails) / len(tails))
+            )
+    return dict(out)
+
+
+__all__ = ["COMM_BACKENDS", "fit_comm_curves", "transfer_comm_curves"]
