@@ -6,11 +6,19 @@ Simulated: the same trace (arrival times, exact output lengths, real token ids) 
 fast-forward driver on the rtx-4090 profile with its bundled calibration (no RTX 4090 kernel data
 exists, so that is the cross-generation tier). Prints mean / median / p90 / p99 side by side with the %
 error and writes benchmarks/results/replay_rtx4090.json.
+
+Composition check (step = kernels + comm + host): the measured per-second time series gives the pure-decode
+step time (running ÷ generation tokens/s in seconds without prompt tokens, KV cache > 90% full); the simulated
+timeline gives the same for its decode-only steps. Both are printed by number of running requests, with the run
+durations, so a gap can be placed in the step model (same gap in decode steps) or in the scheduling dynamics.
+
+    python benchmarks/replay_rtx4090.py [--calibration FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -44,6 +52,38 @@ def measured_metrics() -> dict[str, np.ndarray]:
     return {"ttft": np.array(ttft), "tpot": np.array(tpot), "e2el": np.array(e2el)}
 
 
+def measured_decode_steps() -> tuple[np.ndarray, np.ndarray, float]:
+    """(running, step seconds) of the measured seconds that only decoded with the KV cache > 90% full; duration."""
+    with open(RUN / "timeseries.csv") as f:
+        rows = list(csv.DictReader(f))
+    t = np.array([float(r["t"]) for r in rows])
+    prompt = np.array([float(r["prompt_throughput"]) for r in rows])
+    gen = np.array([float(r["gen_throughput"]) for r in rows])
+    running = np.array([float(r["running"]) for r in rows])
+    kv = np.array([float(r["kv_cache_pct"]) for r in rows])
+    pure = (prompt == 0) & (gen > 0) & (kv > 90.0)
+    return running[pure], running[pure] / gen[pure], float(t[-1])
+
+
+def composition_rows(timeline: list[tuple], duration_s: float) -> list[dict]:
+    """Median pure-decode step time, measured vs simulated, by running requests; plus the run durations."""
+    tl = np.asarray(timeline, dtype=float)  # time_s, running, waiting, kv_cache_usage, scheduled_tokens, step_s
+    sim_pure = (tl[:, 4] == tl[:, 1]) & (tl[:, 3] > 0.9)
+    run_m, step_m, dur_m = measured_decode_steps()
+    out = []
+    for lo, hi in ((20, 30), (30, 40), (40, 50), (0, 10**6)):
+        a = (run_m >= lo) & (run_m < hi)
+        b = sim_pure & (tl[:, 1] >= lo) & (tl[:, 1] < hi)
+        if a.any() and b.any():
+            r, s = float(np.median(step_m[a])) * 1e3, float(np.median(tl[b, 5])) * 1e3
+            label = "all" if hi > 10**5 else f"{lo}-{hi - 1}"
+            out.append({"what": f"decode step, running {label}", "measured": r, "simulated": s,
+                        "error_pct": pct_error(s, r), "samples": f"{int(a.sum())} s / {int(b.sum())} steps"})
+    out.append({"what": "run duration s", "measured": dur_m, "simulated": duration_s,
+                "error_pct": pct_error(duration_s, dur_m), "samples": ""})
+    return out
+
+
 def simulated_metrics(calibration: str | None) -> tuple[dict[str, np.ndarray], dict]:
     meta = json.loads((RUN / "meta.json").read_text())
     ek = meta["engine_kwargs"]
@@ -55,12 +95,13 @@ def simulated_metrics(calibration: str | None) -> tuple[dict[str, np.ndarray], d
                       seed=ek["seed"], calibration=calibration)
     cfg = create_engine_config(args)
     samples = trace_dataset(TRACE)
-    res = run_fast_forward(cfg, samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos=True)
+    res = run_fast_forward(cfg, samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos=True,
+                           record_timeline=True)
     ok = [r for r in res.records if r.success]
     out = {"ttft": np.array([r.ttft_s for r in ok]), "e2el": np.array([r.latency_s for r in ok]),
            "tpot": np.array([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1])}
     info = {"config": cfg.summary(), "measured_num_gpu_blocks": kv["num_gpu_blocks"],
-            "simulator": res.simulator_stats()}
+            "simulator": res.simulator_stats(), "composition": composition_rows(res.timeline or [], res.duration_s)}
     return out, info
 
 
@@ -80,6 +121,8 @@ def main() -> int:
           f"{info['config']['calibration_tier']}, num_gpu_blocks {info['config']['num_gpu_blocks']} "
           f"(measured {info['measured_num_gpu_blocks']})")
     print(format_table(rows, ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]))
+    print("\ncomposition (pure-decode steps with the KV cache > 90% full, ms; run duration, s):")
+    print(format_table(info["composition"], ["what", "measured", "simulated", "error_pct", "samples"]))
     path = write_result("replay_rtx4090", {"rows": rows, **info})
     print(f"wrote {path}")
     return 0
