@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from kernelsight.server.bridge import EngineBridge, Seq, Submission
+from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream, capture_raw_send
 from kernelsight.server.logprobs import MAX_LOGPROBS, LogprobSynth
 from kernelsight.server.metrics import CONTENT_TYPE, ServerMetrics
 from kernelsight.server.protocol import (
@@ -66,7 +67,8 @@ class ServerOptions:
     disable_fastapi_docs: bool = False
     chat_template: str | None = None
     max_log_len: int | None = None
-    deadline_spin_us: float = 800.0
+    deadline_spin_us: float = 1500.0
+    stream_fast_path: bool = True
 
 
 class ServerState:
@@ -218,16 +220,24 @@ class _SeqView:
         self.include_stop = include_stop
         self.cut: int | None = None
 
-    def advance(self, bridge: EngineBridge) -> str | None:
-        """Consume newly released tokens; returns the new text delta (None: nothing new to send)."""
+    def advance(self, bridge: EngineBridge, pending: tuple[int, bool, str | None] | None = None) -> str | None:
+        """Consume newly released tokens; returns the new text delta (None: nothing new to send).
+
+        ``pending`` = (released, finished, finish_reason) after a step whose deadline has not passed yet: the
+        stream fast path renders a step's chunk ahead of time, while the sequence itself still shows the
+        state before the step (it changes only at the deadline)."""
         seq = self.seq
         if self.done:
             return None
-        n_new = seq.released - self.consumed
-        if n_new <= 0 and not seq.finished:
+        if pending is None:
+            released, finished, reason = seq.released, seq.finished, seq.finish_reason
+        else:
+            released, finished, reason = pending
+        n_new = released - self.consumed
+        if n_new <= 0 and not finished:
             return None
         start = len(self.text)
-        for i in range(self.consumed, seq.released):
+        for i in range(self.consumed, released):
             tid, piece = seq.tokens.token(i)
             self.ids.append(tid)
             self.text += piece
@@ -248,8 +258,8 @@ class _SeqView:
             self.text = self.text[: self.cut]
             self.finish_reason = "stop"
             self.done = True
-        elif seq.finished:
-            self.finish_reason = seq.finish_reason or "stop"
+        elif finished:
+            self.finish_reason = reason or "stop"
             self.done = True
         limit = len(self.text) if self.done or not self.stops else max(len(self.text) - self.hold, self.sent)
         delta = self.text[self.sent:limit]
@@ -276,7 +286,8 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream; charset=utf-8"
 
-    def __init__(self, gen: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, gen: AsyncIterator[str], headers: dict[str, str] | None = None,
+                 fast: FastStream | None = None) -> None:
         self.status_code = 200
         self.background = None
         self.body = b""
@@ -284,6 +295,7 @@ class SSEResponse(Response):
         raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         self.raw_headers = raw     # no content-length: the body is streamed
         self.gen = gen
+        self.fast = fast
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
         me = asyncio.current_task()
@@ -292,6 +304,8 @@ class SSEResponse(Response):
         async def watch() -> None:
             nonlocal gone
             await _watch_disconnect(receive)
+            if self.fast is not None and self.fast.completed:
+                return                  # uvicorn reports its own end of the response as a disconnect
             gone = True
             if me is not None:
                 me.cancel()
@@ -299,6 +313,8 @@ class SSEResponse(Response):
         watcher = asyncio.create_task(watch())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if self.fast is not None and await self.fast.run(scope.get(RAW_SEND_KEY), send):
+                return                  # the engine loop wrote everything, the end of the response included
             async for chunk in self.gen:
                 await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -397,14 +413,18 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
 
     @app.get("/kernelsight/timings", include_in_schema=False)
     async def timings() -> Response:
-        """Virtual arrival and token-release times (scaled to wall seconds), with --record-timings."""
+        """Virtual arrival and token-release times (scaled to wall seconds), with --record-timings; ``wall0_s``
+        maps them to time.perf_counter() (CLOCK_MONOTONIC: a client on the same host can compare directly)."""
         ts = opts.time_scale
         out = {}
         for b in state.bridges:
             for sid, rec in b.timings.items():
-                out[sid] = {"arrival_s": rec["arrival_s"] / ts, "token_times_s": [t / ts for t in rec["token_times_s"]]}
+                out[sid] = {"arrival_s": rec["arrival_s"] / ts, "token_times_s": [t / ts for t in rec["token_times_s"]],
+                            "wall0_s": b._wall0}
         return json_response({"time_scale": ts, "requests": out,
-                              "late_s_max": max(b.late_s_max for b in state.bridges)})
+                              "late_s_max": max(b.late_s_max for b in state.bridges),
+                              "fast_writes": sum(b.fast_writes for b in state.bridges),
+                              "fast_handbacks": sum(b.fast_handbacks for b in state.bridges)})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -501,6 +521,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
         return await gen.run([(ids, text)], max_tokens, echo_only=False, field_name=field_name)
 
     _add_auth_and_ids(app, opts)
+    capture_raw_send(app)
     return app
 
 
@@ -594,6 +615,10 @@ class _Generation:
         self.model = lora or state.model_name
         self.created = int(time.time())
         self.echo_text: str | None = None
+        self.tail_done = False                 # streaming: the usage chunk and [DONE] are rendered
+        self._role_sent = False
+        self._echoed: set[int] = set()
+        self._text_lens: list[int] = []
         self.lp_k: int | None = None      # logprobs per generated token (completions logprobs / chat top_logprobs)
         self.plp_k: int | None = None     # prompt logprobs
         so = req.stream_options
@@ -707,10 +732,12 @@ class _Generation:
         sub = bridge.submit([ids for ids, _ in prompts], limits, req.n, min_tokens=req.min_tokens,
                             ignore_eos=req.ignore_eos, priority=self._priority(), extra_keys=extra,
                             keys=self._keys(prompts), echo_output=self.state.opts.output_mode == "echo",
-                            label=self.rid)
+                            label=self.rid, arrival_wall_s=self.request.scope.get(RECV_KEY))
         self.views = [_SeqView(s, self.stops, req.include_stop_str_in_output) for s in sub.seqs]
         if req.stream:
-            return SSEResponse(self._stream(bridge, sub), self.headers)
+            self._text_lens = [0] * len(self.views)      # vLLM's previous_text_lens: generated text only
+            fast = FastStream(self, bridge, sub) if self._fast_eligible() else None
+            return SSEResponse(self._stream(bridge, sub), self.headers, fast)
         try:
             ok = await _await_or_disconnect(self.request, sub, bridge)
         except asyncio.CancelledError:
@@ -883,80 +910,90 @@ class _Generation:
         return (f'data: {self._head(obj)}"choices":[],"usage":{dumps(usage)},'
                 f'"system_fingerprint":{dumps(self.state.fingerprint)}}}\n\n')
 
-    async def _stream(self, bridge: EngineBridge, sub: Submission) -> AsyncIterator[str]:
+    def _render(self, bridge: EngineBridge, pending: tuple[int, bool, str | None] | None = None,
+                force_tail: bool = False) -> str:
+        """The SSE text for every choice's newly released tokens, plus the tail (usage chunk, [DONE]) once all
+        choices are done. Shared by the handler's slow path and the bridge's fast path (``pending``: the one
+        choice's state after a step not yet released, see ``_SeqView.advance``), so both send the same bytes."""
+        if self.tail_done:
+            return ""
         req = self.req
         want_ids = bool(req.return_token_ids)
         lp_k = self.lp_k
         lps = self.state.logprobs
-        role_sent = False
+        parts: list[str] = []
+        for v in self.views:
+            before = v.consumed
+            delta = v.advance(bridge, pending)
+            if delta is None:
+                continue
+            new_ids = v.ids[before:] if want_ids else None
+            lp = "null"
+            lp_new = False      # new tokens carry logprobs: their chunk is never skipped
+            if lp_k is not None:
+                steps = self._token_steps(v, before, v.consumed, lp_k)
+                lp_new = bool(steps)
+                if self.is_chat:
+                    lp = dumps(lps.chat(steps, lp_k))
+                else:
+                    if req.echo and v.seq.index not in self._echoed:
+                        steps = self._prompt_steps(v.seq.index // req.n) + steps
+                    lp = dumps(lps.completion(steps, self._text_lens[v.seq.index], lp_k))
+                    self._text_lens[v.seq.index] += len(delta)
+            usage = None
+            if self.continuous:
+                usage = self._usage(v.num_tokens, details_null=False, completion_details=True)
+            fin = v.finish_reason if v.done else None
+            if self.is_chat:
+                if not self._role_sent:
+                    self._role_sent = True
+                    for rv in self.views:
+                        ru = self._usage(0, details_null=False, completion_details=True) if self.continuous else None
+                        parts.append(self._chat_role_chunk(rv.seq.index, ru))
+                        if self.echo_text:
+                            parts.append(self._chat_chunk(rv.seq.index, self.echo_text, None, None))
+                if fin is None and delta == "" and not new_ids and not lp_new:
+                    continue
+                text = delta if (delta or fin is None or v.num_tokens) else None
+                parts.append(self._chat_chunk(v.seq.index, text, fin, v.stop_reason, new_ids, usage, lp))
+            else:
+                if req.echo and v.seq.index not in self._echoed:
+                    self._echoed.add(v.seq.index)
+                    ids, text = self.prompts[v.seq.index // req.n]
+                    delta = (text if text is not None else self.state.tok.decode(ids)) + delta
+                if fin is None and delta == "" and not new_ids and not lp_new:
+                    continue
+                parts.append(self._cmpl_chunk(v.seq.index, delta, fin, v.stop_reason, fin is not None,
+                                              new_ids, usage, lp))
+        if force_tail or all(v.done for v in self.views):
+            self.tail_done = True
+            if self.include_usage:
+                parts.append(self._usage_chunk(sum(v.num_tokens for v in self.views)))
+            parts.append("data: [DONE]\n\n")
+        return "".join(parts)
+
+    async def _stream(self, bridge: EngineBridge, sub: Submission) -> AsyncIterator[str]:
+        """The slow path: wake on every release of this request's tokens and render them here."""
         finished = False
         try:
-            if not self.is_chat and req.echo:
-                echoed: set[int] = set()
-            if lp_k is not None and not self.is_chat:
-                text_lens = [0] * len(self.views)      # vLLM's previous_text_lens: generated text only
-            while True:
+            while not self.tail_done:
                 await sub.event.wait()
                 sub.event.clear()
-                parts: list[str] = []
-                for v in self.views:
-                    before = v.consumed
-                    delta = v.advance(bridge)
-                    if delta is None:
-                        continue
-                    new_ids = v.ids[before:] if want_ids else None
-                    lp = "null"
-                    lp_new = False      # new tokens carry logprobs: their chunk is never skipped
-                    if lp_k is not None:
-                        steps = self._token_steps(v, before, v.consumed, lp_k)
-                        lp_new = bool(steps)
-                        if self.is_chat:
-                            lp = dumps(lps.chat(steps, lp_k))
-                        else:
-                            if req.echo and v.seq.index not in echoed:
-                                steps = self._prompt_steps(v.seq.index // req.n) + steps
-                            lp = dumps(lps.completion(steps, text_lens[v.seq.index], lp_k))
-                            text_lens[v.seq.index] += len(delta)
-                    usage = None
-                    if self.continuous:
-                        usage = self._usage(v.num_tokens, details_null=False, completion_details=True)
-                    fin = v.finish_reason if v.done else None
-                    if self.is_chat:
-                        if not role_sent:
-                            role_sent = True
-                            for rv in self.views:
-                                ru = self._usage(0, details_null=False, completion_details=True) \
-                                    if self.continuous else None
-                                parts.append(self._chat_role_chunk(rv.seq.index, ru))
-                                if self.echo_text:
-                                    parts.append(self._chat_chunk(rv.seq.index, self.echo_text, None, None))
-                        if fin is None and delta == "" and not new_ids and not lp_new:
-                            continue
-                        text = delta if (delta or fin is None or v.num_tokens) else None
-                        parts.append(self._chat_chunk(v.seq.index, text, fin, v.stop_reason, new_ids, usage, lp))
-                    else:
-                        if req.echo and v.seq.index not in echoed:
-                            echoed.add(v.seq.index)
-                            ids, text = self.prompts[v.seq.index // req.n]
-                            delta = (text if text is not None else self.state.tok.decode(ids)) + delta
-                        if fin is None and delta == "" and not new_ids and not lp_new:
-                            continue
-                        parts.append(self._cmpl_chunk(v.seq.index, delta, fin, v.stop_reason, fin is not None,
-                                                      new_ids, usage, lp))
-                if parts:
-                    yield "".join(parts)
-                if sub.done and all(v.done for v in self.views):
-                    break
-                if sub.closed:     # aborted under us (server shutting down)
-                    break
+                text = self._render(bridge, force_tail=sub.closed)   # closed under us: server shutting down
+                if text:
+                    yield text
             finished = True
             bridge.release(sub)
-            if self.include_usage:
-                yield self._usage_chunk(sum(v.num_tokens for v in self.views))
-            yield "data: [DONE]\n\n"
         finally:
             if not finished:
                 bridge.abort(sub)
+
+    def _fast_eligible(self) -> bool:
+        """The stream fast path covers the common case: one choice, no stop strings, logprobs, echo or
+        per-chunk usage (those keep the general path)."""
+        req = self.req
+        return (self.state.opts.stream_fast_path and len(self.views) == 1 and not self.stops and self.lp_k is None
+                and not self.continuous and not getattr(req, "echo", False) and not self.echo_text)
 
 
 def _add_auth_and_ids(app: FastAPI, opts: ServerOptions) -> None:
@@ -985,3 +1022,4 @@ def _add_auth_and_ids(app: FastAPI, opts: ServerOptions) -> None:
 
 def env_allows_lora_updates() -> bool:
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+

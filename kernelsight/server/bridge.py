@@ -3,7 +3,9 @@
 Virtual time maps to wall time as ``wall0 + virtual_s / time_scale`` (absolute deadlines: lateness in one
 step never accumulates). Each loop turn: run one engine step (its scheduling sees every request that
 arrived before this boundary), sleep until the step's end deadline, then release the step's tokens to
-the waiting handlers together, as vLLM's engine core emits one output batch per step. Requests that
+the waiting handlers together, as vLLM's engine core emits one output batch per step. Streams on the fast
+path (``kernelsight.server.fastpath``) render their chunk while the loop waits for the deadline, and the loop
+writes them itself right at the deadline, before any other bookkeeping. Requests that
 arrive while a step is in flight enter the engine's waiting queue with their true (wall-mapped) arrival
 time and are scheduled at the next boundary. When nothing is in flight the engine clock follows wall
 time: a new arrival is stamped with the wall-mapped virtual now, so idle gaps are real.
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -40,6 +44,17 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64_int(x: int) -> int:
+    """``_splitmix64`` on one Python int: ~10x cheaper than a 1-element numpy call (one token per SSE chunk)."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class OutputTokens(Sequence[int]):
     """The token ids a sequence will emit, generated lazily and deterministically from ``key``.
 
@@ -50,6 +65,7 @@ class OutputTokens(Sequence[int]):
     def __init__(self, tok: ServerTokenizer, key: int, length: int, echo_prompt: Sequence[int] | None = None):
         self._tok = tok
         self._key = np.uint64(key & 0xFFFFFFFFFFFFFFFF)
+        self._ikey = key & _MASK64
         self._len = length
         self._echo = [t for t in echo_prompt if t < tok.vocab_size] if echo_prompt else None
 
@@ -85,7 +101,7 @@ class OutputTokens(Sequence[int]):
         if self._echo:
             t = self._echo[i % len(self._echo)]
             return t, self._tok.decode([t])
-        return self._tok.pool_token(int(self._pool_idx(i, i + 1)[0]))
+        return self._tok.pool_token(_splitmix64_int((i + self._ikey) & _MASK64) % self._tok.pool_size)
 
 
 @dataclass(eq=False, slots=True)
@@ -103,6 +119,16 @@ class Seq:
     token_times_v: list[float] | None = None    # virtual release time of each token (when recording)
 
 
+class StreamSink(Protocol):
+    """A streaming response the engine loop writes directly (``kernelsight.server.fastpath.FastStream``)."""
+
+    def prepare(self, released: int, finished: bool, finish_reason: str | None) -> bool:
+        """Render the state after the step in flight (before its deadline); True if there is data to write."""
+
+    def flush(self) -> bool:
+        """Write the prepared data at the deadline without waiting; False if it could not (hand back)."""
+
+
 @dataclass(eq=False)
 class Submission:
     """The engine requests behind one HTTP request (one per prompt); handlers await ``event``."""
@@ -112,6 +138,7 @@ class Submission:
     max_tokens: int
     event: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
+    sink: StreamSink | None = None    # the stream fast path: chunks are written by the engine loop itself
 
     @property
     def done(self) -> bool:
@@ -122,7 +149,7 @@ class EngineBridge:
     """Drives one simulated engine in real time (scaled by ``time_scale``)."""
 
     def __init__(self, config: EngineConfig, tokenizer: ServerTokenizer, metrics: EngineMetrics | None = None,
-                 time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0008) -> None:
+                 time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0015) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.config = config
@@ -130,7 +157,9 @@ class EngineBridge:
         self.engine: Engine = create_engine(config, per_token_events=True)
         self.metrics = metrics
         self.time_scale = time_scale
-        self.spin_s = spin_s                  # busy-wait the last stretch: event-loop timers are ms-coarse
+        # wait out the last stretch before a deadline precisely: event-loop timers are ms-coarse (uvloop rounds
+        # delays to whole ms on a ms clock, so they fire up to ~1.5 ms off)
+        self.spin_s = spin_s
         self.record_timings = record_timings
         self.timings: dict[str, dict] = {}    # engine id -> virtual arrival and token times (when recording)
         self._seqs: dict[str, Seq] = {}
@@ -142,6 +171,8 @@ class EngineBridge:
         self._closing = False
         self.num_steps = 0
         self.late_s_max = 0.0                 # worst lateness of a release vs its deadline
+        self.fast_writes = 0                  # chunks written by the engine loop (stream fast path)
+        self.fast_handbacks = 0               # fast streams handed back to their handler (paused transport)
 
     # -- clock ----------------------------------------------------------------------------------
     def virtual_now(self) -> float:
@@ -168,6 +199,7 @@ class EngineBridge:
             seq = self._seqs.pop(sid)
             seq.finished, seq.finish_reason = True, "abort"
         for sub in set(self._subs_of.values()):
+            sub.sink = None
             sub.event.set()
         self._subs_of.clear()
 
@@ -182,10 +214,17 @@ class EngineBridge:
     # -- requests -------------------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, *, min_tokens: int = 0,
                ignore_eos: bool = False, priority: int = 0, extra_keys: tuple | None = None,
-               keys: list[int] | None = None, echo_output: bool = False, label: str | None = None) -> Submission:
-        """Queue one engine request per prompt (each fanning out into n sequences)."""
+               keys: list[int] | None = None, echo_output: bool = False, label: str | None = None,
+               arrival_wall_s: float | None = None) -> Submission:
+        """Queue one engine request per prompt (each fanning out into n sequences).
+
+        ``arrival_wall_s``: perf_counter() when the request reached the server (default: now). The time it then
+        spent waiting for parsing and validation (behind a burst of others) is queueing in the simulated timeline.
+        """
         eng = self.engine
         v = self.virtual_now()
+        if arrival_wall_s is not None:
+            v = min(v, max((arrival_wall_s - self._wall0) * self.time_scale, 0.0))
         idle = not eng.has_unfinished()
         # the true (wall-mapped) arrival: mid-step it is before now_s and the request joins at the next
         # boundary; if the loop lags behind wall time it is after now_s and joins the first step starting later
@@ -224,8 +263,20 @@ class EngineBridge:
             self._wake.set()
         return sub
 
+    def attach_sink(self, sub: Submission, sink: StreamSink) -> bool:
+        """Let the engine loop write this one-sequence stream itself from the next step on."""
+        if sub.closed or sub.done or len(sub.seqs) != 1 or sub.sink is not None:
+            return False
+        sub.sink = sink
+        return True
+
+    def detach_sink(self, sub: Submission, sink: StreamSink | None = None) -> None:
+        if sink is None or sub.sink is sink:
+            sub.sink = None
+
     def abort(self, sub: Submission) -> None:
         """The client went away: free the requests' KV blocks and slots now (no finished-request stats)."""
+        sub.sink = None
         if sub.closed:
             return
         sub.closed = True
@@ -240,6 +291,7 @@ class EngineBridge:
 
     def release(self, sub: Submission) -> None:
         """The handler is done with a finished submission (drops bookkeeping for n > 1 parents)."""
+        sub.sink = None
         if sub.closed:
             return
         sub.closed = True
@@ -290,7 +342,15 @@ class EngineBridge:
                     continue
                 await asyncio.sleep(max(self.wall_of(nxt) - time.perf_counter(), 0.0))
                 continue
+            # yield between the phases of a step's work (here and after the writes): sockets are read (arrival
+            # stamps) and one request is admitted between them, not after several ms of engine work
+            await asyncio.sleep(0)
+            # fast-path streams: render this step's chunks now, while the simulated GPU "runs" it
+            ready = self._prepare(res)
             await self._sleep_until(self.wall_of(res.end_s))
+            if ready:
+                self._flush(ready)       # first: the writes are what clients time
+                await asyncio.sleep(0)
             self._dispatch(res)
             # let handlers write this step's chunks before the next step's scheduling work
             await asyncio.sleep(0)
@@ -300,20 +360,90 @@ class EngineBridge:
         delay = deadline - time.perf_counter()
         if delay > self.spin_s:
             await asyncio.sleep(delay - self.spin_s)
+        # the last stretch: a blocking sleep (~0.1 ms accurate, leaves the core to others) then a short spin
+        rest = deadline - time.perf_counter() - 0.00015
+        if rest > 0:
+            time.sleep(rest)
         while time.perf_counter() < deadline:
             pass
         late = time.perf_counter() - deadline
         if late > self.late_s_max:
             self.late_s_max = late
 
+    def _prepare(self, res: StepResult) -> list[Submission]:
+        """Fast-path streams touched by this step render their chunk (nothing is observable until ``_flush``)."""
+        subs = self._subs_of
+        seqs = self._seqs
+        pend: dict[Submission, list] = {}
+        for ev in res.events:
+            sub = subs.get(ev.request_id)
+            if sub is None or sub.sink is None:
+                continue
+            p = pend.get(sub)
+            if p is None:
+                seq = seqs.get(ev.request_id)
+                if seq is None:
+                    continue
+                p = pend[sub] = [seq.released, False, None, False]
+            kind = ev.kind
+            if kind == TOKENS or kind == FIRST_TOKEN:
+                p[0] += ev.num_tokens
+                p[3] = p[3] or kind == FIRST_TOKEN
+            elif kind == FINISHED:
+                p[1] = True
+                p[2] = ev.finish_reason
+        first: list[Submission] = []
+        rest: list[Submission] = []
+        for sub, (released, finished, reason, is_first) in pend.items():
+            sink = sub.sink
+            try:
+                if sink is not None and sink.prepare(released, finished, reason):
+                    (first if is_first else rest).append(sub)
+            except Exception:  # noqa: BLE001 - one bad stream must not stop the others: abort it
+                log.exception("rendering a stream chunk failed; aborting the request")
+                self.abort(sub)
+                sub.event.set()
+        # the write order: first tokens (TTFT), then the other streams newest first (the engine lists the running
+        # batch oldest first): a stream's place in the order then drifts only by the few streams admitted per step,
+        # so consecutive chunks of one stream see almost the same lateness (ITL)
+        rest.reverse()
+        return first + rest
+
+    def _flush(self, ready: list[Submission]) -> None:
+        # no cyclic-GC pause in the middle of the write burst (a gen-1 collection takes ms): it runs after it
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._write_all(ready)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _write_all(self, ready: list[Submission]) -> None:
+        for sub in ready:
+            sink = sub.sink
+            if sink is None:             # aborted during the wait
+                continue
+            try:
+                ok = sink.flush()
+            except Exception:  # noqa: BLE001 - the handler's own send reports it
+                log.exception("fast-path stream write failed; handing the stream back")
+                ok = False
+            if ok:
+                self.fast_writes += 1
+            else:
+                self.fast_handbacks += 1
+                sub.sink = None
+                sub.event.set()
+
     def _dispatch(self, res: StepResult) -> None:
         self.num_steps += 1
         end = res.end_s
         seqs = self._seqs
         subs = self._subs_of
-        touched: set[int] = set()
-        touched_subs: list[Submission] = []
+        touched: dict[Submission, None] = {}      # insertion-ordered set
         m = self.metrics
+        itls: dict[float, int] = {}               # ITL -> count: a decode step's sequences mostly share one
         generated = 0
         for ev in res.events:
             seq = seqs.get(ev.request_id)
@@ -330,7 +460,8 @@ class EngineBridge:
                         m.on_first_token(end - (req.arrival_s if req else seq.last_token_v),
                                          req.prompt_len if req else 0)
                     else:
-                        m.on_itl(end - seq.last_token_v)
+                        itl = end - seq.last_token_v
+                        itls[itl] = itls.get(itl, 0) + 1
                 seq.last_token_v = end
                 if seq.token_times_v is not None:
                     seq.token_times_v.append(end)
@@ -342,15 +473,17 @@ class EngineBridge:
             else:
                 continue
             sub = subs.get(ev.request_id)
-            if sub is not None and id(sub) not in touched:
-                touched.add(id(sub))
-                touched_subs.append(sub)
+            if sub is not None:
+                touched[sub] = None
         if m is not None:
+            if itls:
+                m.on_itls(itls)
             kv = self.engine.kv
             m.on_step(res.num_running, res.num_waiting, res.kv_usage, res.num_scheduled_tokens, generated,
                       kv.prefix_queries_tokens, kv.prefix_hits_tokens, self.engine.scheduler.num_preemptions)
-        for sub in touched_subs:
-            sub.event.set()
+        for sub in touched:
+            if sub.sink is None or sub.done:      # fast-path streams wake their handler only at the end
+                sub.event.set()
 
     def _record_finish(self, seq: Seq, reason: str, finish_v: float, num_generated: int) -> None:
         if self.metrics is None or seq.req is None:

@@ -9,6 +9,7 @@ process/platform/GC collectors that vLLM's default registry exposes.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -179,6 +180,22 @@ class EngineMetrics:
 
     def on_itl(self, itl_s: float) -> None:
         self.m["itl"].observe(itl_s)
+
+    def on_itls(self, counts: dict[float, int]) -> None:
+        """Observe each ITL ``count`` times: one bucket increment per distinct value (a decode step's sequences
+        mostly share one), through prometheus_client's Histogram internals when they are as expected."""
+        h = self.m["itl"]
+        buckets, bounds = getattr(h, "_buckets", None), getattr(h, "_upper_bounds", None)
+        total = getattr(h, "_sum", None)
+        if not isinstance(buckets, list) or not isinstance(bounds, list) or len(buckets) != len(bounds) \
+                or total is None or not bounds or bounds[-1] != float("inf"):
+            for itl, n in counts.items():
+                for _ in range(n):
+                    h.observe(itl)
+            return
+        for itl, n in counts.items():
+            total.inc(itl * n)
+            buckets[bisect_left(bounds, itl)].inc(n)     # observe(): the first bucket with itl <= bound
 
     def on_new_request(self, n: int, max_tokens: int) -> None:
         self.m["params_n"].observe(n)

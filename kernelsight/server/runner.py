@@ -54,9 +54,10 @@ class ServerThread:
         import uvicorn
 
         from kernelsight.server.cli import _Server
+        from kernelsight.server.fastpath import http_protocol
 
         cfg = uvicorn.Config(self.app, host=self.host, port=self._port, log_level="warning", access_log=False,
-                             lifespan="on", timeout_keep_alive=5)
+                             lifespan="on", timeout_keep_alive=5, http=http_protocol())
         self._server = _Server(cfg)
 
         def run() -> None:

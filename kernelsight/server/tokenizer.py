@@ -67,6 +67,7 @@ class ServerTokenizer:
         self.chat_template = chat_template
         self.vocab_size = vocab_size
         self._pool_ids, self._pool_text = self._build_pool(max_pool)
+        self._pool_id_list: list[int] = self._pool_ids.tolist()    # per-token lookups without numpy scalars
 
     # -- basic ops --------------------------------------------------------------------------------
     @property
@@ -133,10 +134,10 @@ class ServerTokenizer:
 
     @property
     def pool_size(self) -> int:
-        return len(self._pool_ids)
+        return len(self._pool_id_list)
 
     def pool_token(self, k: int) -> tuple[int, str]:
-        return int(self._pool_ids[k]), self._pool_text[k]
+        return self._pool_id_list[k], self._pool_text[k]
 
     def pool_ids(self, idx: np.ndarray) -> np.ndarray:
         return self._pool_ids[idx]

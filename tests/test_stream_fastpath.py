@@ -1,0 +1,164 @@
+"""The stream fast path (chunks written by the engine loop at the step deadline) against the general path."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httptools")
+
+from kernelsight.server.fastpath import AdmissionGate, sync_cycle  # noqa: E402
+from kernelsight.server.metrics import ServerMetrics  # noqa: E402
+from kernelsight.server.runner import ServerThread  # noqa: E402
+
+# time scale 0.1: a decode step lasts ~70 ms of wall time, so the general path's handler always writes a step's
+# chunk before the next step (no merged chunks) and both paths must produce the very same bytes
+ARGS = ["--max-model-len", "2048", "--max-num-seqs", "8", "--num-gpu-blocks-override", "400", "--time-scale", "0.1"]
+
+CASES = [
+    ("/v1/completions", {"prompt": "tell me a story", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": [11, 12, 13, 14], "max_tokens": 4, "seed": 3, "ignore_eos": True,
+                         "return_token_ids": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+                              "ignore_eos": True, "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ids"}], "max_tokens": 3, "seed": 9,
+                              "ignore_eos": True, "return_token_ids": True}),
+]
+
+
+@pytest.fixture(scope="module")
+def fast():
+    with ServerThread(ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def general():
+    with ServerThread([*ARGS, "--disable-stream-fast-path"]) as s:
+        yield s
+
+
+def _normalize(body: bytes) -> bytes:
+    return re.sub(rb'"created":\d+', b'"created":0', body)
+
+
+async def _stream(base_url: str, path: str, body: dict, rid: str) -> bytes:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as c:
+        r = await c.post(path, json={**body, "stream": True}, headers={"X-Request-Id": rid})
+        assert r.status_code == 200
+        return r.content
+
+
+async def test_fast_path_sends_the_general_paths_bytes(fast, general):
+    for i, (path, body) in enumerate(CASES):
+        rid = f"same-{i}"
+        a = await _stream(fast.base_url, path, body, rid)
+        b = await _stream(general.base_url, path, body, rid)
+        assert a.endswith(b"data: [DONE]\n\n")
+        assert _normalize(a) == _normalize(b), (path, body)
+        n_events = a.count(b"\n\n") - 1
+        assert n_events >= body["max_tokens"]        # one chunk per token: nothing was merged
+    assert fast.call(lambda: fast.bridge.fast_writes) >= sum(b["max_tokens"] for _, b in CASES)
+    assert general.call(lambda: general.bridge.fast_writes) == 0
+
+
+async def test_ineligible_requests_keep_the_general_path(fast):
+    before = fast.call(lambda: fast.bridge.fast_writes)
+    body = {"prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2}
+    raw = await _stream(fast.base_url, "/v1/completions", body, "n2")
+    assert raw.endswith(b"data: [DONE]\n\n") and b'"index":1' in raw
+    raw = await _stream(fast.base_url, "/v1/completions", {**body, "n": 1, "logprobs": 1}, "lp")
+    assert b'"top_logprobs"' in raw
+    assert fast.call(lambda: fast.bridge.fast_writes) == before
+
+
+def _sinks(srv) -> list:
+    return [sub.sink for sub in set(srv.bridge._subs_of.values()) if sub.sink is not None]
+
+
+async def test_paused_client_is_handed_back_without_blocking_others(fast):
+    """A transport that uvicorn has paused (slow reader) makes the engine loop hand the stream back to its
+    handler, which waits for the drain; other streams keep their fast path meanwhile, and the paused stream
+    completes with every token once the transport drains."""
+    async with httpx.AsyncClient(base_url=fast.base_url, timeout=60) as c:
+        body = {"prompt": "slow reader", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            chunks = r.aiter_bytes()
+            first = await chunks.__anext__()
+            assert b'"text"' in first
+            (sink,) = fast.call(lambda: _sinks(fast))
+            handbacks = fast.call(lambda: fast.bridge.fast_handbacks)
+            fast.call(lambda: sink.cycle.flow.pause_writing())
+            # another stream runs to completion on the fast path while the first one is paused
+            writes = fast.call(lambda: fast.bridge.fast_writes)
+            other = await _stream(fast.base_url, "/v1/completions",
+                                  {"prompt": "fast reader", "max_tokens": 4, "ignore_eos": True}, "other")
+            assert other.count(b'"text"') == 4 and other.endswith(b"data: [DONE]\n\n")
+            assert fast.call(lambda: fast.bridge.fast_writes) >= writes + 4
+            assert fast.call(lambda: fast.bridge.fast_handbacks) == handbacks + 1
+            assert fast.call(lambda: sink.sub.sink) is None
+            fast.call(lambda: sink.cycle.flow.resume_writing())
+            rest = b"".join([part async for part in chunks])
+    raw = first + rest
+    texts = re.findall(rb'"text":"([^"]*)"', raw)
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b'"finish_reason":"length"') == 1
+    assert sum(t.count(b" ") for t in texts) == 10      # every token arrived (later ones merged into fewer chunks)
+    async with httpx.AsyncClient(base_url=fast.base_url, timeout=60) as c:
+        full = (await c.post("/v1/completions", json={**body, "stream": False})).json()["choices"][0]["text"]
+    assert b"".join(texts).decode() == full
+
+
+async def test_admission_gate_starts_one_waiter_per_loop_turn():
+    gate = AdmissionGate()
+    started: list[int] = []
+
+    async def handler(i: int) -> None:
+        await gate.wait()
+        started.append(i)
+
+    tasks = [asyncio.create_task(handler(i)) for i in range(4)]
+    seen = []
+    for _ in range(12):
+        await asyncio.sleep(0)
+        seen.append(len(started))
+    await asyncio.gather(*tasks)
+    assert started == [0, 1, 2, 3]                          # FIFO
+    assert all(b - a <= 1 for a, b in zip(seen, seen[1:], strict=False))   # never two in one turn
+
+
+def test_sync_cycle_refuses_anything_but_uvicorns_httptools_send():
+    async def send(message: dict) -> None:
+        return None
+
+    assert sync_cycle(send) is None
+    assert sync_cycle(None) is None
+
+
+def test_batched_itl_observations_match_one_by_one():
+    one, batch = ServerMetrics("m", 1, 2048, [{}]), ServerMetrics("m", 1, 2048, [{}])
+    rng = random.Random(1)
+    values = [rng.choice([0.0, 0.004, 0.01, 0.0123, 0.3, 99.0, 1e4]) for _ in range(500)]
+    counts: dict[float, int] = {}
+    for v in values:
+        one.engines[0].on_itl(v)
+        counts[v] = counts.get(v, 0) + 1
+    batch.engines[0].on_itls(counts)
+
+    def series(m: ServerMetrics) -> dict[str, float]:
+        out = {}
+        for line in m.render().decode().splitlines():
+            if line.startswith("vllm:inter_token_latency_seconds") and "_created" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    a, b = series(one), series(batch)
+    assert a.keys() == b.keys() and len(a) > 3
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-12), k
