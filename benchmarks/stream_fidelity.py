@@ -186,8 +186,7 @@ async def run_level_raw(base_url: str, concurrency: int, num_prompts: int, input
     next_i = iter(range(num_prompts))
     out: list[dict] = []
 
-    async def worker() -> None:
-        _, proto = await loop.create_connection(_RawStream, host, int(port))
+    async def worker(proto: _RawStream) -> None:
         try:
             for i in next_i:
                 rid = f"c{concurrency}-{i}"
@@ -204,8 +203,11 @@ async def run_level_raw(base_url: str, concurrency: int, num_prompts: int, input
         finally:
             proto.transport.close()
 
+    # connect every client before the first request (a warm keep-alive pool): otherwise early requests wait while
+    # the server accepts the later connections, a start-up transient no simulated timeline can contain
+    conns = [await loop.create_connection(_RawStream, host, int(port)) for _ in range(concurrency)]
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(proto) for _, proto in conns))
     wall = time.perf_counter() - t0
     results = []
     for r in out:      # parse after the run: off the measured path
@@ -295,7 +297,7 @@ def main() -> int:
     ns = ap.parse_args()
 
     port = free_port()
-    cmd = [sys.executable, "-m", "kernelsight.server", "--host", "127.0.0.1", "--port", str(port), "--model",
+    cmd = [sys.executable, *(os.environ.get("KS_SERVER_CMD", "-m kernelsight.server").split()), "--host", "127.0.0.1", "--port", str(port), "--model",
            ns.model, "--hardware", ns.hardware, "--max-model-len", "4096", "--record-timings",
            "--served-model-name", "m", "--uvicorn-log-level", "warning", *ns.server_arg]
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

@@ -162,3 +162,30 @@ def test_batched_itl_observations_match_one_by_one():
     assert a.keys() == b.keys() and len(a) > 3
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-12), k
+
+
+def test_gc_collections_wait_for_slack_before_a_deadline():
+    """With automatic GC handed over to the engine loop, a due young collection runs only when it fits before
+    the next deadline; an idle or never-slack loop still collects (bounded memory)."""
+    import gc
+
+    from kernelsight.server import bridge as B
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        keep = [[i] for i in range(3 * B.GC_YOUNG_OBJECTS)]     # container objects: raise the young count
+        before = gc.get_count()[0]
+        assert before >= B.GC_YOUNG_OBJECTS
+        B.collect_in_slack(0.0005)                              # no room before the deadline: nothing runs
+        assert gc.get_count()[0] >= before
+        B.collect_in_slack(1.0)                                 # room: the young generation is collected
+        assert gc.get_count()[0] < B.GC_YOUNG_OBJECTS
+        many = [[i] for i in range(50 * B.GC_YOUNG_OBJECTS)]    # far past due: collected even without slack
+        B.collect_in_slack(0.0)
+        assert gc.get_count()[0] < B.GC_YOUNG_OBJECTS
+        assert len(keep) + len(many) > 0
+    finally:
+        if was_enabled:
+            gc.enable()
