@@ -10,7 +10,8 @@ N concurrent streaming completions (closed loop, random token prompts, ignore_eo
 Also reports output tokens/s, server and client CPU µs per streamed token (from /proc) and the worst release
 lateness. The default client is a lean raw-asyncio one (``--client raw``; aiohttp alone costs more per chunk than
 the server's whole budget and shares the 2 cores); ``--client raw aiohttp`` runs both. Server and client are
-pinned to different CPUs unless ``--no-pin``.
+pinned to different CPUs unless ``--no-pin``. ``KS_SERVER_CMD`` replaces ``-m kernelsight.server`` (e.g. with a
+wrapper script that logs GC pauses).
 Usage: python benchmarks/stream_fidelity.py [--concurrency 64 128 256] [--output-len 64] [--input-len 512]
 """
 
@@ -297,19 +298,24 @@ def main() -> int:
     ns = ap.parse_args()
 
     port = free_port()
-    cmd = [sys.executable, *(os.environ.get("KS_SERVER_CMD", "-m kernelsight.server").split()), "--host", "127.0.0.1", "--port", str(port), "--model",
-           ns.model, "--hardware", ns.hardware, "--max-model-len", "4096", "--record-timings",
-           "--served-model-name", "m", "--uvicorn-log-level", "warning", *ns.server_arg]
+    server = os.environ.get("KS_SERVER_CMD", "-m kernelsight.server").split()   # or an instrumented wrapper script
+    cmd = [sys.executable, *server, "--host", "127.0.0.1", "--port", str(port), "--model", ns.model,
+           "--hardware", ns.hardware, "--max-model-len", "4096", "--record-timings", "--served-model-name",
+           "m", "--uvicorn-log-level", "warning", *ns.server_arg]
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pin = ns.pin and len(cpus) >= 2
 
-    def preexec() -> None:      # the server's threads inherit affinity and priority set before exec
-        if pin:
-            os.sched_setaffinity(0, {cpus[0]})
+    def place(cpu: int | None) -> None:
+        """Pin this process to ``cpu`` (None: leave it) and apply --nice / --realtime."""
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
         if ns.nice is not None:
             os.setpriority(os.PRIO_PROCESS, 0, ns.nice)
         if ns.realtime:
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+
+    def preexec() -> None:      # the server's threads inherit affinity and priority set before exec
+        place(cpus[0] if pin else None)
 
     if ns.base_url:
         proc, pin, base = None, False, ns.base_url.rstrip("/")
@@ -318,12 +324,7 @@ def main() -> int:
                                 preexec_fn=preexec)
         base = f"http://127.0.0.1:{port}"
     server_pid = proc.pid if proc is not None else ns.server_pid
-    if pin:
-        os.sched_setaffinity(0, {cpus[1]})
-    if ns.nice is not None:
-        os.setpriority(os.PRIO_PROCESS, 0, ns.nice)
-    if ns.realtime:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    place(cpus[1] if pin else None)
     affinity = f"server on CPU {cpus[0]}, client on CPU {cpus[1]}" if pin else "not pinned"
     if ns.nice is not None:
         affinity += f", nice {ns.nice}"
