@@ -317,30 +317,32 @@ class EngineBridge:
         if sink is None or sub.sink is sink:
             sub.sink = None
 
-    def abort(self, sub: Submission) -> None:
-        """The client went away: free the requests' KV blocks and slots now (no finished-request stats)."""
+    def _close(self, sub: Submission) -> bool:
+        """Drop the bridge's bookkeeping of ``sub`` once; False if it was already closed."""
         sub.sink = None
         if sub.closed:
-            return
+            return False
         sub.closed = True
+        for s in sub.seqs:
+            self._seqs.pop(s.seq_id, None)
+            self._subs_of.pop(s.seq_id, None)
+        return True
+
+    def abort(self, sub: Submission) -> None:
+        """The client went away: free the requests' KV blocks and slots now (no finished-request stats)."""
+        if not self._close(sub):
+            return
         for s in sub.seqs:
             if not s.finished:
                 s.finished, s.finish_reason = True, "abort"
-            self._seqs.pop(s.seq_id, None)
-            self._subs_of.pop(s.seq_id, None)
         for eid in sub.engine_ids:
             self.engine.abort(eid)
         self._refresh_gauges()
 
     def release(self, sub: Submission) -> None:
         """The handler is done with a finished submission (drops bookkeeping for n > 1 parents)."""
-        sub.sink = None
-        if sub.closed:
+        if not self._close(sub):
             return
-        sub.closed = True
-        for s in sub.seqs:
-            self._seqs.pop(s.seq_id, None)
-            self._subs_of.pop(s.seq_id, None)
         if len(sub.seqs) > len(sub.engine_ids):
             for eid in sub.engine_ids:
                 self.engine.abort(eid)   # no-op for finished parents; clears the engine's n>1 bookkeeping
