@@ -189,3 +189,29 @@ def test_gc_collections_wait_for_slack_before_a_deadline():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_arrival_during_a_step_that_finishes_everything_keeps_its_own_time():
+    """A request that arrives while the step in flight finishes every other request (the engine already looks
+    idle) arrives when it arrived: it waits for that step like any mid-step arrival, and the wait counts in its
+    TTFT (it must not be stamped at the step's end)."""
+    import time
+
+    from kernelsight.runtime import create_engine_config
+    from kernelsight.server.bridge import EngineBridge
+    from kernelsight.server.tokenizer import load_tokenizer
+    from kernelsight.simcore.engine_config import EngineArgs
+
+    cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", max_model_len=2048))
+    bridge = EngineBridge(cfg, load_tokenizer("meta-llama/Llama-3.1-8B", None, cfg.model.vocab_size),
+                          record_timings=True)
+    first = bridge.submit([list(range(100, 1100))], [1], ignore_eos=True, label="a")
+    res = bridge.engine.step(max_steps=1)       # the loop computes the step in flight: it finishes request "a"
+    assert res is not None and not bridge.engine.has_unfinished()
+    assert res.end_s > bridge.virtual_now()     # its end lies in the (wall) future
+    second = bridge.submit([list(range(2000, 2100))], [4], ignore_eos=True, label="b",
+                           arrival_wall_s=time.perf_counter())
+    arrival_s = bridge.timings["b"]["arrival_s"]
+    assert arrival_s < res.end_s
+    assert arrival_s <= bridge.virtual_now()
+    assert first.seqs and second.seqs

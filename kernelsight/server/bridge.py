@@ -269,9 +269,10 @@ class EngineBridge:
         if arrival_wall_s is not None:
             v = min(v, max((arrival_wall_s - self._wall0) * self.time_scale, 0.0))
         idle = not eng.has_unfinished()
-        # the true (wall-mapped) arrival: mid-step it is before now_s and the request joins at the next
-        # boundary; if the loop lags behind wall time it is after now_s and joins the first step starting later
-        arrival = max(v, eng.now_s) if idle else v
+        # the true (wall-mapped) arrival, even when it is before now_s: mid-step (also while the step in flight
+        # finishes every request, so the engine already looks idle) the request joins at the next boundary and
+        # waits for it, as in vLLM; if the loop lags behind wall time it joins the first step starting later
+        arrival = v
         rng = np.random.default_rng()
         seqs: list[Seq] = []
         ids: list[str] = []
