@@ -182,7 +182,7 @@ def test_gc_collections_wait_for_slack_before_a_deadline():
         assert gc.get_count()[0] >= before
         B.collect_in_slack(1.0)                                 # room: the young generation is collected
         assert gc.get_count()[0] < B.GC_YOUNG_OBJECTS
-        many = [[i] for i in range(50 * B.GC_YOUNG_OBJECTS)]    # far past due: collected even without slack
+        many = [[i] for i in range(B.GC_OVERDUE_FACTOR * B.GC_YOUNG_OBJECTS)]   # overdue: collected without slack
         B.collect_in_slack(0.0)
         assert gc.get_count()[0] < B.GC_YOUNG_OBJECTS
         assert len(keep) + len(many) > 0

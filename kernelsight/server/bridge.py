@@ -146,15 +146,17 @@ class Submission:
 
 
 #: Net new container objects (gc.get_count()[0]) before a young collection; gen-1 after this many young ones;
-#: a full collection under load after this many gen-1 ones (otherwise it waits for an idle moment).
+#: Net new container objects (gc.get_count()[0]) before a young collection is due; gen-1 is due after this many
+#: young ones, a full one after this many gen-1 ones (CPython's automatic thresholds, for the first two).
 GC_YOUNG_OBJECTS = 700
 GC_GEN1_EVERY = 10
 GC_FULL_EVERY = 200
-#: Least time to the next deadline for a young / gen-1 / full collection (measured: ≲0.5 / 2-6 / 20-80 ms
-#: with 256 streams in flight).
-GC_YOUNG_SLACK_S = 0.002
-GC_GEN1_SLACK_S = 0.008
-GC_FULL_SLACK_S = 0.05
+#: A due collection waits for slack until its count reaches this multiple of its threshold, then runs anyway:
+#: a loop that never has slack still bounds its memory.
+GC_OVERDUE_FACTOR = 4
+#: A collection runs in the slack before a deadline only if its expected duration (the running mean of its
+#: measured ones) times this margin fits.
+GC_SLACK_MARGIN = 1.5
 
 
 def gc_owner() -> bool:
@@ -166,6 +168,8 @@ def gc_owner() -> bool:
 
 
 _gc_taken_over = False
+#: running mean of each generation's measured collection time (seeded with typical values on this class of CPU)
+_gc_cost_s = [0.0005, 0.005, 0.03]
 
 
 def take_over_gc() -> None:
@@ -175,17 +179,27 @@ def take_over_gc() -> None:
     gc.disable()
 
 
+def collect_garbage(generation: int) -> None:
+    """Collect ``generation`` and fold its duration into the running mean used to plan the next ones."""
+    t0 = time.perf_counter()
+    gc.collect(generation)
+    _gc_cost_s[generation] = 0.7 * _gc_cost_s[generation] + 0.3 * (time.perf_counter() - t0)
+
+
 def collect_in_slack(slack_s: float) -> None:
-    """One collection of the generation that is due, if it fits in ``slack_s`` before the next deadline."""
-    young, gen1, gen2 = gc.get_count()
-    if gen2 >= 4 * GC_FULL_EVERY or young >= 50 * GC_YOUNG_OBJECTS:
-        gc.collect(2 if gen2 >= 4 * GC_FULL_EVERY else 0)     # a loop that never has slack still bounds memory
-    elif gen2 >= GC_FULL_EVERY and slack_s > GC_FULL_SLACK_S:
-        gc.collect()
-    elif gen1 >= GC_GEN1_EVERY and slack_s > GC_GEN1_SLACK_S:
-        gc.collect(1)
-    elif young >= GC_YOUNG_OBJECTS and slack_s > GC_YOUNG_SLACK_S:
-        gc.collect(0)
+    """Run the oldest due generation whose expected duration fits in ``slack_s`` before the next deadline (a
+    gen-1 collection with 256 streams in flight can take 30 ms: it waits for a long enough gap, while young
+    collections keep the young generation small); an overdue one runs regardless."""
+    counts = gc.get_count()
+    limits = (GC_YOUNG_OBJECTS, GC_GEN1_EVERY, GC_FULL_EVERY)
+    for gen in (2, 1, 0):
+        if counts[gen] >= GC_OVERDUE_FACTOR * limits[gen]:
+            collect_garbage(gen)
+            return
+    for gen in (2, 1, 0):
+        if counts[gen] >= limits[gen] and _gc_cost_s[gen] * GC_SLACK_MARGIN < slack_s:
+            collect_garbage(gen)
+            return
 
 
 class EngineBridge:
@@ -373,7 +387,7 @@ class EngineBridge:
                 self._wake.clear()
                 self._refresh_gauges()
                 if gc_owner():
-                    gc.collect()          # idle: the full collection costs nobody a deadline
+                    collect_garbage(2)    # idle: the full collection costs nobody a deadline
                 await self._wake.wait()
                 continue
             try:
