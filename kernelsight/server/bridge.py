@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from kernelsight.runtime import create_engine
+from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
 from kernelsight.server.metrics import EngineMetrics
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
@@ -145,61 +146,12 @@ class Submission:
         return all(s.finished for s in self.seqs)
 
 
-#: Net new container objects (gc.get_count()[0]) before a young collection; gen-1 after this many young ones;
-#: Net new container objects (gc.get_count()[0]) before a young collection is due; gen-1 is due after this many
-#: young ones, a full one after this many gen-1 ones (CPython's automatic thresholds, for the first two).
-GC_YOUNG_OBJECTS = 700
-GC_GEN1_EVERY = 10
-GC_FULL_EVERY = 200
-#: A due collection waits for slack until its count reaches this multiple of its threshold, then runs anyway:
-#: a loop that never has slack still bounds its memory.
-GC_OVERDUE_FACTOR = 4
-#: A collection runs in the slack before a deadline only if its expected duration (the running mean of its
-#: measured ones) times this margin fits.
-GC_SLACK_MARGIN = 1.5
-
-
-def gc_owner() -> bool:
-    """True when the serving process switched automatic cyclic GC off (``kernelsight serve`` does, after start-up)
-    and the engine loops collect instead, in the time they would otherwise sleep before a deadline: automatic
-    collections land anywhere, e.g. in the middle of a burst of admissions or writes (gen-2 pauses of 20-80 ms
-    were measured under 256 streams). Library users and tests keep Python's automatic GC."""
-    return _gc_taken_over and not gc.isenabled()
-
-
-_gc_taken_over = False
-#: running mean of each generation's measured collection time (seeded with typical values on this class of CPU)
-_gc_cost_s = [0.0005, 0.005, 0.03]
-
-
-def take_over_gc() -> None:
-    """Switch automatic cyclic GC off; the engine loops collect in their slack (see :func:`gc_owner`)."""
-    global _gc_taken_over
-    _gc_taken_over = True
-    gc.disable()
-
-
-def collect_garbage(generation: int) -> None:
-    """Collect ``generation`` and fold its duration into the running mean used to plan the next ones."""
-    t0 = time.perf_counter()
-    gc.collect(generation)
-    _gc_cost_s[generation] = 0.7 * _gc_cost_s[generation] + 0.3 * (time.perf_counter() - t0)
-
-
-def collect_in_slack(slack_s: float) -> None:
-    """Run the oldest due generation whose expected duration fits in ``slack_s`` before the next deadline (a
-    gen-1 collection with 256 streams in flight can take 30 ms: it waits for a long enough gap, while young
-    collections keep the young generation small); an overdue one runs regardless."""
-    counts = gc.get_count()
-    limits = (GC_YOUNG_OBJECTS, GC_GEN1_EVERY, GC_FULL_EVERY)
-    for gen in (2, 1, 0):
-        if counts[gen] >= GC_OVERDUE_FACTOR * limits[gen]:
-            collect_garbage(gen)
-            return
-    for gen in (2, 1, 0):
-        if counts[gen] >= limits[gen] and _gc_cost_s[gen] * GC_SLACK_MARGIN < slack_s:
-            collect_garbage(gen)
-            return
+#: The read window before computing a step: at most this long, and only while the window plus the step's
+#: expected computing time stay under this share of the last step's wall duration.
+READ_WINDOW_S = 0.002
+READ_WINDOW_SHARE = 0.5
+#: Fast-path streams rendered between two reads of the sockets.
+PREPARE_SLICE = 64
 
 
 class EngineBridge:
@@ -230,6 +182,8 @@ class EngineBridge:
         self.late_s_max = 0.0                 # worst lateness of a release vs its deadline
         self.fast_writes = 0                  # chunks written by the engine loop (stream fast path)
         self.fast_handbacks = 0               # fast streams handed back to their handler (paused transport)
+        self._busy_s = 0.0                    # running mean wall time of computing + rendering one step
+        self._step_wall_s = 0.0               # wall duration of the last step
 
     # -- clock ----------------------------------------------------------------------------------
     def virtual_now(self) -> float:
@@ -387,10 +341,12 @@ class EngineBridge:
                 self._wake.clear()
                 self._refresh_gauges()
                 if gc_owner():
-                    collect_garbage(2)    # idle: the full collection costs nobody a deadline
+                    collect_when_idle()   # costs nobody a deadline
                 await self._wake.wait()
                 continue
+            await self._read_window()
             try:
+                t_busy = time.perf_counter()
                 res = eng.step(max_steps=1)
             except Exception:  # noqa: BLE001 - keep serving; the failing requests are aborted
                 log.exception("engine step failed; aborting in-flight requests")
@@ -408,8 +364,10 @@ class EngineBridge:
             # stamps) and one request is admitted between them, not after several ms of engine work
             await asyncio.sleep(0)
             # fast-path streams: render this step's chunks now, while the simulated GPU "runs" it
-            ready = self._prepare(res)
+            ready = await self._prepare(res)
             deadline = self.wall_of(res.end_s)
+            self._busy_s = 0.8 * self._busy_s + 0.2 * (time.perf_counter() - t_busy)
+            self._step_wall_s = (res.end_s - res.start_s) / self.time_scale
             if gc_owner():
                 collect_in_slack(deadline - time.perf_counter())
             await self._sleep_until(deadline)
@@ -420,6 +378,19 @@ class EngineBridge:
             # let handlers write this step's chunks before the next step's scheduling work
             await asyncio.sleep(0)
             await asyncio.sleep(0)
+
+    async def _read_window(self) -> None:
+        """Before computing the next step, keep the loop reading sockets for a moment when the step leaves room.
+
+        Requests are stamped when their bytes are read, and the loop reads nothing while it computes and renders
+        a step (~1-2 ms each at 256 streams). Closed-loop clients (benchmarks, agents) send their next request
+        right after a step's tokens go out, i.e. exactly then: reading first keeps their stamps true. The step
+        is unaffected: its start is already fixed on the virtual clock, and requests arriving meanwhile are
+        future arrivals it does not admit."""
+        room = READ_WINDOW_SHARE * self._step_wall_s - self._busy_s
+        wait = min(READ_WINDOW_S, room)
+        if wait > 0.0002 and self.engine.has_unfinished():
+            await asyncio.sleep(wait)
 
     async def _sleep_until(self, deadline: float) -> None:
         delay = deadline - time.perf_counter()
@@ -435,8 +406,9 @@ class EngineBridge:
         if late > self.late_s_max:
             self.late_s_max = late
 
-    def _prepare(self, res: StepResult) -> list[Submission]:
-        """Fast-path streams touched by this step render their chunk (nothing is observable until ``_flush``)."""
+    async def _prepare(self, res: StepResult) -> list[Submission]:
+        """Fast-path streams touched by this step render their chunk (nothing is observable until ``_flush``);
+        the loop reads sockets between slices of them (arrival stamps)."""
         subs = self._subs_of
         seqs = self._seqs
         pend: dict[Submission, list] = {}
@@ -459,7 +431,9 @@ class EngineBridge:
                 p[2] = ev.finish_reason
         first: list[Submission] = []
         rest: list[Submission] = []
-        for sub, (released, finished, reason, is_first) in pend.items():
+        for i, (sub, (released, finished, reason, is_first)) in enumerate(pend.items()):
+            if i and i % PREPARE_SLICE == 0:
+                await asyncio.sleep(0)
             sink = sub.sink
             try:
                 if sink is not None and sink.prepare(released, finished, reason):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import os
@@ -231,10 +230,8 @@ async def _serve_all(servers: list[Any]) -> None:
     # everything built by now (tokenizer vocab, engine tables, the app, uvicorn and its imports: ~100k objects)
     # lives for the process: keep it out of the cyclic GC, whose full collections would otherwise walk it (a
     # ~100 ms pause, in every stream's p99) while serving
-    from kernelsight.server.bridge import take_over_gc
+    from kernelsight.server.gc_policy import take_over_gc
 
-    gc.collect()
-    gc.freeze()
     take_over_gc()       # from here the engine loops collect, in the slack before their deadlines
     await asyncio.gather(*tasks)
 

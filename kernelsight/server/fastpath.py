@@ -252,10 +252,18 @@ def capture_raw_send(app: Any) -> None:
         downstream = inner()
 
         async def capture(scope, receive, send):
-            if scope["type"] == "http":
-                scope[RAW_SEND_KEY] = send
-                await gate.wait()
-            await downstream(scope, receive, send)
+            if scope["type"] != "http":
+                await downstream(scope, receive, send)
+                return
+            scope[RAW_SEND_KEY] = send
+            await gate.wait()
+            try:
+                await downstream(scope, receive, send)
+            finally:
+                # the scope closes reference cycles (the server's request cycle through its bound send; FastAPI's
+                # exit stacks): emptying it once the response is over lets reference counting free a finished
+                # request at once, leaving the cyclic GC (whose pauses the engine loop plans around) little to do
+                scope.clear()
         return capture
 
     app.build_middleware_stack = build
