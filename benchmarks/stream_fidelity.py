@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -38,6 +40,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def steal_s() -> float:
+    """CPU time the hypervisor gave to other guests (all CPUs), from /proc/stat; 0 where unavailable. On a
+    shared VM it is the one disturbance no server can do anything about: reported beside every level."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def cpu_s(pid: int | None) -> float:
@@ -115,27 +128,76 @@ async def run_level(base_url: str, concurrency: int, num_prompts: int, input_len
         return res, time.perf_counter() - t0
 
 
-class _RawStream(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection of the lean client: ``data_received`` only timestamps and keeps the
-    bytes (parsing happens after the run, so the client's cost per chunk stays far below the server's)."""
+#: SO_TIMESTAMPNS (Linux): every read returns the kernel's receive time of its data as ancillary data
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform.startswith("linux") else None)
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+
+def realtime_offset_s() -> float:
+    """CLOCK_REALTIME − perf_counter() (the kernel stamps packets on the realtime clock)."""
+    pairs = []
+    for _ in range(5):
+        a = time.perf_counter()
+        r = time.time()
+        b = time.perf_counter()
+        pairs.append((b - a, r - (a + b) / 2))
+    return min(pairs)[1]
+
+
+class _RawConn:
+    """One keep-alive HTTP/1.1 connection of the lean client. A read only timestamps and keeps the bytes (parsing
+    happens after the run). The timestamp is the kernel's receive time of the data (``SO_TIMESTAMPNS``) where
+    available: with 256 streams a step's chunks arrive within a ms, and reading them one by one takes the client
+    several ms, a lag of the measuring client, not of the server."""
+
+    def __init__(self, sock: socket.socket, offset_s: float) -> None:
+        self.sock = sock
+        self.offset_s = offset_s
+        self.kernel_stamps = False
+        if SO_TIMESTAMPNS is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                self.kernel_stamps = True
+            except OSError:
+                pass
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
         self.pieces: list[tuple[float, bytes]] = []
         self.tail = b""
         self.done: asyncio.Future | None = None
+        self.bodiless = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    async def warm(self, host: str, port: str) -> None:
+        """One bodiless round trip (GET /health): the server has accepted and set up this connection."""
+        loop = asyncio.get_running_loop()
+        self.pieces, self.tail, self.done, self.bodiless = [], b"", loop.create_future(), True
+        await loop.sock_sendall(self.sock, f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        await self.done
+        self.bodiless = False
 
-    def data_received(self, data: bytes) -> None:
-        self.pieces.append((time.perf_counter(), data))
+    def on_readable(self) -> None:
+        try:
+            data, anc, _, _ = self.sock.recvmsg(1 << 16, 64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail(exc)
+            return
+        t = time.perf_counter()
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                sec, nsec = struct.unpack("qq", raw[:16])
+                t = sec + nsec * 1e-9 - self.offset_s
+        if not data:
+            self._fail(None)
+            return
+        self.pieces.append((t, data))
         tail = self.tail + data[-7:]
         self.tail = tail[-7:]
-        if tail.endswith(b"\r\n0\r\n\r\n") and self.done is not None and not self.done.done():
-            self.done.set_result(None)     # the last chunk of a chunked response
+        end = b"\r\n\r\n" if self.bodiless else b"\r\n0\r\n\r\n"
+        if tail.endswith(end) and self.done is not None and not self.done.done():
+            self.done.set_result(None)     # the last chunk of a chunked response (or a bodiless one's headers)
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _fail(self, exc: Exception | None) -> None:
         if self.done is not None and not self.done.done():
             self.done.set_exception(ConnectionError(f"server closed the connection: {exc}"))
 
@@ -187,7 +249,7 @@ async def run_level_raw(base_url: str, concurrency: int, num_prompts: int, input
     next_i = iter(range(num_prompts))
     out: list[dict] = []
 
-    async def worker(proto: _RawStream) -> None:
+    async def worker(proto: _RawConn) -> None:
         try:
             for i in next_i:
                 rid = f"c{concurrency}-{i}"
@@ -198,17 +260,24 @@ async def run_level_raw(base_url: str, concurrency: int, num_prompts: int, input
                        f"Content-Length: {len(body)}\r\nX-Request-Id: {rid}\r\n\r\n").encode() + body
                 proto.pieces, proto.tail, proto.done = [], b"", loop.create_future()
                 t0 = time.perf_counter()
-                proto.transport.write(req)
+                await loop.sock_sendall(proto.sock, req)
                 await proto.done
                 out.append({"id": "cmpl-" + rid, "t0": t0, "pieces": proto.pieces})
         finally:
-            proto.transport.close()
+            loop.remove_reader(proto.sock.fileno())
+            proto.sock.close()
 
     # connect every client before the first request (a warm keep-alive pool): otherwise early requests wait while
     # the server accepts the later connections, a start-up transient no simulated timeline can contain
-    conns = [await loop.create_connection(_RawStream, host, int(port)) for _ in range(concurrency)]
+    offset_s = realtime_offset_s()
+    conns = [_RawConn(socket.create_connection((host, int(port))), offset_s) for _ in range(concurrency)]
+    for proto in conns:
+        loop.add_reader(proto.sock.fileno(), proto.on_readable)
+    # and warm: a connect returns once the kernel completed the handshake, but the server sets each connection
+    # up (~40 µs) only when it gets to accepting it; 256 first requests sent right away would be read late
+    await asyncio.gather(*(proto.warm(host, port) for proto in conns))
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(proto) for _, proto in conns))
+    await asyncio.gather(*(worker(proto) for proto in conns))
     wall = time.perf_counter() - t0
     results = []
     for r in out:      # parse after the run: off the measured path
@@ -223,13 +292,22 @@ RUNNERS = {"raw": run_level_raw, "aiohttp": run_level_aiohttp, "httpx": run_leve
 def run_client(client: str, base_url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int,
                seed: int) -> tuple[list[dict], float]:
     coro = RUNNERS[client](base_url, concurrency, num_prompts, input_len, output_len, seed)
-    if client == "raw":
-        try:  # the lean client's event loop: a few µs less per read than asyncio's
-            import uvloop
-            return uvloop.run(coro)
-        except ImportError:
-            pass
-    return asyncio.run(coro)
+    # the measuring client must not pause itself: its timestamps and result lists grow through the run, and a
+    # cyclic-GC pass over them (tens of ms once they are large) would read as late chunks. Collect after the run.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        if client == "raw":
+            try:  # the lean client's event loop: a few µs less per read than asyncio's
+                import uvloop
+                return uvloop.run(coro)
+            except ImportError:
+                pass
+        return asyncio.run(coro)
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def compare(results: list[dict], timings: dict) -> dict:
@@ -348,9 +426,9 @@ def main() -> int:
             for c in ns.concurrency:
                 num = max(int(c * ns.prompts_per_stream), c)
                 tim0 = httpx.get(base + "/kernelsight/timings", timeout=60).json()
-                cpu0, ccpu0 = cpu_s(server_pid), time.process_time()
+                cpu0, ccpu0, st0 = cpu_s(server_pid), time.process_time(), steal_s()
                 results, wall = run_client(client, base, c, num, ns.input_len, ns.output_len, seed=c)
-                cpu1, ccpu1 = cpu_s(server_pid), time.process_time()
+                cpu1, ccpu1, st1 = cpu_s(server_pid), time.process_time(), steal_s()
                 tim = httpx.get(base + "/kernelsight/timings", timeout=60).json()
                 ntok = max(sum(sum(r["counts"]) for r in results), 1)
                 row = {"client": client, "concurrency": c, "num_prompts": num, **compare(results, tim["requests"]),
@@ -358,6 +436,7 @@ def main() -> int:
                        "server_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / ntok,
                        "client_cpu_us_per_token": 1e6 * (ccpu1 - ccpu0) / ntok,
                        "server_late_ms_max": tim["late_s_max"] * 1e3, "affinity": affinity,
+                       "vm_steal_ms": (st1 - st0) * 1e3,
                        "fast_path_writes": tim.get("fast_writes", 0) - tim0.get("fast_writes", 0),
                        "fast_path_handbacks": tim.get("fast_handbacks", 0) - tim0.get("fast_handbacks", 0)}
                 row["within_bound"] = max(row["ttft_abs_diff_ms_p99"], row["itl_abs_diff_ms_p99"]) <= ns.bound_ms
@@ -370,7 +449,8 @@ def main() -> int:
                       f"{row.get('chunk_late_ms_p99', float('nan')):.2f} ms (first chunk p99 "
                       f"{row.get('first_chunk_late_ms_p99', float('nan')):.2f}), client "
                       f"{row['client_cpu_us_per_token']:.1f} µs/token, server late max "
-                      f"{row['server_late_ms_max']:.2f} ms, fast-path writes {row['fast_path_writes']} "
+                      f"{row['server_late_ms_max']:.2f} ms, VM steal {row['vm_steal_ms']:.0f} ms, fast-path writes "
+                      f"{row['fast_path_writes']} "
                       f"(hand-backs {row['fast_path_handbacks']})", flush=True)
     finally:
         if proc is not None:
@@ -383,7 +463,7 @@ def main() -> int:
     cols = [("client", "{}"), ("concurrency", "{:d}"), ("requests", "{:d}"), ("ttft_abs_diff_ms_p50", "{:.2f}"),
             ("ttft_abs_diff_ms_p99", "{:.2f}"), ("itl_abs_diff_ms_p50", "{:.2f}"), ("itl_abs_diff_ms_p99", "{:.2f}"),
             ("tokens_per_chunk", "{:.2f}"), ("output_tokens_per_s", "{:.0f}"), ("server_cpu_us_per_token", "{:.1f}"),
-            ("client_cpu_us_per_token", "{:.1f}"), ("within_bound", "{}")]
+            ("client_cpu_us_per_token", "{:.1f}"), ("vm_steal_ms", "{:.0f}"), ("within_bound", "{}")]
     print(f"\nstream fidelity: {ns.model} on {ns.hardware}, input {ns.input_len}, output {ns.output_len} tokens "
           f"(bound: p99 |Δ| ≤ {ns.bound_ms} ms; {affinity})")
     print(" | ".join(name for name, _ in cols))
