@@ -291,3 +291,45 @@ def test_sdk_parses_logprobs(srv, client):
     assert [t.model_dump() for t in streamed_chat] == [t.model_dump() for t in content]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MSGS, top_logprobs=2)
+
+
+def test_return_tokens_as_token_ids(srv, http):
+    """Per request (and, by default, by the server flag): every token in logprobs is written "token_id:<id>" —
+    chosen and alternatives, completions and chat, streamed and not — with the same logprobs, and completion
+    offsets advance by the label's length as in vLLM."""
+    body = {"prompt": "Hi there", "max_tokens": 4, "logprobs": 2, "seed": 11, "ignore_eos": True,
+            "return_token_ids": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    ids = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert ids["text"] == plain["text"]
+    lp, lp0 = ids["logprobs"], plain["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids["token_ids"]]
+    assert lp["token_logprobs"] == lp0["token_logprobs"]
+    assert all(k.startswith("token_id:") for d in lp["top_logprobs"] for k in d)
+    assert [sorted(d.values()) for d in lp["top_logprobs"]] == [sorted(d.values()) for d in lp0["top_logprobs"]]
+    offsets = [0]
+    for t in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp["text_offset"] == offsets
+    streamed = sse(http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True,
+                                                      "stream": True}).text)
+    assert [t for c in streamed for t in c["choices"][0]["logprobs"]["tokens"]] == lp["tokens"]
+
+    chat = {"messages": MSGS, "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "seed": 4, "ignore_eos": True,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    ch = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    content = ch["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in ch["token_ids"]]
+    for c in content:
+        assert c["bytes"] == list(c["token"].encode())
+        assert all(a["token"].startswith("token_id:") and a["bytes"] == list(a["token"].encode())
+                   for a in c["top_logprobs"])
+
+
+def test_return_tokens_as_token_ids_server_flag():
+    with ServerThread([*ARGS, "--return-tokens-as-token-ids"]) as s, httpx.Client(base_url=s.base_url) as c:
+        body = {"prompt": "Hi", "max_tokens": 2, "logprobs": 1, "ignore_eos": True, "return_token_ids": True}
+        ch = c.post("/v1/completions", json=body).json()["choices"][0]
+        assert ch["logprobs"]["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
+        off = c.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+        assert "".join(off["logprobs"]["tokens"]) == off["text"]

@@ -69,6 +69,7 @@ class ServerOptions:
     max_log_len: int | None = None
     deadline_spin_us: float = 1500.0
     stream_fast_path: bool = True
+    return_tokens_as_token_ids: bool = False
 
 
 class ServerState:
@@ -621,6 +622,9 @@ class _Generation:
         self._text_lens: list[int] = []
         self.lp_k: int | None = None      # logprobs per generated token (completions logprobs / chat top_logprobs)
         self.plp_k: int | None = None     # prompt logprobs
+        # tokens in logprobs as "token_id:<id>": the request's field, else the server flag
+        as_ids = getattr(req, "return_tokens_as_token_ids", None)
+        self.lp_as_ids: bool = state.opts.return_tokens_as_token_ids if as_ids is None else bool(as_ids)
         so = req.stream_options
         self.include_usage = bool(state.opts.enable_force_include_usage or (so is not None and so.include_usage))
         self.continuous = bool(self.include_usage and so is not None and so.continuous_usage_stats)
@@ -793,7 +797,7 @@ class _Generation:
                                             "annotations": None, "audio": None, "function_call": None,
                                             "reasoning": None},
                                 "logprobs": None if self.lp_k is None else self.state.logprobs.chat(
-                                    self._token_steps(v, 0, v.consumed, self.lp_k), self.lp_k),
+                                    self._token_steps(v, 0, v.consumed, self.lp_k), self.lp_k, self.lp_as_ids),
                                 "finish_reason": v.finish_reason, "stop_reason": v.stop_reason,
                                 "token_ids": v.ids if self.req.return_token_ids else None,
                                 "routed_experts": None, "weight_versions": None})
@@ -814,7 +818,7 @@ class _Generation:
                 steps = self._token_steps(v, 0, v.consumed, self.lp_k)
                 if self.req.echo:
                     steps = self._prompt_steps(p) + steps
-                logprobs = self.state.logprobs.completion(steps, 0, self.lp_k)
+                logprobs = self.state.logprobs.completion(steps, 0, self.lp_k, self.lp_as_ids)
             choices.append({"index": v.seq.index, "text": prefix + v.text, "logprobs": logprobs,
                             "finish_reason": v.finish_reason, "stop_reason": v.stop_reason,
                             "token_ids": v.ids if self.req.return_token_ids else None,
@@ -838,7 +842,7 @@ class _Generation:
         for p, (ids, text) in enumerate(prompts):
             logprobs = None
             if self.lp_k is not None:
-                logprobs = self.state.logprobs.completion(self._prompt_steps(p), 0, self.lp_k)
+                logprobs = self.state.logprobs.completion(self._prompt_steps(p), 0, self.lp_k, self.lp_as_ids)
             for i in range(n):
                 choices.append({"index": p * n + i, "text": text if text is not None else self.state.tok.decode(ids),
                                 "logprobs": logprobs, "finish_reason": "length", "stop_reason": None,
@@ -934,11 +938,11 @@ class _Generation:
                 steps = self._token_steps(v, before, v.consumed, lp_k)
                 lp_new = bool(steps)
                 if self.is_chat:
-                    lp = dumps(lps.chat(steps, lp_k))
+                    lp = dumps(lps.chat(steps, lp_k, self.lp_as_ids))
                 else:
                     if req.echo and v.seq.index not in self._echoed:
                         steps = self._prompt_steps(v.seq.index // req.n) + steps
-                    lp = dumps(lps.completion(steps, self._text_lens[v.seq.index], lp_k))
+                    lp = dumps(lps.completion(steps, self._text_lens[v.seq.index], lp_k, self.lp_as_ids))
                     self._text_lens[v.seq.index] += len(delta)
             usage = None
             if self.continuous:

@@ -35,7 +35,7 @@ IGNORED_VALUE_FLAGS = (
 IGNORED_BOOL_FLAGS = (
     "--trust-remote-code", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests",
     "--disable-custom-all-reduce", "--disable-sliding-window",
-    "--allow-credentials", "--return-tokens-as-token-ids", "--enable-auto-tool-choice",
+    "--allow-credentials", "--enable-auto-tool-choice",
     "--disable-frontend-multiprocessing",
     "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint", "--disable-uvicorn-access-log",
     "--skip-tokenizer-init", "--enable-sleep-mode", "--disable-cascade-attn", "--enable-per-request-metrics",
@@ -65,6 +65,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="report usage.prompt_tokens_details.cached_tokens")
     s.add_argument("--enable-force-include-usage", action="store_true", help="always send the streaming usage chunk")
     s.add_argument("--enable-request-id-headers", action="store_true", help="echo X-Request-Id in responses")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="write tokens in logprobs as 'token_id:<id>' (a request's return_tokens_as_token_ids wins)")
     s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
     s.add_argument("--enable-lora", action="store_true", help="accept LoRA adapter names as models")
     s.add_argument("--max-loras", type=positive_int, default=1, help="adapters per batch (reported in metrics)")
@@ -153,6 +155,7 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], Any]:
         allow_runtime_lora_updating=env_allows_lora_updates(), data_parallel_size=ns.data_parallel_size,
         record_timings=ns.record_timings, deadline_spin_us=ns.deadline_spin_us,
         stream_fast_path=not ns.disable_stream_fast_path,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template)
     apps = [build_app(config, opts, tok) for _ in range(ns.replicas)]
     return apps, config

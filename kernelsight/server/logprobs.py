@@ -54,6 +54,12 @@ def prompt_key(ids: Sequence[int]) -> int:
     return int.from_bytes(h, "little")
 
 
+def token_label(tid: int, text: str, as_ids: bool) -> str:
+    """How a token is written in logprobs: its decoded text, or ``"token_id:<id>"`` with
+    ``return_tokens_as_token_ids`` (tokens that are not valid UTF-8 on their own stay identifiable)."""
+    return f"token_id:{tid}" if as_ids else text
+
+
 class LogprobSynth:
     def __init__(self, tok: ServerTokenizer) -> None:
         self.tok = tok
@@ -98,35 +104,41 @@ class LogprobSynth:
 
     # -- wire layouts ----------------------------------------------------------------------------------
     @staticmethod
-    def completion(steps: Sequence[tuple[int, str, list[Entry] | None]], offset0: int, k: int) -> dict[str, Any]:
+    def completion(steps: Sequence[tuple[int, str, list[Entry] | None]], offset0: int, k: int,
+                   as_ids: bool = False) -> dict[str, Any]:
         """CompletionLogProbs for a run of tokens: (id, decoded token, engine dict or None) each; at most k+1
-        entries per top_logprobs dict (the chosen token plus the top k)."""
+        entries per top_logprobs dict (the chosen token plus the top k). ``as_ids``: tokens are written
+        ``"token_id:<id>"`` (``return_tokens_as_token_ids``), offsets advancing by that label's length as in vLLM."""
         text_offset: list[int] = []
         token_logprobs: list[float | None] = []
         tokens: list[str] = []
         top: list[dict[str, float] | None] = []
         last_len = 0
-        for _tid, text, ents in steps:
-            tokens.append(text)
+        for tid, text, ents in steps:
+            label = token_label(tid, text, as_ids)
+            tokens.append(label)
             if ents is None:
                 token_logprobs.append(None)
                 top.append(None)
             else:
                 token_logprobs.append(ents[0][2])
-                top.append({t: lp for _, t, lp, _ in ents[:k + 1]})
+                top.append({token_label(i, t, as_ids): lp for i, t, lp, _ in ents[:k + 1]})
             text_offset.append(offset0 if not text_offset else text_offset[-1] + last_len)
-            last_len = len(text)
+            last_len = len(label)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
                 "top_logprobs": top}
 
     @staticmethod
-    def chat(steps: Sequence[tuple[int, str, list[Entry]]], k: int) -> dict[str, Any]:
-        """ChatCompletionLogProbs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def chat(steps: Sequence[tuple[int, str, list[Entry]]], k: int, as_ids: bool = False) -> dict[str, Any]:
+        """ChatCompletionLogProbs: {"content": [{token, logprob, bytes, top_logprobs}]} (``as_ids``: see
+        :meth:`completion`; the bytes are then those of the label)."""
         content = []
-        for _tid, text, ents in steps:
-            content.append({"token": text, "logprob": ents[0][2], "bytes": list(text.encode("utf-8", "replace")),
-                            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
-                                             for _, t, lp, _ in ents[:k]]})
+        for tid, text, ents in steps:
+            label = token_label(tid, text, as_ids)
+            content.append({"token": label, "logprob": ents[0][2], "bytes": list(label.encode("utf-8", "replace")),
+                            "top_logprobs": [{"token": (lab := token_label(i, t, as_ids)), "logprob": lp,
+                                              "bytes": list(lab.encode("utf-8", "replace"))}
+                                             for i, t, lp, _ in ents[:k]]})
         return {"content": content}
 
     def prompt(self, ids: Sequence[int], k: int) -> list[list[Entry] | None]:

@@ -76,6 +76,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = True
     return_token_ids: bool | None = False
+    return_tokens_as_token_ids: bool | None = None
     user: str | None = None
 
 
