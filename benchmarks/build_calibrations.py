@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             tables, hw, source=_source_line(args.data / folder), licence=SHARED_DATA_LICENCE
         )
         calib.notes = (
-            "target-measured tier: η per family/variant = bounded sigmoid of a quadratic in "
+            "target-measured tier: η per family/variant (and per vLLM kernel where several ran, picked by a "
+            "dispatch rule learned from the shapes) = bounded sigmoid of a quadratic in "
             "spec-normalized log shape features + residual lattice; fitted by kernelsight "
             "benchmarks/build_calibrations.py"
         )

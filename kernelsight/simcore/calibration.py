@@ -744,6 +744,144 @@ class SwitchEta:
         }
 
 
+#: A dispatch-tree node: a leaf ``(kernel,)`` or a split ``(dim, threshold, node if x ≤ threshold, node else)``.
+DispatchNode = tuple
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchRule:
+    """Which kernel vLLM runs for a shape: a shallow threshold tree over the raw shape axes (:data:`RESIDUAL_COORDS`).
+
+    Learned from measured rows (``eta_fit.fit_dispatch_rule``): per GPU each shape ran exactly one kernel, chosen
+    by the library from the shape (e.g. H100 block-scaled fp8: FlashInfer for m ≤ 16, DeepGEMM above, CUTLASS where
+    n or k is not a multiple of 128), so thresholds on log m, n, k, heads, head_dim, window reproduce it.
+    """
+
+    root: DispatchNode
+
+    def __call__(self, coords: np.ndarray) -> np.ndarray:
+        """Kernel name per row of raw coordinates (rows × d)."""
+        out = np.empty(len(coords), dtype=object)
+        stack = [(self.root, np.arange(len(coords)))]
+        while stack:
+            node, idx = stack.pop()
+            if len(node) == 1:
+                out[idx] = node[0]
+                continue
+            dim, thr, lo, hi = node
+            le = coords[idx, dim] <= thr
+            stack += [(lo, idx[le]), (hi, idx[~le])]
+        return out.astype(str) if len(out) else np.zeros(0, dtype=str)
+
+    def scalar(self, coords: list[float]) -> str:
+        node = self.root
+        while len(node) != 1:
+            dim, thr, lo, hi = node
+            node = lo if coords[dim] <= thr else hi
+        return str(node[0])
+
+    def kernels(self) -> set[str]:
+        out, stack = set(), [self.root]
+        while stack:
+            node = stack.pop()
+            if len(node) == 1:
+                out.add(str(node[0]))
+            else:
+                stack += [node[2], node[3]]
+        return out
+
+    def to_dict(self) -> Any:
+        def enc(node: DispatchNode) -> Any:
+            if len(node) == 1:
+                return node[0]
+            return {"dim": node[0], "le": round(node[1], 6), "lo": enc(node[2]), "hi": enc(node[3])}
+
+        return enc(self.root)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> DispatchRule:
+        def dec(x: Any) -> DispatchNode:
+            if isinstance(x, str):
+                return (x,)
+            return (int(x["dim"]), float(x["le"]), dec(x["lo"]), dec(x["hi"]))
+
+        return cls(dec(d))
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchEta:
+    """One η model per kernel vLLM dispatches for a variant (target tier), picked by kernel name or by shape.
+
+    The kernel that ran is known for measured rows (``kernel`` column) and used when given and known; the step
+    model only knows shapes, so otherwise ``rule`` (learned from the training rows) names the kernel. Kernels
+    share nothing: each has its own smooth η and residual lattice (a minority kernel, e.g. H100 FA4 at
+    head_dim 512, no longer bends the majority's fit). ``pooled`` is a smooth model of all the variant's rows:
+    what cross-generation transfer uses, since a GPU without measurements has no kernel information.
+    """
+
+    basis: str
+    rule: DispatchRule
+    models: dict[str, EtaModel]  # by kernel name
+    default: str  # the kernel with most training rows
+    pooled: EtaModel | None = None
+
+    def kernel_of(self, features: tuple[float, ...], kernel: str | None = None) -> str:
+        if kernel is not None and kernel in self.models:
+            return kernel
+        name = self.rule.scalar(RESIDUAL_COORDS_SCALAR[self.basis](features))
+        return name if name in self.models else self.default
+
+    def kernels_of(self, features: np.ndarray, kernels: np.ndarray | None = None) -> np.ndarray:
+        """Kernel name per feature row: the given name where it has a model, else the dispatch rule's."""
+        F = np.atleast_2d(np.asarray(features, dtype=float))
+        out = self.rule(RESIDUAL_COORDS[self.basis](F)) if len(F) else np.zeros(0, dtype=str)
+        out = np.where(np.isin(out, list(self.models)), out, self.default)
+        if kernels is not None:
+            given = np.asarray(kernels).astype(str)
+            out = np.where(np.isin(given, list(self.models)), given, out)
+        return out
+
+    def pick(self, features: tuple[float, ...], kernel: str | None = None) -> EtaModel:
+        return self.models[self.kernel_of(features, kernel)]
+
+    def eta_and_overhead_array(
+        self, features: np.ndarray, kernels: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        F = np.atleast_2d(np.asarray(features, dtype=float))
+        names = self.kernels_of(F, kernels)
+        eta, ovh = np.empty(len(F)), np.zeros(len(F))
+        for name in np.unique(names):
+            sel = names == name
+            m = self.models[str(name)]
+            if hasattr(m, "eta_and_overhead_array"):
+                eta[sel], ovh[sel] = m.eta_and_overhead_array(F[sel])
+            else:
+                eta[sel] = [m.eta(tuple(f)) for f in F[sel]]
+        return eta, ovh
+
+    def eta_overhead_scalar(self, features: tuple[float, ...]) -> tuple[float, float | None]:
+        return _eta_overhead_of(self.pick(features), features)
+
+    def eta(self, features: tuple[float, ...]) -> float:
+        return self.pick(features).eta(features)
+
+    def overhead(self, features: tuple[float, ...]) -> float | None:
+        m = self.pick(features)
+        return m.overhead(features) if hasattr(m, "overhead") else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "form": "dispatch",
+            "basis": self.basis,
+            "default": self.default,
+            "rule": self.rule.to_dict(),
+            "models": {k: v.to_dict() for k, v in self.models.items()},
+        }
+        if self.pooled is not None:
+            d["pooled"] = self.pooled.to_dict()
+        return d
+
+
 @dataclass(frozen=True, slots=True)
 class EnsembleEta:
     """Weighted geometric mean of member models' η and fixed latency (cross-generation tier).
@@ -795,7 +933,7 @@ def _eta_overhead_of(model: EtaModel, features: tuple[float, ...]) -> tuple[floa
     if isinstance(model, LogPolyEta):
         e, o = model.eta_overhead_scalar(features)
         return e, (None if model.overhead_s is None else o)
-    if isinstance(model, SwitchEta | EnsembleEta):
+    if isinstance(model, SwitchEta | EnsembleEta | DispatchEta):
         return model.eta_overhead_scalar(features)
     return model.eta(features), None
 
@@ -811,6 +949,13 @@ ETA_FORMS: dict[str, Any] = {
     "logpoly": _logpoly_from_dict,
     "ensemble": lambda d: EnsembleEta(
         tuple(eta_model_from_dict(m) for m in d["members"]), tuple(float(w) for w in d["weights"])
+    ),
+    "dispatch": lambda d: DispatchEta(
+        str(d["basis"]),
+        DispatchRule.from_dict(d["rule"]),
+        {k: eta_model_from_dict(v) for k, v in d["models"].items()},
+        str(d["default"]),
+        None if d.get("pooled") is None else eta_model_from_dict(d["pooled"]),
     ),
     "switch": lambda d: SwitchEta(
         int(d["index"]), {k: eta_model_from_dict(v) for k, v in d["models"].items()}, str(d["default"])
@@ -1133,6 +1278,8 @@ __all__ = [
     "CommCurve",
     "CommModel",
     "ConstantEta",
+    "DispatchEta",
+    "DispatchRule",
     "EnsembleEta",
     "EtaModel",
     "HostModel",

@@ -11,6 +11,14 @@ device-normalized log-features). The loss is the squared log-ratio of predicted 
 — i.e. relative error, what MAPE judges — minimized by Levenberg–Marquardt with a small ridge on the
 polynomial terms (keeps extrapolation tame). Duplicate measurements are simply more samples.
 
+Kernels (target tier): when the measurements name the vLLM kernel that ran (``kernel`` column) and a
+variant ran several (H100 block-scaled fp8: FlashInfer / DeepGEMM / CUTLASS; H100 bf16 attention: FA3 / FA4
+at head_dim 512; L40S fp8 KV: FlashInfer / Triton), each kernel gets its own smooth η and residual lattice
+(:class:`~kernelsight.simcore.calibration.DispatchEta`), and a shallow threshold tree on the raw shape axes,
+learned from the same rows, names the kernel when only the shape is known (the simulator, shape-only files).
+Measured on the 25 %/75 % split of ``benchmarks/kernel_accuracy.py``: own smooth η per kernel beat a shared
+smooth η with per-kernel lattices (H100 GEMM 5.0 vs 5.2 %, decode 3.9 vs 4.0 %).
+
 Target tier: a residual lattice g over the sweep's raw shape axes (GEMM: m, n, k, m % 16; attention:
 seqs, tokens, q heads, KV heads, head_dim, window — in logs) multiplies the time by exp(g). Why: what
 the smooth form misses is library kernel selection (tile configs, split-K, GQA packing switched off by a
@@ -38,6 +46,8 @@ from kernelsight.simcore.calibration import (
     Calibration,
     CommModel,
     ConstantEta,
+    DispatchEta,
+    DispatchRule,
     EnsembleEta,
     EtaModel,
     LogPolyEta,
@@ -86,6 +96,7 @@ class KernelRows:
     compute_dtype: np.ndarray  # str
     features: np.ndarray  # rows × nf
     variant: np.ndarray  # str: sub-model key (switch_key of the categorical feature)
+    kernel: np.ndarray | None = None  # str: the vLLM kernel that ran (``kernel`` column), when known
 
     def __len__(self) -> int:
         return len(self.flops)
@@ -132,7 +143,10 @@ _KEY_COLUMNS = {
 
 
 def kernel_rows(family: str, cols: Columns) -> KernelRows:
-    """Map measured rows to kernels via the step model's constructors (deduplicated: shapes repeat)."""
+    """Map measured rows to kernels via the step model's constructors (deduplicated: shapes repeat).
+
+    The ``kernel`` column (the vLLM kernel that ran), when present, is carried along as ``KernelRows.kernel``.
+    """
     names = _KEY_COLUMNS[family]
     n = len(cols[names[0]])
     keys = list(zip(*(cols[c].tolist() for c in names), strict=True))
@@ -151,7 +165,8 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
     dtype = np.array([k.dtype for k in kernels])[inverse]
     feats = np.array([k.features for k in kernels], dtype=float)[inverse]
     variant = np.array([switch_key(f) for f in feats[:, SWITCH_INDEX[family]]]) if n else np.zeros(0, str)
-    return KernelRows(family, flops, bytes_moved, tiles, dtype, feats, variant)
+    kernel = np.asarray(cols["kernel"]).astype(str) if "kernel" in cols else None
+    return KernelRows(family, flops, bytes_moved, tiles, dtype, feats, variant, kernel)
 
 
 def roofline_rows_s(rows: KernelRows, hw: HardwareSpec) -> np.ndarray:
@@ -398,6 +413,8 @@ def fit_residual_grid(
 #: head_dim, 1 + window) — every axis of the sweep, so e.g. the window (FA2 on the L40S stops packing GQA
 #: heads with a window: decode time ∝ batch × q heads instead of × KV heads) gets its own knots.
 GRID_DIMS = {"gemm": (0, 1, 2, 3), "attn_prefill": (0, 1, 2, 3, 4, 5), "attn_decode": (0, 1, 2, 3, 4, 5)}
+#: Largest |log(measured / smooth)| a lattice is fitted to (outliers beyond it are clipped).
+GRID_FIT_CLIP = 2.0
 #: Smallest log-gap between lattice knots per dim (0: a knot at every measured value; < 0: a regular
 #: lattice that many log units apart, e.g. −ln2/2 = two knots per octave). Chosen on other splits than the
 #: benchmark's: per-value knots overfit GEMMs (neighbouring m differ by kernel choice, not smoothly), while
@@ -445,11 +462,14 @@ def fit_submodel(
     *,
     residual_grid: bool = False,
     grid_rounds: int = 1,
+    spill_center: float | None = None,
 ) -> SubFit:
-    """Fit η (+ overhead) of one family variant on one GPU."""
+    """Fit η (+ overhead) of one family variant on one GPU (``spill_center`` given: decode's L2 step not searched)."""
     dev = device_constants(family, variant, hw)
     if family == "attn_decode":
-        dev["l2_spill_center"] = fit_spill_center(rows.features, dev, roof_s, lat_s)
+        dev["l2_spill_center"] = (
+            fit_spill_center(rows.features, dev, roof_s, lat_s) if spill_center is None else spill_center
+        )
     z = basis_matrix(basis_name(family), rows.features, dev)
     beta, ovh, center, scale = fit_logpoly(z, roof_s, lat_s)
     model = LogPolyEta(
@@ -524,7 +544,7 @@ def add_residual_grid(
         stages = []
         for sub in GRID_STAGES.get(family, ()):
             g = fit_residual_grid(
-                coords, sub, np.clip(log_ratio, -2.0, 2.0), np.ones(len(z)),
+                coords, sub, np.clip(log_ratio, -GRID_FIT_CLIP, GRID_FIT_CLIP), np.ones(len(z)),
                 min_gaps=tuple(gaps[dims.index(d)] for d in sub), smooth=GRID_SMOOTH[family], coords="raw",
             )
             log_ratio = log_ratio - g(coords)
@@ -532,7 +552,7 @@ def add_residual_grid(
         add = fit_residual_grid(
             coords,
             dims,
-            np.clip(log_ratio, -2.0, 2.0),
+            np.clip(log_ratio, -GRID_FIT_CLIP, GRID_FIT_CLIP),
             np.ones(len(z)),
             min_gaps=gaps,
             smooth=GRID_SMOOTH[family],
@@ -555,10 +575,145 @@ class FitReport:
     entries: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+#: A kernel gets its own η model only with at least this many training rows; rarer kernels are left to the
+#: dispatch rule (their shapes are priced by the kernel it names).
+MIN_KERNEL_ROWS = 40
+#: Depth limit and smallest leaf of the learned dispatch tree (vLLM's rules are a few thresholds per format).
+DISPATCH_MAX_DEPTH = 6
+DISPATCH_MIN_LEAF = 1
+
+
+def _take(rows: KernelRows, sel: np.ndarray) -> KernelRows:
+    return KernelRows(
+        rows.family,
+        rows.flops[sel],
+        rows.bytes_moved[sel],
+        rows.tiles[sel],
+        rows.compute_dtype[sel],
+        rows.features[sel],
+        rows.variant[sel],
+        None if rows.kernel is None else rows.kernel[sel],
+    )
+
+
+def fit_dispatch_rule(
+    coords: np.ndarray,
+    kernels: np.ndarray,
+    *,
+    max_depth: int = DISPATCH_MAX_DEPTH,
+    min_leaf: int = DISPATCH_MIN_LEAF,
+) -> DispatchRule:
+    """Greedy classification tree (Gini splits at midpoints between measured values) kernel ← raw shape axes.
+
+    The kernel is a deterministic function of the shape per GPU, so a few splits usually classify every
+    training row; ties between equally good splits go to the lowest axis, so the fit is deterministic.
+    """
+    names, y = np.unique(np.asarray(kernels).astype(str), return_inverse=True)
+    n_cls = len(names)
+
+    def grow(idx: np.ndarray, depth: int) -> tuple:
+        counts = np.bincount(y[idx], minlength=n_cls).astype(float)
+        leaf = (str(names[int(counts.argmax())]),)
+        if depth >= max_depth or counts.max() == len(idx) or len(idx) < 2 * min_leaf:
+            return leaf
+        best = (len(idx) - float(counts @ counts) / len(idx) - 1e-9, -1, 0.0)  # must beat the parent's Gini
+        for dim in range(coords.shape[1]):
+            u, inv = np.unique(coords[idx, dim], return_inverse=True)
+            if len(u) < 2:
+                continue
+            tab = np.bincount(inv * n_cls + y[idx], minlength=len(u) * n_cls).reshape(len(u), n_cls)
+            left = np.cumsum(tab, axis=0)[:-1].astype(float)
+            right = counts - left
+            nl, nr = left.sum(axis=1), right.sum(axis=1)
+            ok = (nl >= min_leaf) & (nr >= min_leaf)
+            if not ok.any():
+                continue
+            gini = (nl - (left * left).sum(axis=1) / np.maximum(nl, 1)
+                    + nr - (right * right).sum(axis=1) / np.maximum(nr, 1))
+            gini = np.where(ok, gini, np.inf)
+            j = int(np.argmin(gini))
+            if gini[j] < best[0]:
+                best = (float(gini[j]), dim, 0.5 * float(u[j] + u[j + 1]))
+        if best[1] < 0:
+            return leaf
+        _, dim, thr = best
+        le = coords[idx, dim] <= thr
+        lo, hi = grow(idx[le], depth + 1), grow(idx[~le], depth + 1)
+        if len(lo) == 1 and lo == hi:  # both sides dispatch the same kernel: no split needed
+            return lo
+        return (dim, thr, lo, hi)
+
+    if n_cls == 0:
+        raise ValueError("a dispatch rule needs at least one labelled row")
+    return DispatchRule(grow(np.arange(len(y)), 0))
+
+
+#: How a kernel's own model is built: "own" = its own smooth η and residual lattice; "pooled" = the variant's
+#: pooled smooth η (all kernels) with a residual lattice of the kernel's rows only.
+KERNEL_SMOOTH = "own"
+
+
+def _fit_variant(
+    family: str,
+    variant: str,
+    rows: KernelRows,
+    roof_s: np.ndarray,
+    lat_s: np.ndarray,
+    hw: HardwareSpec,
+    residual_grid: bool,
+) -> tuple[EtaModel, float, dict[str, dict[str, float]]]:
+    """One variant's model: a LogPolyEta, or a DispatchEta over the kernels that ran (``kernel`` column)."""
+    names: list[str] = []
+    if rows.kernel is not None:
+        uniq, counts = np.unique(rows.kernel, return_counts=True)
+        names = [str(k) for k, c in zip(uniq, counts, strict=True) if c >= MIN_KERNEL_ROWS]
+    report: dict[str, dict[str, float]] = {}
+
+    def entry(f: SubFit) -> dict[str, float]:
+        return {"rows": float(f.n_rows), "train_mape": f.train_mape, "overhead_us": (f.model.overhead_s or 0.0) * 1e6}
+
+    pooled = fit_submodel(family, variant, rows, roof_s, lat_s, hw, residual_grid=residual_grid and len(names) < 2)
+    if len(names) < 2:
+        report[f"{family}[{variant}]"] = entry(pooled)
+        return pooled.model, pooled.eta_max_seen, report
+    report[f"{family}[{variant}/pooled smooth]"] = entry(pooled)  # for transfer only: all kernels, no lattice
+    assert rows.kernel is not None
+    models: dict[str, EtaModel] = {}
+    counts_by: dict[str, int] = {}
+    eta_max = 0.0
+    for name in names:
+        sel = rows.kernel == name
+        sub = _take(rows, sel)
+        if KERNEL_SMOOTH == "pooled":
+            base = pooled.model
+            z = basis_matrix(base.basis, sub.features, base.device)
+            model = (
+                add_residual_grid(base, family, z, roof_s[sel], lat_s[sel], features=sub.features)
+                if residual_grid else base
+            )
+            eta, ovh = model.from_basis(z, sub.features)
+            pred = roof_s[sel] / eta + ovh
+            f = SubFit(model, len(z), float(np.mean(np.abs(pred - lat_s[sel]) / lat_s[sel])), float(eta.max()))
+        else:
+            # the L2 step is the GPU's cache capacity, not the kernel's: reuse the pooled fit's position
+            f = fit_submodel(family, variant, sub, roof_s[sel], lat_s[sel], hw, residual_grid=residual_grid,
+                             spill_center=pooled.model.device.get("l2_spill_center"))
+        models[name] = f.model
+        counts_by[name] = f.n_rows
+        eta_max = max(eta_max, f.eta_max_seen)
+        report[f"{family}[{variant}/{name}]"] = entry(f)
+    keep = np.isin(rows.kernel, names)
+    basis = basis_name(family)
+    rule = fit_dispatch_rule(RESIDUAL_COORDS[basis](rows.features[keep]), rows.kernel[keep])
+    default = max(names, key=lambda k: (counts_by[k], k))
+    return DispatchEta(basis, rule, models, default, pooled.model), max(eta_max, pooled.eta_max_seen), report
+
+
 def fit_family(
     family: str, cols: Columns, hw: HardwareSpec, *, residual_grid: bool = False
 ) -> tuple[EtaModel, float, dict[str, dict[str, float]]]:
-    """η model of one family on one GPU: a SwitchEta over its variants. Returns (model, η max, report)."""
+    """η model of one family on one GPU: a SwitchEta over its variants (each a DispatchEta over the kernels that
+    ran when the ``kernel`` column names several). Returns (model, η max, report)."""
     rows = kernel_rows(family, cols)
     lat_s = np.asarray(cols["latency_us"], dtype=float) * 1e-6
     ok = np.isfinite(lat_s) & (lat_s > 0)
@@ -569,24 +724,11 @@ def fit_family(
     counts: dict[str, int] = {}
     for v in np.unique(rows.variant[ok]):
         sel = ok & (rows.variant == v)
-        sub = KernelRows(
-            family,
-            rows.flops[sel],
-            rows.bytes_moved[sel],
-            rows.tiles[sel],
-            rows.compute_dtype[sel],
-            rows.features[sel],
-            rows.variant[sel],
-        )
-        f = fit_submodel(family, str(v), sub, roof[sel], lat_s[sel], hw, residual_grid=residual_grid)
-        models[str(v)] = f.model
-        counts[str(v)] = f.n_rows
-        eta_max = max(eta_max, f.eta_max_seen)
-        report[f"{family}[{v}]"] = {
-            "rows": float(f.n_rows),
-            "train_mape": f.train_mape,
-            "overhead_us": (f.model.overhead_s or 0.0) * 1e6,
-        }
+        model, emax, rep = _fit_variant(family, str(v), _take(rows, sel), roof[sel], lat_s[sel], hw, residual_grid)
+        models[str(v)] = model
+        counts[str(v)] = int(sel.sum())
+        eta_max = max(eta_max, emax)
+        report.update(rep)
     # Features without the categorical entry (older tuples) mean bf16 weights / bf16 KV.
     preferred = "0" if family == "gemm" else "2"
     default = preferred if preferred in counts else max(counts, key=counts.__getitem__)
@@ -661,6 +803,10 @@ def fit_calibration(
                 calib.eta["moe_gemm"] = bf16
     calib.overhead_s.update(family_overheads(calib))
     calib.eta_max = max(eta_max, 1.0) if eta_max else calib.eta_max
+    # The floor is a sanity cap on time, not a fit: let it sit below the slowest η the fitted form can express
+    # (sigmoid floor ÷ the lattice's largest factor), so measured slow paths (H100 FA4 decode at head_dim 512:
+    # 0.1 % of the roofline at short contexts) are not cut off. Older files keep their stored 0.02.
+    calib.eta_floor = min(calib.eta_floor, ETA_LO * math.exp(-3.0))
     if "comm" in tables and "latency_us" in tables["comm"]:
         calib.comm.update(fit_comm(tables["comm"], hw))
     return calib, report
@@ -672,6 +818,8 @@ def family_overheads(calib: Calibration) -> dict[str, float]:
     for fam, model in calib.eta.items():
         if isinstance(model, SwitchEta):
             m = model.models[model.default]
+            if isinstance(m, DispatchEta):  # the pooled fit's: what transfer averages, as before kernel models
+                m = m.pooled if m.pooled is not None else m.models[m.default]
             if isinstance(m, LogPolyEta) and m.overhead_s is not None:
                 out[fam] = m.overhead_s
     return out
@@ -686,7 +834,11 @@ def predict_rows_s(family: str, cols: Columns, hw: HardwareSpec, calib: Calibrat
 
 
 def eta_and_overhead(calib: Calibration, family: str, rows: KernelRows) -> tuple[np.ndarray, np.ndarray]:
-    """Vectorized ``kernel_eta`` (clipped to [eta_floor, eta_max]) and ``kernel_overhead_s``."""
+    """Vectorized ``kernel_eta`` (clipped to [eta_floor, eta_max]) and ``kernel_overhead_s``.
+
+    Where the calibration has per-kernel models, ``rows.kernel`` (when known) picks them; otherwise, and for
+    kernel names it has no model of, its learned dispatch rule does.
+    """
     model = calib.eta.get(family) or calib.eta["default"]
     eta = np.empty(len(rows))
     ovh = np.full(len(rows), calib.kernel_overhead_s(family))
@@ -697,7 +849,10 @@ def eta_and_overhead(calib: Calibration, family: str, rows: KernelRows) -> tuple
             if isinstance(model, SwitchEta)
             else model
         )
-        if isinstance(sub, LogPolyEta | EnsembleEta):
+        if isinstance(sub, DispatchEta):
+            e, o = sub.eta_and_overhead_array(rows.features[sel], None if rows.kernel is None else rows.kernel[sel])
+            eta[sel], ovh[sel] = e, o
+        elif isinstance(sub, LogPolyEta | EnsembleEta):
             e, o = sub.eta_and_overhead_array(rows.features[sel])
             eta[sel] = e
             if not (isinstance(sub, LogPolyEta) and sub.overhead_s is None):
@@ -718,6 +873,7 @@ __all__ = [
     "eta_and_overhead",
     "fit_calibration",
     "fit_comm",
+    "fit_dispatch_rule",
     "fit_family",
     "fit_logpoly",
     "fit_residual_grid",

@@ -9,7 +9,9 @@ Transfer rule (documented contract):
    constants. So a GEMM that sits at the ridge point of the target is predicted with the efficiency a
    source GPU had at *its* ridge point, not at the same m, n, k.
 2. **Only the smooth part transfers.** The target-tier residual lattice encodes one GPU's library
-   kernel choices (tile configs, split-K heuristics, which fp8 kernel vLLM dispatched) and is dropped.
+   kernel choices (tile configs, split-K heuristics, which fp8 kernel vLLM dispatched) and is dropped; so
+   are per-kernel models and the learned dispatch rule: a variant with several kernels transfers its
+   pooled smooth model (fitted on all its kernels' rows, as before kernels were told apart).
 3. **The L2 benefit is re-expressed, not copied.** Where a working set fits in L2, a source's η already
    holds *its* L2 speed-up over the DRAM roof (η > 1 on the L40S, whose 96 MB L2 sits in front of 864 GB/s
    GDDR6). That speed-up scales with ρ = L2 bandwidth ÷ DRAM bandwidth, which the datasheet does not give
@@ -55,6 +57,7 @@ from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import (
     Calibration,
     CommModel,
+    DispatchEta,
     EnsembleEta,
     EtaModel,
     LogPolyEta,
@@ -130,6 +133,11 @@ def retarget(
             dev.update(l2_bw_ratio_source=l2_bw_ratio(source), l2_bw_ratio_target=l2_bw_ratio(target))
             ovh = None if ovh is None else ovh * overhead_scale(source, target)
         return replace(model, device=dev, grid=None, overhead_s=ovh)
+    if isinstance(model, DispatchEta):
+        # The target has no kernel measurements: transfer the variant's pooled smooth model (all kernels' rows,
+        # what a calibration without per-kernel models held), else the majority kernel's.
+        base = model.pooled if model.pooled is not None else model.models[model.default]
+        return retarget(base, family, variant, target, source)
     if isinstance(model, SwitchEta):
         return SwitchEta(
             model.index,
