@@ -137,3 +137,22 @@ def test_from_dict_rejects_missing_unknown_and_nonpositive_fields() -> None:
         hardware_spec_from_dict({**base, "num_sms": 131.5})
     spec = hardware_spec_from_dict({**base, "fp8_flops_per_s": None, "_comment": "ignored"})
     assert spec.peak_flops_per_s("fp8") == spec.bf16_flops_per_s
+
+
+def test_inline_ecc_takes_its_share_of_dram_bandwidth() -> None:
+    """The L40S's GDDR6 runs inline ECC (the driver reports 15/16 of 48 GiB): kernels see 15/16 of the datasheet
+    bandwidth, the profile keeps the datasheet figure; HBM parts and the ECC-off RTX 4090 lose nothing."""
+    from kernelsight.simcore.roofline import kernel_roofline_s
+
+    l40s = load_hardware("l40s")
+    assert l40s.mem_capacity_bytes / 2**20 == pytest.approx(48 * 1024 * (1 - l40s.ecc_dram_fraction), abs=16)
+    assert l40s.mem_bytes_per_s == 864e9 and l40s.usable_mem_bytes_per_s == pytest.approx(864e9 * 15 / 16)
+    for name in ("h100-sxm", "a100-sxm", "rtx-4090"):
+        hw = load_hardware(name)
+        assert hw.usable_mem_bytes_per_s == hw.mem_bytes_per_s
+    # a memory-bound kernel's roofline moves with it
+    assert kernel_roofline_s(1.0, 1e9, 1, "bf16", l40s) == pytest.approx(1e9 / (864e9 * 15 / 16))
+    base = asdict(l40s)
+    for bad in (-0.1, 0.5, True, "1/16"):
+        with pytest.raises(ValueError, match="ecc_dram_fraction"):
+            hardware_spec_from_dict({**base, "ecc_dram_fraction": bad})

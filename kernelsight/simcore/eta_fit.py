@@ -179,7 +179,7 @@ def roofline_rows_s(rows: KernelRows, hw: HardwareSpec) -> np.ndarray:
             rows.bytes_moved[sel],
             rows.tiles[sel],
             hw.peak_flops_per_s(str(dt)),
-            hw.mem_bytes_per_s,
+            hw.usable_mem_bytes_per_s,
             hw.num_sms,
         )
     return out
@@ -197,13 +197,13 @@ def device_constants(family: str, variant: str, hw: HardwareSpec) -> dict[str, f
         compute = K.GEMM_COMPUTE_DTYPE[fmt]
         one_byte = fmt in ("fp8", "fp8_block", "int8")
         dev.update(
-            balance=hw.peak_flops_per_s(compute) / hw.mem_bytes_per_s,
+            balance=hw.peak_flops_per_s(compute) / hw.usable_mem_bytes_per_s,
             in_bytes=1.0 if one_byte else 2.0,
             weight_bytes=1.0 if one_byte else 2.0,
             out_bytes=2.0,
         )
     else:
-        dev["balance"] = hw.peak_flops_per_s("bf16") / hw.mem_bytes_per_s
+        dev["balance"] = hw.peak_flops_per_s("bf16") / hw.usable_mem_bytes_per_s
     return dev
 
 

@@ -83,7 +83,7 @@ def spec_vector(hw: HardwareSpec) -> tuple[float, ...]:
     """Log-spec coordinates used for similarity: balance, bandwidth, SMs, L2, clock."""
     return (
         math.log(hw.machine_balance_flops_per_byte),
-        math.log(hw.mem_bytes_per_s),
+        math.log(hw.usable_mem_bytes_per_s),
         math.log(hw.num_sms),
         math.log(max(hw.l2_bytes, 1)),
         math.log(max(hw.boost_clock_hz, 1.0)),
@@ -102,7 +102,7 @@ def similarity_weights(
 
 def l2_bw_ratio(hw: HardwareSpec) -> float:
     """ρ: L2 bandwidth estimated from the spec (SMs × clock × bytes/clk/SM) ÷ DRAM bandwidth."""
-    return L2_BYTES_PER_CLOCK_PER_SM * hw.num_sms * hw.boost_clock_hz / hw.mem_bytes_per_s
+    return L2_BYTES_PER_CLOCK_PER_SM * hw.num_sms * hw.boost_clock_hz / hw.usable_mem_bytes_per_s
 
 
 def overhead_scale(source: HardwareSpec | None, target: HardwareSpec) -> float:

@@ -20,7 +20,7 @@ class HardwareSpec:
     fp8_flops_per_s: float | None
     int8_ops_per_s: float | None
     fp4_flops_per_s: float | None
-    mem_bytes_per_s: float         # HBM/GDDR bandwidth
+    mem_bytes_per_s: float         # HBM/GDDR bandwidth (datasheet; kernels see usable_mem_bytes_per_s)
     mem_capacity_bytes: int        # usable device memory as the driver reports it
     num_sms: int                   # SMs (NVIDIA) or CUs (AMD)
     l2_bytes: int
@@ -31,6 +31,9 @@ class HardwareSpec:
     compute_capability: str        # "9.0", "8.9", "gfx942" ...
     aliases: tuple[str, ...] = ()
     sources: dict[str, str] = field(default_factory=dict)  # field name -> where the number came from
+    # Share of DRAM that inline ECC takes (GDDR parts with ECC on: the check bits live in ordinary DRAM, so
+    # they cost that share of capacity and every access moves them too; HBM keeps them side-band: 0)
+    ecc_dram_fraction: float = 0.0
 
     def peak_flops_per_s(self, dtype: str) -> float:
         """Tensor-core peak for a compute dtype; fp8/int8/fp4 fall back to bf16 when absent."""
@@ -44,8 +47,13 @@ class HardwareSpec:
         return peak if peak else self.bf16_flops_per_s
 
     @property
+    def usable_mem_bytes_per_s(self) -> float:
+        """DRAM bandwidth left for data: inline ECC moves its check bits through the same DRAM."""
+        return self.mem_bytes_per_s * (1.0 - self.ecc_dram_fraction)
+
+    @property
     def machine_balance_flops_per_byte(self) -> float:
-        return self.bf16_flops_per_s / self.mem_bytes_per_s
+        return self.bf16_flops_per_s / self.usable_mem_bytes_per_s
 
 
 _REQUIRED_FIELDS: tuple[str, ...] = (
@@ -60,7 +68,7 @@ _FLOAT_FIELDS: tuple[str, ...] = (
     "intra_node_bytes_per_s", "pcie_bytes_per_s",
 )
 _INT_FIELDS: tuple[str, ...] = ("mem_capacity_bytes", "num_sms", "l2_bytes", "gpus_per_node")
-_ALLOWED_KEYS = frozenset(_REQUIRED_FIELDS + _OPTIONAL_PEAKS + ("aliases", "sources"))
+_ALLOWED_KEYS = frozenset(_REQUIRED_FIELDS + _OPTIONAL_PEAKS + ("aliases", "sources", "ecc_dram_fraction"))
 
 
 def _positive_number(d: dict, key: str) -> float:
@@ -94,6 +102,11 @@ def hardware_spec_from_dict(d: dict) -> HardwareSpec:
         kwargs[key] = int(value)
     for key in _OPTIONAL_PEAKS:
         kwargs[key] = float(_positive_number(d, key)) if d.get(key) is not None else None
+
+    ecc = d.get("ecc_dram_fraction", 0.0)
+    if isinstance(ecc, bool) or not isinstance(ecc, int | float) or not 0.0 <= ecc < 0.5:
+        raise ValueError(f"hardware spec {d['name']!r}: 'ecc_dram_fraction' must be in [0, 0.5), got {ecc!r}")
+    kwargs["ecc_dram_fraction"] = float(ecc)
 
     aliases = d.get("aliases", ())
     sources = d.get("sources", {})

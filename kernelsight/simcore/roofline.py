@@ -48,4 +48,4 @@ def kernel_roofline_s(flops: float, bytes_moved: float, tiles: float, dtype: str
     tiles = max(float(tiles), 1.0)
     n = hw.num_sms
     wave_u = math.ceil(tiles / n) * n / tiles
-    return max(flops * wave_u / hw.peak_flops_per_s(dtype), bytes_moved / hw.mem_bytes_per_s)
+    return max(flops * wave_u / hw.peak_flops_per_s(dtype), bytes_moved / hw.usable_mem_bytes_per_s)

@@ -214,7 +214,7 @@ class StepModel:
         tiles = float(max(num_decodes * q_heads, 1))
         n_sm = self.hw.num_sms
         wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
-        roof = max(flops * wave_u / self._attn_peak_flops_per_s, bytes_moved / self.hw.mem_bytes_per_s)
+        roof = max(flops * wave_u / self._attn_peak_flops_per_s, bytes_moved / self.hw.usable_mem_bytes_per_s)
         return (roof / eta + overhead_s) * m.num_layers
 
     def step_time_s(self, batch: BatchShape) -> float:
