@@ -426,11 +426,13 @@ def main() -> int:
         # warm-up (not measured): the server's first requests pay one-off costs (lazy imports, first big prefill)
         run_client(ns.client[0], base, 8, 16, ns.input_len, 8, seed=0)
         for client in ns.client:
-            for c in [c for c in ns.concurrency for _ in range(ns.repeat)]:
+            for c, rep in [(c, rep) for c in ns.concurrency for rep in range(ns.repeat)]:
                 num = max(int(c * ns.prompts_per_stream), c)
                 tim0 = httpx.get(base + "/kernelsight/timings", timeout=60).json()
                 cpu0, ccpu0, st0 = cpu_s(server_pid), time.process_time(), steal_s()
-                results, wall = run_client(client, base, c, num, ns.input_len, ns.output_len, seed=c)
+                # fresh prompts every run: a repeat of the same ones would be all prefix-cache hits
+                results, wall = run_client(client, base, c, num, ns.input_len, ns.output_len,
+                                           seed=c + 100_000 * rep)
                 cpu1, ccpu1, st1 = cpu_s(server_pid), time.process_time(), steal_s()
                 tim = httpx.get(base + "/kernelsight/timings", timeout=60).json()
                 ntok = max(sum(sum(r["counts"]) for r in results), 1)
