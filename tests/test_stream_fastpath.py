@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import time
 
 import httpx
 import pytest
@@ -255,3 +256,31 @@ def test_arrival_during_a_step_that_finishes_everything_keeps_its_own_time():
     assert arrival_s < res.end_s
     assert arrival_s <= bridge.virtual_now()
     assert first.seqs and second.seqs
+
+
+def test_admission_count_returns_to_zero(fast):
+    """Every request that enters the app leaves the admission count exactly once: submitted, rejected, another
+    route, or a client gone mid-stream. (The engine loop lets pending admissions through before computing a
+    step; a leaked count would make it wait its whole room every step, a miscount below zero never.)"""
+    from kernelsight.server.bridge import admissions_pending
+
+    async def main():
+        async with httpx.AsyncClient(base_url=fast.base_url, timeout=60) as c:
+            reqs = [c.post(path, json={**body, "stream": True}) for path, body in CASES]
+            reqs += [c.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}),
+                     c.post("/v1/completions", content=b"{not json"),
+                     c.post("/v1/chat/completions", json={"messages": [], "model": "nope"}),
+                     c.get("/health"), c.get("/v1/models"), c.get("/no/such/route")]
+            rs = await asyncio.gather(*reqs)
+            assert sorted({r.status_code for r in rs}) == [200, 400, 404]
+            async with c.stream("POST", "/v1/completions", json={"prompt": "bye", "max_tokens": 500,
+                                                                 "ignore_eos": True, "stream": True}) as r:
+                async for _ in r.aiter_lines():
+                    break                                  # disconnect after the first line
+
+    asyncio.run(main())
+    # a handler's last bookkeeping may run just after its response reached us: wait for the count (bounded)
+    deadline = time.monotonic() + 10
+    while fast.call(admissions_pending) != 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fast.call(admissions_pending) == 0

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from kernelsight.server.bridge import EngineBridge, Seq, Submission
+from kernelsight.server.bridge import EngineBridge, Seq, Submission, admission_done
 from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream, capture_raw_send
 from kernelsight.server.logprobs import MAX_LOGPROBS, LogprobSynth
 from kernelsight.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -737,6 +737,7 @@ class _Generation:
                             ignore_eos=req.ignore_eos, priority=self._priority(), extra_keys=extra,
                             keys=self._keys(prompts), echo_output=self.state.opts.output_mode == "echo",
                             label=self.rid, arrival_wall_s=self.request.scope.get(RECV_KEY))
+        admission_done(self.request.scope)
         self.views = [_SeqView(s, self.stops, req.include_stop_str_in_output) for s in sub.seqs]
         if req.stream:
             self._text_lens = [0] * len(self.views)      # vLLM's previous_text_lens: generated text only

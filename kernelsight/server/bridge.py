@@ -146,6 +146,32 @@ class Submission:
         return all(s.finished for s in self.seqs)
 
 
+class _Admissions:
+    pending = 0      # requests that reached the app and were neither submitted to an engine nor turned away
+
+
+_ADMITTING_KEY = "kernelsight.admitting"
+
+
+def admission_started(scope: dict) -> None:
+    """A request entered the app (outermost ASGI layer): the engine loops wait for it before a step (see
+    ``EngineBridge._read_window``)."""
+    scope[_ADMITTING_KEY] = [True]     # a shared token: middlewares may pass copies of the scope down
+    _Admissions.pending += 1
+
+
+def admission_done(scope: dict) -> None:
+    """The request was submitted to an engine, or is done without one (an error, another route); idempotent."""
+    token = scope.get(_ADMITTING_KEY)
+    if token and token[0]:
+        token[0] = False
+        _Admissions.pending -= 1
+
+
+def admissions_pending() -> int:
+    return _Admissions.pending
+
+
 #: The read window before computing a step: at most this long, and only while the window plus the step's
 #: expected computing time stay under this share of the last step's wall duration.
 READ_WINDOW_S = 0.002
@@ -388,9 +414,15 @@ class EngineBridge:
         is unaffected: its start is already fixed on the virtual clock, and requests arriving meanwhile are
         future arrivals it does not admit."""
         room = READ_WINDOW_SHARE * self._step_wall_s - self._busy_s
-        wait = min(READ_WINDOW_S, room)
-        if wait > 0.0002 and self.engine.has_unfinished():
-            await asyncio.sleep(wait)
+        if room <= 0.0002 or not self.engine.has_unfinished():
+            return
+        t0 = time.perf_counter()
+        await asyncio.sleep(min(READ_WINDOW_S, room))
+        # requests already read but not yet submitted (a burst waits at the admission gate, one handler per loop
+        # turn): let them through first, so those that arrived before this step's start join it, as in vLLM,
+        # and no step computation blinds the reads of the rest of the burst
+        while admissions_pending() and time.perf_counter() - t0 < room:
+            await asyncio.sleep(0)
 
     async def _sleep_until(self, deadline: float) -> None:
         delay = deadline - time.perf_counter()

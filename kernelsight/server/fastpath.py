@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from kernelsight.server.bridge import admission_done, admission_started
 from kernelsight.server.protocol import dumps as _dumps
 
 if TYPE_CHECKING:
@@ -256,10 +257,12 @@ def capture_raw_send(app: Any) -> None:
                 await downstream(scope, receive, send)
                 return
             scope[RAW_SEND_KEY] = send
-            await gate.wait()
+            admission_started(scope)
             try:
+                await gate.wait()
                 await downstream(scope, receive, send)
             finally:
+                admission_done(scope)
                 # the scope closes reference cycles (the server's request cycle through its bound send; FastAPI's
                 # exit stacks): emptying it once the response is over lets reference counting free a finished
                 # request at once, leaving the cyclic GC (whose pauses the engine loop plans around) little to do
