@@ -19,6 +19,7 @@ import gc
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -173,8 +174,9 @@ def admissions_pending() -> int:
 
 
 #: The read window before computing a step: at most this long, and only while the window plus the step's
-#: expected computing time stay under this share of the last step's wall duration.
-READ_WINDOW_S = 0.002
+#: expected computing time stay under this share of the shortest recent step's wall duration (closed-loop clients
+#: answer a step's tokens within a few ms: a client reading 256 streams takes that long to get to the last one).
+READ_WINDOW_S = 0.005
 READ_WINDOW_SHARE = 0.5
 #: Fast-path streams rendered between two reads of the sockets.
 PREPARE_SLICE = 64
@@ -209,7 +211,7 @@ class EngineBridge:
         self.fast_writes = 0                  # chunks written by the engine loop (stream fast path)
         self.fast_handbacks = 0               # fast streams handed back to their handler (paused transport)
         self._busy_s = 0.0                    # running mean wall time of computing + rendering one step
-        self._step_wall_s = 0.0               # wall duration of the last step
+        self._step_walls_s: deque[float] = deque([0.0], maxlen=8)   # wall durations of the last steps
 
     # -- clock ----------------------------------------------------------------------------------
     def virtual_now(self) -> float:
@@ -393,7 +395,7 @@ class EngineBridge:
             ready = await self._prepare(res)
             deadline = self.wall_of(res.end_s)
             self._busy_s = 0.8 * self._busy_s + 0.2 * (time.perf_counter() - t_busy)
-            self._step_wall_s = (res.end_s - res.start_s) / self.time_scale
+            self._step_walls_s.append((res.end_s - res.start_s) / self.time_scale)
             if gc_owner():
                 collect_in_slack(deadline - time.perf_counter())
             await self._sleep_until(deadline)
@@ -413,7 +415,9 @@ class EngineBridge:
         right after a step's tokens go out, i.e. exactly then: reading first keeps their stamps true. The step
         is unaffected: its start is already fixed on the virtual clock, and requests arriving meanwhile are
         future arrivals it does not admit."""
-        room = READ_WINDOW_SHARE * self._step_wall_s - self._busy_s
+        # the next step is not known before it is computed: the shortest recent one bounds it (a decode step
+        # after a long prefill one is short)
+        room = READ_WINDOW_SHARE * min(self._step_walls_s) - self._busy_s
         if room <= 0.0002 or not self.engine.has_unfinished():
             return
         t0 = time.perf_counter()
