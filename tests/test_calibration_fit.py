@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -240,3 +241,31 @@ def test_stage_lattices_fold_into_one():
     np.testing.assert_allclose(folded(coords), full(coords) + stage(coords), atol=1e-12)
     mid = RESIDUAL_COORDS["attn_decode"](_decode_features(5.0, 100.0, 32.0, 8.0, 128.0, 60.0))
     assert folded(mid)[0] == pytest.approx(full(mid)[0] + stage(mid)[0])
+
+
+def _group_one_error(dims: tuple[int, ...], gaps: tuple[float, ...]) -> tuple[float, float]:
+    """Fit a decode lattice to a sweep where q heads = KV heads (group 1) runs 5× slower than GQA shapes;
+    return |error| at a group-1 and a GQA head count the training rows never had (log units)."""
+    heads = [(q, kv) for kv in (1.0, 2.0, 4.0, 16.0) for q in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0) if q >= kv]
+    heads += [(16.0, 8.0), (64.0, 8.0)]   # KV heads 8 seen only with GQA
+    b, c, h = np.meshgrid([1.0, 8.0, 64.0], [255.0, 4095.0, 65535.0], np.arange(len(heads)), indexing="ij")
+    qh = np.array([heads[i][0] for i in h.ravel().astype(int)])
+    kvh = np.array([heads[i][1] for i in h.ravel().astype(int)])
+    F = _decode_features(b.ravel(), c.ravel(), qh, kvh, 128.0, 0.0)
+    target = np.where(F[:, 2] == F[:, 3], np.log(5.0), 0.0)
+    grid = eta_fit.fit_residual_grid(RESIDUAL_COORDS["attn_decode"](F), dims, target, np.ones(len(F)),
+                                     min_gaps=gaps, smooth=0.1, coords="raw")
+    probe = RESIDUAL_COORDS["attn_decode"](_decode_features(8.0, 4095.0, [8.0, 32.0], 8.0, 128.0, 0.0))
+    got = grid(probe)
+    return abs(float(got[0]) - math.log(5.0)), abs(float(got[1]))
+
+
+def test_decode_lattice_keys_on_gqa_group():
+    """The decode lattice spans the GQA group, so the group-1 slow path carries over to a KV-head count never
+    measured at group 1 (a lattice on q heads × KV heads smears it into its GQA neighbours), GQA shapes stay ~0."""
+    dims, gaps = eta_fit.GRID_DIMS["attn_decode"], eta_fit.GRID_MIN_GAPS["attn_decode"]
+    assert 6 in dims
+    err_mha, err_gqa = _group_one_error(dims, gaps)
+    assert err_mha < 0.4 and err_gqa < 0.2   # of log 5 = 1.61
+    old_mha, _ = _group_one_error((0, 1, 2, 3, 4, 5), gaps)   # the lattice on q heads × KV heads
+    assert old_mha > err_mha + 0.15
