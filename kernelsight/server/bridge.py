@@ -147,6 +147,21 @@ class Submission:
         return all(s.finished for s in self.seqs)
 
 
+def _wake_one_per_turn(subs: list[Submission]) -> None:
+    """Wake finished fast-path handlers one per event-loop turn. Their bytes are already written (the response
+    is complete); what is left is bookkeeping (~0.1-0.2 ms each), and waking them all in one turn would keep the
+    loop from reading sockets just when closed-loop clients send their next requests."""
+    loop = asyncio.get_running_loop()
+    pending = list(reversed(subs))
+
+    def wake() -> None:
+        pending.pop().event.set()
+        if pending:
+            loop.call_soon(wake)
+
+    wake()
+
+
 class _Admissions:
     pending = 0      # requests that reached the app and were neither submitted to an engine nor turned away
 
@@ -556,9 +571,14 @@ class EngineBridge:
             kv = self.engine.kv
             m.on_step(res.num_running, res.num_waiting, res.kv_usage, res.num_scheduled_tokens, generated,
                       kv.prefix_queries_tokens, kv.prefix_hits_tokens, self.engine.scheduler.num_preemptions)
+        done_fast: list[Submission] = []
         for sub in touched:
-            if sub.sink is None or sub.done:      # fast-path streams wake their handler only at the end
-                sub.event.set()
+            if sub.sink is None:
+                sub.event.set()                   # the handler writes this step's chunk: now
+            elif sub.done:                        # fast-path streams wake their handler only at the end
+                done_fast.append(sub)
+        if done_fast:
+            _wake_one_per_turn(done_fast)
 
     def _record_finish(self, seq: Seq, reason: str, finish_v: float, num_generated: int) -> None:
         if self.metrics is None or seq.req is None:
