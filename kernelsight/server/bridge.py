@@ -18,6 +18,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -195,6 +196,10 @@ READ_WINDOW_S = 0.005
 READ_WINDOW_SHARE = 0.5
 #: Fast-path streams rendered between two reads of the sockets.
 PREPARE_SLICE = 64
+#: Draw keys of requests without a seed (a Generator per request cost ~20 µs of the admission path).
+_UNSEEDED = random.Random()
+#: Events booked per loop turn after a step's writes (see ``EngineBridge._dispatch``).
+DISPATCH_SLICE = 64
 
 
 class EngineBridge:
@@ -284,14 +289,13 @@ class EngineBridge:
         # finishes every request, so the engine already looks idle) the request joins at the next boundary and
         # waits for it, as in vLLM; if the loop lags behind wall time it joins the first step starting later
         arrival = v
-        rng = np.random.default_rng()
         seqs: list[Seq] = []
         ids: list[str] = []
         for p, (prompt, mt) in enumerate(zip(prompts, max_tokens, strict=True)):
             eid = f"r{next(self._ids)}"
             outs = []
             for i in range(n):
-                key = keys[p] + 7919 * i if keys is not None else int(rng.integers(0, 2**63))
+                key = keys[p] + 7919 * i if keys is not None else _UNSEEDED.getrandbits(63)
                 outs.append(OutputTokens(self.tok, key, mt, prompt if echo_output else None))
             seq_ids = eng.add_request(eid, prompt, mt, min_tokens=min(min_tokens, mt), ignore_eos=ignore_eos, n=n,
                                       priority=priority, arrival_s=arrival, extra_keys=extra_keys,
@@ -417,7 +421,7 @@ class EngineBridge:
             if ready:
                 self._flush(ready)       # first: the writes are what clients time
                 await asyncio.sleep(0)
-            self._dispatch(res)
+            await self._dispatch(res)
             # let handlers write this step's chunks before the next step's scheduling work
             await asyncio.sleep(0)
             await asyncio.sleep(0)
@@ -526,16 +530,26 @@ class EngineBridge:
                 sub.sink = None
                 sub.event.set()
 
-    def _dispatch(self, res: StepResult) -> None:
+    async def _dispatch(self, res: StepResult) -> None:
+        """Book a released step: token counts, virtual token times, metrics, finished requests, handler wake-ups.
+
+        It runs right after the writes, i.e. exactly when closed-loop clients that just got their last chunk
+        send their next request; at 256 streams it is ~1 ms of Python, so it goes in slices with a socket read
+        between them (arrival stamps), as ``_prepare`` does."""
         self.num_steps += 1
         end = res.end_s
         seqs = self._seqs
         subs = self._subs_of
-        touched: dict[Submission, None] = {}      # insertion-ordered set
         m = self.metrics
         itls: dict[float, int] = {}               # ITL -> count: a decode step's sequences mostly share one
         generated = 0
-        for ev in res.events:
+        finished: list[tuple[Seq, str]] = []
+        done_fast: dict[Submission, None] = {}    # insertion-ordered set
+        woken: dict[Submission, None] = {}        # handlers that write their own chunks (no fast path)
+        events = res.events
+        for i, ev in enumerate(events):
+            if i and i % DISPATCH_SLICE == 0:
+                await asyncio.sleep(0)
             seq = seqs.get(ev.request_id)
             if seq is None:
                 continue
@@ -559,26 +573,33 @@ class EngineBridge:
                 seq.finished = True
                 seq.finish_reason = ev.finish_reason
                 seqs.pop(ev.request_id, None)
-                self._record_finish(seq, ev.finish_reason or "stop", end, seq.released)
+                finished.append((seq, ev.finish_reason or "stop"))
             else:
                 continue
             sub = subs.get(ev.request_id)
-            if sub is not None:
-                touched[sub] = None
+            if sub is None:
+                continue
+            if sub.sink is None:
+                woken[sub] = None
+            elif kind == FINISHED:                # fast-path streams wake their handler only at the end
+                done_fast[sub] = None
+        for i, (seq, reason) in enumerate(finished):
+            if i and i % DISPATCH_SLICE == 0:
+                await asyncio.sleep(0)
+            self._record_finish(seq, reason, end, seq.released)
         if m is not None:
             if itls:
                 m.on_itls(itls)
             kv = self.engine.kv
             m.on_step(res.num_running, res.num_waiting, res.kv_usage, res.num_scheduled_tokens, generated,
                       kv.prefix_queries_tokens, kv.prefix_hits_tokens, self.engine.scheduler.num_preemptions)
-        done_fast: list[Submission] = []
-        for sub in touched:
-            if sub.sink is None:
-                sub.event.set()                   # the handler writes this step's chunk: now
-            elif sub.done:                        # fast-path streams wake their handler only at the end
-                done_fast.append(sub)
-        if done_fast:
-            _wake_one_per_turn(done_fast)
+        # woken only once the whole step is booked: a handler must see all of it (the finish reason goes on the
+        # chunk with the last token) and its request already counted in the metrics
+        for sub in woken:
+            sub.event.set()
+        ready = [sub for sub in done_fast if sub.done]
+        if ready:
+            _wake_one_per_turn(ready)
 
     def _record_finish(self, seq: Seq, reason: str, finish_v: float, num_generated: int) -> None:
         if self.metrics is None or seq.req is None:
