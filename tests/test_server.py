@@ -253,6 +253,26 @@ async def test_errors(aclient):
     assert r["usage"]["completion_tokens"] <= 8
 
 
+def test_body_parsing_matches_the_standard_library():
+    from kernelsight.server.app import _loads
+
+    ids = np.random.default_rng(0).integers(0, 128000, 512).tolist()
+    ok = [json.dumps({"prompt": ids, "max_tokens": 64, "temperature": 0.7, "stop": ["\u00e9", "x"]}).encode(),
+          b'{"a":1,"a":2}', b'{"a":-0.0}', b'{"a":9223372036854775807}', b'{"a":1.0000000000000002}',
+          # orjson rejects these, or reads the big integers as floats: the standard parser takes over
+          b'\xef\xbb\xbf{"a":1}', b'{"a":NaN}', b'{"a":1e400}', b'{"a":"\\ud800"}', '{"a":"\u00e9"}'.encode("utf-16"),
+          b'{"max_tokens":123456789012345678901234567890}', b'{"a":-9223372036854775809}']
+    for raw in ok:
+        got, want = _loads(raw), json.loads(raw)
+        assert repr(got) == repr(want) and [type(v) for v in got.values()] == [type(v) for v in want.values()]
+    for raw in (b"{bad json", b'{"a":1}x', b"", b"[1,"):
+        with pytest.raises(json.JSONDecodeError) as got:
+            _loads(raw)
+        with pytest.raises(json.JSONDecodeError) as want:
+            json.loads(raw)
+        assert (got.value.msg, got.value.pos) == (want.value.msg, want.value.pos)
+
+
 async def test_api_key():
     with ServerThread(["--max-model-len", "1024", "--api-key", "sekret", "--num-gpu-blocks-override", "64"]) as s:
         async with httpx.AsyncClient(base_url=s.base_url) as c:
