@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -131,8 +130,10 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
-#: An integer literal orjson would turn into a float (beyond 64 bits): such bodies go to the standard parser.
-_LONG_INT = re.compile(rb"\d{19}")
+#: Integer literals orjson would turn into floats (beyond 64 bits) are runs of ≥ 19 digits: found by mapping every
+#: digit to "0" and everything else to " " (a regex scan of a token-id prompt costs more than the parse).
+_DIGIT_RUNS = bytes(48 if 48 <= c <= 57 else 32 for c in range(256))
+_LONG_INT = b"0" * 19
 
 
 def _loads(raw: bytes) -> Any:
@@ -140,7 +141,7 @@ def _loads(raw: bytes) -> Any:
     against ~54 µs, and parsing happens on the admission path. Whatever orjson rejects (NaN, a BOM, lone
     surrogates, UTF-16...) or could read differently (integers beyond 64 bits) goes to ``json.loads``, whose
     results and error messages are FastAPI's, i.e. vLLM's."""
-    if not _LONG_INT.search(raw):
+    if _LONG_INT not in raw.translate(_DIGIT_RUNS):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
