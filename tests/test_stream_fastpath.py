@@ -13,9 +13,10 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httptools")
 
-from kernelsight.server.fastpath import AdmissionGate, sync_cycle  # noqa: E402
+from kernelsight.server.fastpath import sync_cycle  # noqa: E402
 from kernelsight.server.metrics import ServerMetrics  # noqa: E402
 from kernelsight.server.runner import ServerThread  # noqa: E402
+from kernelsight.server.turns import turn_gate  # noqa: E402
 
 # time scale 0.1: a decode step lasts ~70 ms of wall time, so the general path's handler always writes a step's
 # chunk before the next step (no merged chunks) and both paths must produce the very same bytes
@@ -115,22 +116,31 @@ async def test_paused_client_is_handed_back_without_blocking_others(fast):
     assert b"".join(texts).decode() == full
 
 
-async def test_admission_gate_starts_one_waiter_per_loop_turn():
-    gate = AdmissionGate()
-    started: list[int] = []
+async def test_turn_gate_grants_one_waiter_per_loop_turn():
+    gate = turn_gate()
+    assert turn_gate() is gate                              # one per loop
+    started: list[str] = []
 
-    async def handler(i: int) -> None:
-        await gate.wait()
-        started.append(i)
+    async def waiter(name: str, first: bool = False) -> None:
+        await gate.wait(first=first)
+        started.append(name)
 
-    tasks = [asyncio.create_task(handler(i)) for i in range(4)]
+    tasks = [asyncio.create_task(waiter(f"h{i}")) for i in range(4)]
+    await asyncio.sleep(0)                                  # all four queued
+    gone = asyncio.create_task(waiter("gone"))
+    await asyncio.sleep(0)
+    gone.cancel()                                           # a client that left: skipped, not granted
+    urgent = asyncio.create_task(waiter("engine", first=True))
     seen = []
-    for _ in range(12):
+    for _ in range(16):
         await asyncio.sleep(0)
         seen.append(len(started))
-    await asyncio.gather(*tasks)
-    assert started == [0, 1, 2, 3]                          # FIFO
+    await asyncio.gather(*tasks, urgent)
+    assert "gone" not in started
+    assert [n for n in started if n.startswith("h")] == ["h0", "h1", "h2", "h3"]          # FIFO
+    assert started.index("engine") < 3                      # jumped the queue
     assert all(b - a <= 1 for a, b in zip(seen, seen[1:], strict=False))   # never two in one turn
+    assert len(gate) == 0
 
 
 def test_sync_cycle_refuses_anything_but_uvicorns_httptools_send():

@@ -25,12 +25,12 @@ import asyncio
 import json
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kernelsight.server.bridge import admission_done, admission_started
 from kernelsight.server.protocol import dumps as _dumps
+from kernelsight.server.turns import turn_gate
 
 if TYPE_CHECKING:
     from kernelsight.server.bridge import EngineBridge, Submission
@@ -194,7 +194,11 @@ class FastStream:
         finally:
             bridge.detach_sink(sub, self)
         if self.completed:
-            bridge.release(sub)
+            # the response is complete: what is left (bookkeeping, unwinding the app) takes a turn of its own
+            try:
+                await turn_gate().wait()
+            finally:
+                bridge.release(sub)
             return True
         if self.pending:             # prepared, but the transport was paused at the deadline
             data, self.pending, self.framed = self.pending, b"", b""
@@ -204,50 +208,11 @@ class FastStream:
         return False
 
 
-class AdmissionGate:
-    """Starts at most one request handler per event-loop turn.
-
-    A handler's first step (routing, parsing, validation, submission: a few hundred µs) runs without yielding, and
-    asyncio runs every ready callback of a turn before it polls sockets again: a burst of N requests would hold
-    the loop for N handler steps, delaying the engine's deadline wake-up and every socket read (so the arrival
-    stamps of requests that come in meanwhile). One handler per turn keeps turns short; the rest wait in FIFO
-    order, which costs no more in total."""
-
-    def __init__(self) -> None:
-        self._waiters: deque[asyncio.Future] = deque()
-        self._scheduled = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def wait(self) -> None:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._waiters.append(fut)
-        if not self._scheduled or self._loop is not loop:
-            self._loop = loop
-            self._scheduled = True
-            loop.call_soon(self._admit)
-        await fut
-
-    def _admit(self) -> None:
-        waiters = self._waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():          # a cancelled waiter (client gone) is skipped
-                fut.set_result(None)
-                break
-        if waiters:
-            assert self._loop is not None
-            self._loop.call_soon(self._admit)     # the next one after this turn's socket reads
-        else:
-            self._scheduled = False
-
-
 def capture_raw_send(app: Any) -> None:
     """Outermost pure-ASGI layer: keeps the server's own ``send`` in the scope, so a streaming response can
     write token chunks without going through every middleware's send wrapper; and admits requests one per
-    event-loop turn (``AdmissionGate``)."""
+    event-loop turn (``turns.TurnGate``)."""
     inner = app.build_middleware_stack
-    gate = AdmissionGate()
 
     def build():
         downstream = inner()
@@ -259,7 +224,7 @@ def capture_raw_send(app: Any) -> None:
             scope[RAW_SEND_KEY] = send
             admission_started(scope)
             try:
-                await gate.wait()
+                await turn_gate().wait()
                 await downstream(scope, receive, send)
             finally:
                 admission_done(scope)

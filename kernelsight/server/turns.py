@@ -1,0 +1,69 @@
+"""One heavy piece of Python per event-loop turn, so that sockets are read between any two of them.
+
+The event loop polls sockets only between turns, and a turn runs every callback that is ready when it starts.
+Requests are stamped when their bytes are read (``fastpath.read_clock``): a long turn delays the stamp, and so the
+simulated arrival, of every request that comes in meanwhile. The work of a few hundred µs that can wait a turn
+goes through the loop's :class:`TurnGate`, which lets one piece run per turn:
+
+* a request handler's admission (routing, parsing, validation, submission);
+* the engine loop's slices of rendering and bookkeeping (ahead of the queue: they have a deadline);
+* the wind-down of a finished streaming handler (its response is already complete).
+
+The total work is the same; only its interleaving with socket reads changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+
+
+class TurnGate:
+    """Grants waiters one per event-loop turn, in FIFO order (``first=True`` jumps the queue)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._scheduled = False
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    async def wait(self, first: bool = False) -> None:
+        """Return in a later turn that runs no other granted waiter."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        if first:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._grant)
+        await fut
+
+    def _grant(self) -> None:
+        # a granted waiter resumes in the next turn, and so does this callback: it grants the following one, which
+        # resumes a turn later, after a socket poll
+        waiters = self._waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():          # a cancelled waiter (client gone) is skipped
+                fut.set_result(None)
+                break
+        if waiters:
+            self._loop.call_soon(self._grant)
+        else:
+            self._scheduled = False
+
+
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TurnGate] = weakref.WeakKeyDictionary()
+
+
+def turn_gate() -> TurnGate:
+    """The running loop's gate (replicas served by one loop share it: they share its turns)."""
+    loop = asyncio.get_running_loop()
+    gate = _GATES.get(loop)
+    if gate is None:
+        gate = _GATES[loop] = TurnGate(loop)
+    return gate
