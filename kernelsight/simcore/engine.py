@@ -139,6 +139,7 @@ class Engine:
             req = Request(sid, prompt, max_tokens, length, reason, t, priority, next(self._seq),
                           request_id if n > 1 else None, i, extra_keys, output_token_ids)
             self._requests[sid] = req
+            self.kv.hash_prompt(req)
             if t <= self.now_s:
                 self.scheduler.add(req)
             else:

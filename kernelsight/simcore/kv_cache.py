@@ -254,6 +254,12 @@ class KVCacheManager:
             hashes.append(hasher.chain_one(parent, i, req.block_content(i, bs)))
         return hashes
 
+    def hash_prompt(self, req: Request) -> None:
+        """Hash the prompt's full blocks now (vLLM does it when a request is created): a request's arrival, not
+        the step that first schedules it, pays for it."""
+        if self.enable_caching:
+            self._ensure_hashes(req, len(req.prompt_token_ids) // self.block_size)
+
     def shareable_blocks(self, req: Request, num_tokens: int) -> int:
         """Full blocks whose content another request could also have: prompt blocks, and generated
         blocks whose token ids are known. Blocks keyed by (request, position) are registered only when
