@@ -143,6 +143,25 @@ async def test_turn_gate_grants_one_waiter_per_loop_turn():
     assert len(gate) == 0
 
 
+async def test_turn_gate_grants_nothing_while_held():
+    gate = turn_gate()
+    started: list[int] = []
+
+    async def waiter(i: int) -> None:
+        await gate.wait()
+        started.append(i)
+
+    with gate.held():            # an engine loop polling sockets just before a deadline
+        tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
+        for _ in range(8):
+            await asyncio.sleep(0)
+        assert started == [] and len(gate) == 3
+    for _ in range(8):
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert started == [0, 1, 2]
+
+
 def test_sync_cycle_refuses_anything_but_uvicorns_httptools_send():
     async def send(message: dict) -> None:
         return None

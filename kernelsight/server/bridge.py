@@ -187,6 +187,9 @@ _UNSEEDED = random.Random()
 #: Events booked per loop turn after a step's writes, and finished requests counted (see ``EngineBridge._dispatch``).
 DISPATCH_SLICE = 64
 RECORD_SLICE = 8
+#: The last stretch before a deadline: naps this long with a socket poll between them, then a spin this long.
+POLL_NAP_S = 0.0001
+FINAL_SPIN_S = 0.00015
 
 
 class EngineBridge:
@@ -438,11 +441,18 @@ class EngineBridge:
     async def _sleep_until(self, deadline: float) -> None:
         delay = deadline - time.perf_counter()
         if delay > self.spin_s:
-            await asyncio.sleep(delay - self.spin_s)
-        # the last stretch: a blocking sleep (~0.1 ms accurate, leaves the core to others) then a short spin
-        rest = deadline - time.perf_counter() - 0.00015
-        if rest > 0:
-            time.sleep(rest)
+            await asyncio.sleep(delay - self.spin_s)     # the loop's timers are only ~1 ms accurate
+        # the last stretch: blocking naps (~0.1 ms accurate, they leave the core to others) with a socket poll after
+        # each, so that requests arriving now are stamped now, the turn gate held so that no handler's admission
+        # runs in it and delays the writes; then a short spin
+        with turn_gate().held():
+            while True:
+                rest = deadline - time.perf_counter() - FINAL_SPIN_S
+                if rest <= 0:
+                    break
+                time.sleep(min(rest, POLL_NAP_S))
+                if deadline - time.perf_counter() > FINAL_SPIN_S + POLL_NAP_S / 2:
+                    await asyncio.sleep(0)
         while time.perf_counter() < deadline:
             pass
         late = time.perf_counter() - deadline

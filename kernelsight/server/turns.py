@@ -9,14 +9,17 @@ goes through the loop's :class:`TurnGate`, which lets one piece run per turn:
 * the engine loop's slices of rendering and bookkeeping (ahead of the queue: they have a deadline);
 * the wind-down of a finished streaming handler (its response is already complete).
 
-The total work is the same; only its interleaving with socket reads changes.
+The total work is the same; only its interleaving with socket reads changes. An engine loop holds the gate (no
+grants) while it polls sockets in the last stretch before a deadline, so that no handler delays the writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections import deque
+from collections.abc import Iterator
 
 
 class TurnGate:
@@ -26,6 +29,7 @@ class TurnGate:
         self._loop = loop
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._scheduled = False
+        self._holds = 0
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -42,7 +46,22 @@ class TurnGate:
             self._loop.call_soon(self._grant)
         await fut
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No grant while inside (a waiter granted just before may still resume once)."""
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            if not self._holds and self._waiters and not self._scheduled:
+                self._scheduled = True
+                self._loop.call_soon(self._grant)
+
     def _grant(self) -> None:
+        if self._holds:
+            self._scheduled = False     # the last release schedules it again
+            return
         # a granted waiter resumes in the next turn, and so does this callback: it grants the following one, which
         # resumes a turn later, after a socket poll
         waiters = self._waiters
