@@ -16,7 +16,7 @@ pytest.importorskip("httptools")
 from kernelsight.server.fastpath import sync_cycle  # noqa: E402
 from kernelsight.server.metrics import ServerMetrics  # noqa: E402
 from kernelsight.server.runner import ServerThread  # noqa: E402
-from kernelsight.server.turns import turn_gate  # noqa: E402
+from kernelsight.server.turns import MAX_HELD_S, turn_gate  # noqa: E402
 
 # time scale 0.1: a decode step lasts ~70 ms of wall time, so the general path's handler always writes a step's
 # chunk before the next step (no merged chunks) and both paths must produce the very same bytes
@@ -160,6 +160,21 @@ async def test_turn_gate_grants_nothing_while_held():
         await asyncio.sleep(0)
     await asyncio.gather(*tasks)
     assert started == [0, 1, 2]
+
+    # engine loops holding in turn (overlapping holds) do not starve the handlers: a release lets one through once
+    # the gate has been held MAX_HELD_S in a row
+    outer = gate.held()
+    outer.__enter__()
+    late = asyncio.create_task(waiter(3))
+    t_end = time.perf_counter() + 3 * MAX_HELD_S
+    while not started[3:] and time.perf_counter() < t_end:
+        with gate.held():
+            time.sleep(MAX_HELD_S / 4)
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    outer.__exit__(None, None, None)
+    await late
+    assert started == [0, 1, 2, 3]
 
 
 def test_sync_cycle_refuses_anything_but_uvicorns_httptools_send():

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
+
+#: Holds block grants for at most this long in a row: engine loops of one event loop (data parallel, replicas)
+#: hold in turn before their own deadlines, and overlapping holds must not starve the handlers.
+MAX_HELD_S = 0.002
 
 
 class TurnGate:
@@ -30,6 +35,7 @@ class TurnGate:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._scheduled = False
         self._holds = 0
+        self._held_since_s = 0.0
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -48,20 +54,26 @@ class TurnGate:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """No grant while inside (a waiter granted just before may still resume once)."""
+        """No grant while inside (a waiter granted just before may still resume once); overlapping holds let
+        one through every MAX_HELD_S."""
+        if not self._holds:
+            self._held_since_s = time.perf_counter()
         self._holds += 1
         try:
             yield
         finally:
             self._holds -= 1
-            if not self._holds and self._waiters and not self._scheduled:
+            if self._waiters and not self._scheduled:
                 self._scheduled = True
                 self._loop.call_soon(self._grant)
 
     def _grant(self) -> None:
         if self._holds:
-            self._scheduled = False     # the last release schedules it again
-            return
+            now = time.perf_counter()
+            if now - self._held_since_s < MAX_HELD_S:
+                self._scheduled = False     # a release schedules it again
+                return
+            self._held_since_s = now
         # a granted waiter resumes in the next turn, and so does this callback: it grants the following one, which
         # resumes a turn later, after a socket poll
         waiters = self._waiters
