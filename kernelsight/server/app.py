@@ -41,6 +41,7 @@ from kernelsight.server.protocol import (
     validation_error,
 )
 from kernelsight.server.tokenizer import ServerTokenizer
+from kernelsight.server.turns import turn_gate
 from kernelsight.simcore.engine_config import EngineConfig
 
 log = logging.getLogger("kernelsight.server")
@@ -499,6 +500,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest)
+        await turn_gate().wait(first=True)     # routing and parsing took this turn: the rest takes the next
         lora = state.check_model(req.model)
         stops = _stop_list(req.stop)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -516,6 +518,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        await turn_gate().wait(first=True)     # routing and parsing took this turn: the rest takes the next
         lora = state.check_model(req.model)
         stops = _stop_list(req.stop)
         if req.max_completion_tokens is not None:
