@@ -341,6 +341,10 @@ async def test_client_timing_matches_virtual_clock(srv, aclient):
     assert len(times) == 40
     timings = (await aclient.get("/kernelsight/timings")).json()["requests"]
     rec = timings[rid]
+    # the worst release lateness is kept until a reset (per benchmark level); nothing runs after the stream
+    srv.call(lambda: setattr(srv.bridge, "late_s_max", 0.25))
+    assert (await aclient.get("/kernelsight/timings?reset_late=true")).json()["late_s_max"] == 0.25
+    assert (await aclient.get("/kernelsight/timings")).json()["late_s_max"] == 0.0
     virt = np.asarray(rec["token_times_s"])
     ttft_v = virt[0] - rec["arrival_s"]
     ttft_c = times[0] - t0

@@ -434,17 +434,21 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
         return json_response({"object": "list", "data": data})
 
     @app.get("/kernelsight/timings", include_in_schema=False)
-    async def timings() -> Response:
+    async def timings(reset_late: bool = False) -> Response:
         """Virtual arrival and token-release times (scaled to wall seconds), with --record-timings; ``wall0_s``
-        maps them to time.perf_counter() (CLOCK_MONOTONIC: a client on the same host can compare directly)."""
+        maps them to time.perf_counter() (CLOCK_MONOTONIC: a client on the same host can compare directly).
+        ``late_s_max``: the worst release lateness since the last ``?reset_late=true``."""
         ts = opts.time_scale
         out = {}
         for b in state.bridges:
             for sid, rec in b.timings.items():
                 out[sid] = {"arrival_s": rec["arrival_s"] / ts, "token_times_s": [t / ts for t in rec["token_times_s"]],
                             "wall0_s": b._wall0}
-        return json_response({"time_scale": ts, "requests": out,
-                              "late_s_max": max(b.late_s_max for b in state.bridges),
+        late_s_max = max(b.late_s_max for b in state.bridges)
+        if reset_late:
+            for b in state.bridges:
+                b.late_s_max = 0.0
+        return json_response({"time_scale": ts, "requests": out, "late_s_max": late_s_max,
                               "fast_writes": sum(b.fast_writes for b in state.bridges),
                               "fast_handbacks": sum(b.fast_handbacks for b in state.bridges)})
 
