@@ -328,3 +328,16 @@ def test_admission_count_returns_to_zero(fast):
     while fast.call(admissions_pending) != 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert fast.call(admissions_pending) == 0
+
+
+def test_output_token_slices_match_one_by_one(fast):
+    """Short slices (the engine hashing a completed 16-token block) take a pure-Python path, long ones numpy:
+    both must give the tokens that indexing one at a time gives (the ids the stream sends)."""
+    from kernelsight.server.bridge import OutputTokens
+
+    out = OutputTokens(fast.bridge.tok, 987654321, 600)
+    one_by_one = [out[i] for i in range(600)]
+    assert len(set(one_by_one)) > 100                      # not a constant
+    for a, b in [(0, 16), (16, 32), (5, 37), (0, 33), (0, 600), (590, 600), (100, 100)]:
+        assert out[a:b] == one_by_one[a:b]
+    assert out[3:40:2] == one_by_one[3:40:2]

@@ -49,6 +49,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
+#: Output-token slices up to this long are drawn in Python (cheaper than numpy's per-call overhead).
+_SHORT_SLICE = 32
 
 
 def _splitmix64_int(x: int) -> int:
@@ -93,7 +95,13 @@ class OutputTokens(Sequence[int]):
                 return [self[j] for j in range(start, stop, step)]
             if self._echo:
                 return [self._echo[j % len(self._echo)] for j in range(start, stop)]
-            return self._tok.pool_ids(self._pool_idx(start, stop)).tolist() if stop > start else []
+            if stop - start <= _SHORT_SLICE:
+                # the engine hashes each full generated block (16 tokens) as it completes: at 256 streams that is
+                # 256 slices in one step, ~11 µs each in Python against ~21 µs through numpy
+                ids, key = self._tok.pool_id_list, self._ikey
+                n = len(ids)
+                return [ids[_splitmix64_int((j + key) & _MASK64) % n] for j in range(start, stop)]
+            return self._tok.pool_ids(self._pool_idx(start, stop)).tolist()
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:

@@ -136,6 +136,11 @@ class ServerTokenizer:
     def pool_size(self) -> int:
         return len(self._pool_id_list)
 
+    @property
+    def pool_id_list(self) -> list[int]:
+        """The pool's token ids as a Python list (index with ``k % pool_size``)."""
+        return self._pool_id_list
+
     def pool_token(self, k: int) -> tuple[int, str]:
         return self._pool_id_list[k], self._pool_text[k]
 
