@@ -341,3 +341,26 @@ def test_output_token_slices_match_one_by_one(fast):
     for a, b in [(0, 16), (16, 32), (5, 37), (0, 33), (0, 600), (590, 600), (100, 100)]:
         assert out[a:b] == one_by_one[a:b]
     assert out[3:40:2] == one_by_one[3:40:2]
+
+
+def test_read_window_shrinks_with_lag_and_closes_when_behind(fast):
+    """The loop reads sockets before a step only while the next deadline leaves room: a loop behind the virtual
+    clock (a late release) computes the next step at once."""
+
+    def room(lag_s: float) -> float:
+        b = fast.bridge
+        saved = (b._step_walls_s.copy(), b._busy_s)
+        try:
+            b._step_walls_s.clear()
+            b._step_walls_s.extend([0.009, 0.010])     # ~9 ms decode steps (256 streams)
+            b._busy_s = 0.002
+            return b.read_window_s(b.wall_of(b.engine.now_s) + lag_s)
+        finally:
+            b._step_walls_s.clear()
+            b._step_walls_s.extend(saved[0])
+            b._busy_s = saved[1]
+
+    on_time, after_writes, behind = fast.call(room, 0.0), fast.call(room, 0.005), fast.call(room, 0.030)
+    assert abs(on_time - (0.5 * 0.009 - 0.002)) < 1e-9       # half the shortest step, less the computing time
+    assert 0 < after_writes < on_time                          # 5 ms already gone: less room
+    assert behind <= 0                                         # 30 ms late: no window

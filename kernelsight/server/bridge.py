@@ -188,6 +188,8 @@ def admissions_pending() -> int:
 #: answer a step's tokens within a few ms: a client reading 256 streams takes that long to get to the last one).
 READ_WINDOW_S = 0.005
 READ_WINDOW_SHARE = 0.5
+#: ... and it ends at least this long (plus the expected computing time) before the next step's earliest deadline.
+READ_WINDOW_MARGIN_S = 0.0005
 #: Fast-path streams rendered between two reads of the sockets.
 PREPARE_SLICE = 64
 #: Draw keys of requests without a seed (a Generator per request cost ~20 µs of the admission path).
@@ -425,6 +427,18 @@ class EngineBridge:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
 
+    def read_window_s(self, now: float) -> float:
+        """How long the loop may keep reading sockets before computing the next step (≤ 0: not at all)."""
+        # the next step is not known before it is computed: the shortest recent one bounds it (a decode step
+        # after a long prefill one is short)
+        shortest = min(self._step_walls_s)
+        # time already past the last step's end (its writes and bookkeeping; more after a late release, e.g. when
+        # the hypervisor paused the VM): the next deadline is that much closer, and a loop behind the clock must
+        # catch up at once, not read first (traced: 4-5 ms windows while 20-30 ms late stretched one stall over
+        # ten steps)
+        lag = now - self.wall_of(self.engine.now_s)
+        return min(READ_WINDOW_SHARE * shortest, shortest - max(lag, 0.0) - READ_WINDOW_MARGIN_S) - self._busy_s
+
     async def _read_window(self) -> None:
         """Before computing the next step, keep the loop reading sockets for a moment when the step leaves room.
 
@@ -433,9 +447,7 @@ class EngineBridge:
         right after a step's tokens go out, i.e. exactly then: reading first keeps their stamps true. The step
         is unaffected: its start is already fixed on the virtual clock, and requests arriving meanwhile are
         future arrivals it does not admit."""
-        # the next step is not known before it is computed: the shortest recent one bounds it (a decode step
-        # after a long prefill one is short)
-        room = READ_WINDOW_SHARE * min(self._step_walls_s) - self._busy_s
+        room = self.read_window_s(time.perf_counter())
         if room <= 0.0002 or not self.engine.has_unfinished():
             return
         t0 = time.perf_counter()
