@@ -51,6 +51,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 #: Output-token slices up to this long are drawn in Python (cheaper than numpy's per-call overhead).
 _SHORT_SLICE = 32
+#: Draw keys of requests without a seed (a Generator per request cost ~20 µs of the admission path).
+_UNSEEDED = random.Random()
 
 
 def _splitmix64_int(x: int) -> int:
@@ -192,8 +194,6 @@ READ_WINDOW_SHARE = 0.5
 READ_WINDOW_MARGIN_S = 0.0005
 #: Fast-path streams rendered between two reads of the sockets.
 PREPARE_SLICE = 64
-#: Draw keys of requests without a seed (a Generator per request cost ~20 µs of the admission path).
-_UNSEEDED = random.Random()
 #: Events booked per loop turn after a step's writes, and finished requests counted (see ``EngineBridge._dispatch``).
 DISPATCH_SLICE = 64
 RECORD_SLICE = 8
