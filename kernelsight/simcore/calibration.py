@@ -15,6 +15,7 @@ import base64
 import bisect
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -938,6 +939,26 @@ def _eta_overhead_of(model: EtaModel, features: tuple[float, ...]) -> tuple[floa
     return model.eta(features), None
 
 
+def decode_serial_floor_s(features: Sequence[float], num_sms: int, cta_bytes_per_s: float) -> float:
+    """Least time of a decode attention kernel that streams the KV cache unsplit, one CTA per (sequence, KV head).
+
+    FlashAttention-2's decode (vLLM on Ampere and Ada) does so when every query head has its own KV head: no
+    split-KV, no GQA packing, so a CTA reads a whole context alone at a few tens of GB/s (A100 ~22, L40S ~28),
+    and 1 head × 131k tokens takes 3.0 ms on the A100 against a 33 µs DRAM roof, whatever the head count up to
+    the SM count. GQA shapes split and reach the roof; FA3 (Hopper) never shows the regime. The time is the
+    per-CTA stream of one (mean) context times the waves of CTAs over the SMs; ``features`` are those of
+    ``attention_decode_kernel`` (sequences, mean context, q heads, KV heads, head_dim, KV bytes, window).
+    """
+    batch, ctx, q_heads, kv_heads, head_dim, kv_bytes = (float(x) for x in features[:6])
+    window = float(features[6]) if len(features) > 6 else 0.0
+    if q_heads != kv_heads or batch <= 0 or cta_bytes_per_s <= 0:
+        return 0.0
+    if window > 0:
+        ctx = min(ctx, window)
+    waves = math.ceil(batch * kv_heads / max(num_sms, 1))
+    return waves * ctx * 2.0 * head_dim * kv_bytes / cta_bytes_per_s
+
+
 def switch_key(value: float) -> str:
     """Canonical text key of a categorical feature value (``1.0`` → ``"1"``)."""
     return f"{float(value):g}"
@@ -1178,6 +1199,9 @@ class Calibration:
     source: str = ""
     licence: str = ""
     notes: str = ""
+    #: Per decode variant (KV bytes key, as in ``SwitchEta``): the streaming bandwidth of one CTA on the decode
+    #: kernel's unsplit path (:func:`decode_serial_floor_s`); absent: the kernel splits the KV cache.
+    decode_cta_bytes_per_s: dict[str, float] = field(default_factory=dict)
     _memo: dict[tuple[str, tuple[float, ...]], tuple[float, float | None]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -1193,6 +1217,11 @@ class Calibration:
             if own is not None:
                 return own
         return self.overhead_s.get(family, self.overhead_s.get("default", 0.0))
+
+    def decode_floor_s(self, features: Sequence[float], num_sms: int) -> float:
+        """Least time of one decode attention kernel (features of ``attention_decode_kernel``); 0 if none."""
+        bw = self.decode_cta_bytes_per_s.get(switch_key(features[5])) if self.decode_cta_bytes_per_s else None
+        return decode_serial_floor_s(features, num_sms, bw) if bw else 0.0
 
     def _eta_overhead(self, family: str, features: tuple[float, ...]) -> tuple[float, float | None]:
         key = (family, features)
@@ -1221,6 +1250,7 @@ class Calibration:
             "comm": {k: v.to_dict() for k, v in self.comm.items()},
             "host": self.host.to_dict(),
             "launch": self.launch.to_dict(),
+            **({"decode_cta_bytes_per_s": dict(self.decode_cta_bytes_per_s)} if self.decode_cta_bytes_per_s else {}),
         }
 
 
@@ -1238,6 +1268,7 @@ def calibration_from_dict(d: dict[str, Any]) -> Calibration:
         source=d.get("source", ""),
         licence=d.get("licence", ""),
         notes=d.get("notes", ""),
+        decode_cta_bytes_per_s={k: float(v) for k, v in d.get("decode_cta_bytes_per_s", {}).items()},
     )
 
 
@@ -1294,6 +1325,7 @@ __all__ = [
     "comm_bus_factor",
     "comm_curve_key",
     "comm_dtype_class",
+    "decode_serial_floor_s",
     "default_calibration",
     "eta_model_from_dict",
     "quadratic_design",

@@ -802,9 +802,46 @@ def fit_calibration(
     # (sigmoid floor ÷ the lattice's largest factor), so measured slow paths (H100 FA4 decode at head_dim 512:
     # 0.1 % of the roofline at short contexts) are not cut off. Older files keep their stored 0.02.
     calib.eta_floor = min(calib.eta_floor, ETA_LO * math.exp(-3.0))
+    dec = tables.get("attn_decode")
+    if dec is not None and "latency_us" in dec and len(dec["latency_us"]):
+        calib.decode_cta_bytes_per_s = fit_decode_floor(dec, hw)
     if "comm" in tables and "latency_us" in tables["comm"]:
         calib.comm.update(fit_comm(tables["comm"], hw))
     return calib, report
+
+
+#: Decode rows that can show the unsplit path (``calibration.decode_serial_floor_s``): one query head per KV head,
+#: contexts at least this long (shorter ones are launch-bound) and few CTAs (so that even together they stay under
+#: the DRAM roof of any GPU: the path is then the only limit)
+DECODE_FLOOR_MIN_CONTEXT = 2048.0
+DECODE_FLOOR_MAX_CTAS = 16.0
+#: The path's signature on those rows: time ∝ context (log-log slope at least this) and independent of the number
+#: of CTAs (|slope| at most this). Measured: A100 and L40S FA2 bf16 0.97 / 0.01 and 0.96 / 0.01; H100 FA3 0.48-0.57
+#: / 0.27-0.43 and L40S fp8 (FlashInfer) 0.68 / 0.49, which split the KV cache.
+DECODE_FLOOR_MIN_CTX_SLOPE = 0.85
+DECODE_FLOOR_MAX_CTA_SLOPE = 0.1
+
+
+def fit_decode_floor(cols: Columns, hw: HardwareSpec) -> dict[str, float]:
+    """Per decode variant, the streaming bandwidth of one CTA on the unsplit path (median over the rows that
+    show it), or nothing when the measured kernel splits the KV cache."""
+    rows = kernel_rows("attn_decode", cols)
+    lat = np.asarray(cols["latency_us"], dtype=float) * 1e-6
+    f = rows.features
+    ctx = np.where(f[:, 6] > 0, np.minimum(f[:, 1], f[:, 6]), f[:, 1])
+    ctas = f[:, 0] * f[:, 3]
+    out: dict[str, float] = {}
+    for v in np.unique(rows.variant):
+        sel = ((rows.variant == v) & (f[:, 2] == f[:, 3]) & (ctas <= DECODE_FLOOR_MAX_CTAS)
+               & (ctx >= DECODE_FLOOR_MIN_CONTEXT) & (lat > 0))
+        if sel.sum() < 8:
+            continue
+        per_cta_bytes = ctx[sel] * 2.0 * f[sel, 4] * f[sel, 5]
+        x = np.column_stack([np.ones(int(sel.sum())), np.log(per_cta_bytes), np.log(ctas[sel])])
+        (_, ctx_slope, cta_slope), *_ = np.linalg.lstsq(x, np.log(lat[sel]), rcond=None)
+        if ctx_slope >= DECODE_FLOOR_MIN_CTX_SLOPE and abs(cta_slope) <= DECODE_FLOOR_MAX_CTA_SLOPE:
+            out[str(v)] = float(np.median(per_cta_bytes / lat[sel]))
+    return out
 
 
 def family_overheads(calib: Calibration) -> dict[str, float]:
@@ -825,7 +862,24 @@ def predict_rows_s(family: str, cols: Columns, hw: HardwareSpec, calib: Calibrat
     rows = kernel_rows(family, cols)
     roof = roofline_rows_s(rows, hw)
     eta, ovh = eta_and_overhead(calib, family, rows)
-    return roof / eta + ovh
+    t = roof / eta + ovh
+    if family == "attn_decode" and calib.decode_cta_bytes_per_s:
+        t = np.maximum(t, decode_floor_rows_s(rows, hw, calib.decode_cta_bytes_per_s))
+    return t
+
+
+def decode_floor_rows_s(rows: KernelRows, hw: HardwareSpec, cta_bytes_per_s: Mapping[str, float]) -> np.ndarray:
+    """``decode_serial_floor_s`` of every decode row (0 where its variant has no unsplit path)."""
+    f = rows.features
+    out = np.zeros(len(rows))
+    for key, bw in cta_bytes_per_s.items():
+        sel = (rows.variant == key) & (f[:, 2] == f[:, 3]) & (f[:, 0] > 0)
+        if not sel.any():
+            continue
+        ctx = np.where(f[sel, 6] > 0, np.minimum(f[sel, 1], f[sel, 6]), f[sel, 1])
+        waves = np.ceil(f[sel, 0] * f[sel, 3] / hw.num_sms)
+        out[sel] = waves * ctx * 2.0 * f[sel, 4] * f[sel, 5] / bw
+    return out
 
 
 def eta_and_overhead(calib: Calibration, family: str, rows: KernelRows) -> tuple[np.ndarray, np.ndarray]:
@@ -868,6 +922,7 @@ __all__ = [
     "eta_and_overhead",
     "fit_calibration",
     "fit_comm",
+    "fit_decode_floor",
     "fit_dispatch_rule",
     "fit_family",
     "fit_logpoly",

@@ -39,6 +39,10 @@ Transfer rule (documented contract):
    (geometric) over the sources whose interconnect class (NVLink-class vs PCIe) matches the target's;
    otherwise over all, with a PCIe topology prior (:mod:`kernelsight.simcore.comm_fit` states the rule).
    The fallback α–β line (α, achieved-bandwidth fraction) is averaged the same way.
+8. The unsplit decode path of FlashAttention-2 (one query head per KV head: one CTA streams each context alone;
+   :func:`~kernelsight.simcore.calibration.decode_serial_floor_s`) is a property of the kernel vLLM runs, so a
+   target gets it only if vLLM runs FA2 there (NVIDIA compute capability 8.x): the per-CTA bandwidth measured on
+   the sources, × (clock ratio)^0.5 (:data:`DECODE_FLOOR_CLOCK_EXPONENT`).
 
 Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in calibration.py)
 are global: chosen by leave-one-GPU-out over the three measured GPUs (A100 / H100 / L40S) *jointly*, on the
@@ -76,6 +80,10 @@ L2_BYTES_PER_CLOCK_PER_SM = 16.0
 #: Fixed per-kernel latency moves as time × (source clock ÷ target clock)^this: part of it is GPU cycles (scales
 #: with the clock), part is not (driver, timer); exponents 0, 0.5, 1 tried leave-one-GPU-out, 0.5 best on the mean.
 OVERHEAD_CLOCK_EXPONENT = 0.5
+#: The unsplit decode path's per-CTA bandwidth moves with (target clock ÷ source clock)^this. Leave-one-out over the
+#: two GPUs that show the path (A100 21.7, L40S 26.2 GB/s), error on A100 / L40S: exponent 0 → +21 / −17 %,
+#: 0.5 → −10 / +11 %, 1 → −32 / +48 %.
+DECODE_FLOOR_CLOCK_EXPONENT = 0.5
 TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm")
 
 
@@ -226,6 +234,26 @@ def transfer_comm(
     return out
 
 
+def runs_fa2_decode(hw: HardwareSpec) -> bool:
+    """Whether vLLM's FlashAttention backend runs FA2 on this GPU (Ampere and Ada, compute capability 8.x; FA3
+    on Hopper)."""
+    return hw.vendor == "nvidia" and hw.compute_capability.split(".")[0] == "8"
+
+
+def transfer_decode_floor(sources: Sequence[tuple[Calibration, HardwareSpec]],
+                          target: HardwareSpec) -> dict[str, float]:
+    """The unsplit decode path's per-CTA bandwidth (``calibration.decode_serial_floor_s``) for an FA2 target: per
+    variant, the geometric mean over the sources that measured it, × (target clock ÷ source clock)^0.5."""
+    if not runs_fa2_decode(target):
+        return {}
+    per_variant: dict[str, list[float]] = {}
+    for c, h in sources:
+        for key, bw in c.decode_cta_bytes_per_s.items():
+            scaled = bw * (target.boost_clock_hz / h.boost_clock_hz) ** DECODE_FLOOR_CLOCK_EXPONENT
+            per_variant.setdefault(key, []).append(math.log(scaled))
+    return {k: math.exp(sum(v) / len(v)) for k, v in per_variant.items()}
+
+
 def cross_generation_calibration(
     target: HardwareSpec, sources: Sequence[tuple[Calibration, HardwareSpec]], tau: float = SIMILARITY_TAU
 ) -> Calibration:
@@ -252,6 +280,7 @@ def cross_generation_calibration(
     comm = transfer_comm(sources, target)
     if comm:
         calib.comm.update(comm)
+    calib.decode_cta_bytes_per_s = transfer_decode_floor(sources, target)
     names = ", ".join(f"{h.name} ({w:.2f})" for (_, h), w in zip(sources, weights, strict=True))
     calib.source = f"transferred from target-measured calibrations of {names} (weights in parentheses)"
     calib.licence = "; ".join(sorted({c.licence for c, _ in sources if c.licence}))

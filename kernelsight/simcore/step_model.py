@@ -104,7 +104,10 @@ class StepModel:
         roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
         features = eta_lookup_features(k.family, k.features)
         eta = self.calib.kernel_eta(k.family, features)
-        return (roof / eta + self.calib.kernel_overhead_s(k.family, features)) * k.count
+        t = roof / eta + self.calib.kernel_overhead_s(k.family, features)
+        if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
+            t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
+        return t * k.count
 
     # -- graph mode and padding --------------------------------------------------------------------
     def graph_mode(self, batch: BatchShape) -> tuple[str, int]:
@@ -215,7 +218,12 @@ class StepModel:
         n_sm = self.hw.num_sms
         wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
         roof = max(flops * wave_u / self._attn_peak_flops_per_s, bytes_moved / self.hw.usable_mem_bytes_per_s)
-        return (roof / eta + overhead_s) * m.num_layers
+        t = roof / eta + overhead_s
+        if self.calib.decode_cta_bytes_per_s:
+            t = max(t, self.calib.decode_floor_s(
+                (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, p.kv_bytes_per_element,
+                 m.sliding_window or 0), n_sm))
+        return t * m.num_layers
 
     def step_time_s(self, batch: BatchShape) -> float:
         return self.step(batch)[1]
