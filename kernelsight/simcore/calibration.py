@@ -1220,7 +1220,9 @@ class Calibration:
 
     def decode_floor_s(self, features: Sequence[float], num_sms: int) -> float:
         """Least time of one decode attention kernel (features of ``attention_decode_kernel``); 0 if none."""
-        bw = self.decode_cta_bytes_per_s.get(switch_key(features[5])) if self.decode_cta_bytes_per_s else None
+        if not self.decode_cta_bytes_per_s or features[2] != features[3]:   # GQA: the split path
+            return 0.0
+        bw = self.decode_cta_bytes_per_s.get(switch_key(features[5]))
         return decode_serial_floor_s(features, num_sms, bw) if bw else 0.0
 
     def _eta_overhead(self, family: str, features: tuple[float, ...]) -> tuple[float, float | None]:

@@ -219,7 +219,7 @@ class StepModel:
         wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
         roof = max(flops * wave_u / self._attn_peak_flops_per_s, bytes_moved / self.hw.usable_mem_bytes_per_s)
         t = roof / eta + overhead_s
-        if self.calib.decode_cta_bytes_per_s:
+        if q_heads == kv_heads and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
             t = max(t, self.calib.decode_floor_s(
                 (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, p.kv_bytes_per_element,
                  m.sliding_window or 0), n_sm))
