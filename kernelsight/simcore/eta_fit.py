@@ -54,6 +54,7 @@ from kernelsight.simcore.calibration import (
     ResidualGrid,
     SwitchEta,
     basis_matrix,
+    decode_serial_floor_s,
     default_calibration,
     knot_coordinates,
     quadratic_design,
@@ -870,15 +871,11 @@ def predict_rows_s(family: str, cols: Columns, hw: HardwareSpec, calib: Calibrat
 
 def decode_floor_rows_s(rows: KernelRows, hw: HardwareSpec, cta_bytes_per_s: Mapping[str, float]) -> np.ndarray:
     """``decode_serial_floor_s`` of every decode row (0 where its variant has no unsplit path)."""
-    f = rows.features
     out = np.zeros(len(rows))
     for key, bw in cta_bytes_per_s.items():
-        sel = (rows.variant == key) & (f[:, 2] == f[:, 3]) & (f[:, 0] > 0)
-        if not sel.any():
-            continue
-        ctx = np.where(f[sel, 6] > 0, np.minimum(f[sel, 1], f[sel, 6]), f[sel, 1])
-        waves = np.ceil(f[sel, 0] * f[sel, 3] / hw.num_sms)
-        out[sel] = waves * ctx * 2.0 * f[sel, 4] * f[sel, 5] / bw
+        # only rows with one query head per KV head can take the path (a minority of a sweep)
+        for i in np.flatnonzero((rows.variant == key) & (rows.features[:, 2] == rows.features[:, 3])):
+            out[i] = decode_serial_floor_s(rows.features[i], hw.num_sms, bw)
     return out
 
 
