@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from kernelsight.simcore.calibration import (
     _grid_from_dict,
     basis_matrix,
     calibration_from_dict,
+    residual_coordinates,
 )
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
@@ -269,3 +271,44 @@ def test_decode_lattice_keys_on_gqa_group():
     assert err_mha < 0.4 and err_gqa < 0.2   # of log 5 = 1.61
     old_mha, _ = _group_one_error((0, 1, 2, 3, 4, 5), gaps)   # the lattice on q heads × KV heads
     assert old_mha > err_mha + 0.15
+
+
+def _window_sweep(window_cost: float):
+    """Decode rows with windows 0 / 128 / 1024 over contexts either side of them; a window that binds scales the
+    time by its effective context, one that does not costs ``window_cost`` (1 = the kernel ignores it)."""
+    b, c, w = np.meshgrid([1.0, 8.0, 64.0], [15.0, 127.0, 511.0, 4095.0], [0.0, 128.0, 1024.0], indexing="ij")
+    F = _decode_features(b.ravel(), c.ravel(), 32.0, 8.0, 128.0, w.ravel())
+    eff = np.where(F[:, 6] > 0, np.minimum(F[:, 1], F[:, 6]), F[:, 1])
+    lat = 1e-6 * (5.0 + F[:, 0] * eff / 100.0)
+    loose = (F[:, 6] > 0) & (F[:, 1] <= F[:, 6])
+    return F, np.where(loose, lat * window_cost, lat), loose
+
+
+def test_window_is_free_only_when_measured_pairs_agree():
+    F, lat, loose = _window_sweep(1.0)
+    assert loose.sum() >= eta_fit.WINDOW_FREE_MIN_PAIRS
+    assert eta_fit.window_is_free("attn_decode", F, lat)
+    F, lat, _ = _window_sweep(2.4)          # FA2 on the L40S: any window takes the slower unpacked path
+    assert not eta_fit.window_is_free("attn_decode", F, lat)
+    F, lat, _ = _window_sweep(1.0)
+    assert not eta_fit.window_is_free("attn_decode", F[:6], lat[:6])   # too few pairs to tell
+    assert not eta_fit.window_is_free("gemm", F, lat)
+
+
+def test_free_window_puts_non_binding_rows_on_the_full_attention_knots():
+    F, lat, loose = _window_sweep(1.0)
+    coords = RESIDUAL_COORDS["attn_decode"](F)
+    free = residual_coordinates("attn_decode", F, free_window=True)
+    assert np.all(free[loose, 5] == 0.0) and np.all(coords[loose, 5] > 0.0)
+    np.testing.assert_array_equal(free[~loose], coords[~loose])   # binding windows keep their own knots
+    target = np.where(F[:, 6] > 0, 0.3, 0.0)
+    grid = eta_fit.fit_residual_grid(free, (0, 1, 5), target, np.ones(len(F)), smooth=1e-4, coords="raw")
+    grid = replace(grid, free_window=True)
+    again = _grid_from_dict(json.loads(json.dumps(grid.to_dict())))
+    assert again.free_window
+    probe = _decode_features([8.0, 8.0, 8.0], [100.0, 100.0, 900.0], 32.0, 8.0, 128.0, [0.0, 128.0, 128.0])
+    got = again(again.coordinates("attn_decode", None, probe))
+    assert got[1] == pytest.approx(got[0], abs=1e-9)     # window 128 over 100 tokens = no window
+    assert got[2] == pytest.approx(0.3, abs=0.02)         # window 128 over 900 tokens binds
+    for row, v in zip(probe, got, strict=True):
+        assert again.scalar(again.scalar_coordinates("attn_decode", [], tuple(row))) == pytest.approx(v, abs=1e-12)

@@ -435,6 +435,8 @@ class ResidualGrid:
     knots: tuple[tuple[float, ...], ...]
     values: tuple[float, ...]
     coords: str = "basis"
+    #: The kernel ignores a sliding window that does not bind (context ≤ window): such rows sit at window 0.
+    free_window: bool = False
     _vals: np.ndarray = field(init=False, repr=False, compare=False)   # lattice array
     _strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -499,6 +501,7 @@ class ResidualGrid:
             "values_milli_i16": base64.b64encode(
                 np.clip(np.round(self._vals.ravel() * 1000.0), -32767, 32767).astype("<i2").tobytes()
             ).decode("ascii"),
+            **({"free_window": True} if self.free_window else {}),
         }
 
     def coordinates(self, basis: str, z: np.ndarray, features: np.ndarray | None) -> np.ndarray:
@@ -507,10 +510,17 @@ class ResidualGrid:
             return z
         if features is None:
             raise ValueError("a raw-coordinate residual lattice needs the feature rows")
-        return RESIDUAL_COORDS[basis](np.atleast_2d(np.asarray(features, dtype=float)))
+        return residual_coordinates(basis, np.atleast_2d(np.asarray(features, dtype=float)), self.free_window)
 
     def scalar_coordinates(self, basis: str, z: list[float], features: tuple[float, ...]) -> list[float]:
-        return z if self.coords == "basis" else RESIDUAL_COORDS_SCALAR[basis](features)
+        if self.coords == "basis":
+            return z
+        c = RESIDUAL_COORDS_SCALAR[basis](features)
+        if self.free_window and basis in WINDOW_COLUMNS:
+            ctx, win = WINDOW_COLUMNS[basis]
+            if len(features) > win and 0.0 < features[ctx] <= features[win]:
+                c[_WINDOW_COORD] = 0.0
+        return c
 
 
 def knot_coordinates(
@@ -542,7 +552,8 @@ def _grid_from_dict(g: dict[str, Any]) -> ResidualGrid:
         values = tuple(float(v) * 1e-3 for v in g["values_milli"])
     else:
         values = tuple(float(v) for v in g["values"])
-    return ResidualGrid(tuple(int(d) for d in g["dims"]), knots, values, str(g.get("coords", "basis")))
+    return ResidualGrid(tuple(int(d) for d in g["dims"]), knots, values, str(g.get("coords", "basis")),
+                        bool(g.get("free_window", False)))
 
 
 # Raw shape coordinates of the target-tier residual lattice, per basis: logs of the sweep's own axes, so the
@@ -583,6 +594,27 @@ RESIDUAL_COORDS_SCALAR: dict[str, Any] = {
     "attn_prefill": lambda f: _attn_coords_scalar(f, 1, 3, 7),
     "attn_decode": lambda f: _attn_coords_scalar(f, 1, 2, 6),
 }
+#: Attention feature columns (context attended, sliding window) per basis, and the window's raw coordinate.
+WINDOW_COLUMNS: dict[str, tuple[int, int]] = {"attn_prefill": (2, 7), "attn_decode": (1, 6)}
+_WINDOW_COORD = 5
+
+
+def window_binds(basis: str, F: np.ndarray) -> np.ndarray:
+    """Rows whose sliding window cuts the context (window > 0 and context > window)."""
+    ctx, win = WINDOW_COLUMNS[basis]
+    if F.shape[1] <= win:
+        return np.zeros(len(F), dtype=bool)
+    return (F[:, win] > 0) & (F[:, ctx] > F[:, win])
+
+
+def residual_coordinates(basis: str, F: np.ndarray, free_window: bool = False) -> np.ndarray:
+    """Raw lattice coordinates of feature rows; with ``free_window`` a window that does not bind is read as none
+    (kernels such as FA3 or FlashInfer run the full-attention path then, so those rows share its knots)."""
+    c = RESIDUAL_COORDS[basis](F)
+    if free_window and basis in WINDOW_COLUMNS and F.shape[1] > WINDOW_COLUMNS[basis][1]:
+        win = WINDOW_COLUMNS[basis][1]
+        c[(F[:, win] > 0) & ~window_binds(basis, F), _WINDOW_COORD] = 0.0
+    return c
 
 
 @dataclass(frozen=True, slots=True)
