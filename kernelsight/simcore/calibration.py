@@ -566,16 +566,18 @@ def _gemm_coords(F: np.ndarray) -> np.ndarray:
 
 def _attn_coords(F: np.ndarray, new: int, qh: int, win: int) -> np.ndarray:
     """log seqs, log tokens (new for prefill, context for decode), log q heads, log KV heads, log head_dim,
-    log(1 + window), log GQA group (q heads / KV heads: kernels switch path at group 1, e.g. no head packing)."""
+    log(1 + window), log GQA group (q heads / KV heads: kernels switch path at group 1, e.g. no head packing),
+    log(seqs × KV heads) (the (sequence, KV head) pairs a decode kernel spreads over CTAs)."""
     w = F[:, win] if F.shape[1] > win else np.zeros(len(F))
-    return np.column_stack([_log(F[:, 0]), _log(F[:, new]), _log(F[:, qh]), _log(F[:, qh + 1]),
-                            _log(F[:, qh + 2]), np.log1p(np.maximum(w, 0.0)), _log(F[:, qh]) - _log(F[:, qh + 1])])
+    seqs, kv = _log(F[:, 0]), _log(F[:, qh + 1])
+    return np.column_stack([seqs, _log(F[:, new]), _log(F[:, qh]), kv, _log(F[:, qh + 2]),
+                            np.log1p(np.maximum(w, 0.0)), _log(F[:, qh]) - kv, seqs + kv])
 
 
 def _attn_coords_scalar(f: tuple[float, ...], new: int, qh: int, win: int) -> list[float]:
     w = float(f[win]) if len(f) > win else 0.0
-    q, kv = _lg(float(f[qh])), _lg(float(f[qh + 1]))
-    return [_lg(float(f[0])), _lg(float(f[new])), q, kv, _lg(float(f[qh + 2])), math.log1p(max(w, 0.0)), q - kv]
+    q, kv, seqs = _lg(float(f[qh])), _lg(float(f[qh + 1])), _lg(float(f[0]))
+    return [seqs, _lg(float(f[new])), q, kv, _lg(float(f[qh + 2])), math.log1p(max(w, 0.0)), q - kv, seqs + kv]
 
 
 def _gemm_coords_scalar(f: tuple[float, ...]) -> list[float]:
