@@ -150,6 +150,8 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         sliding_window = _int(config, "sliding_window", name, arch)
 
     quant = config.get("quantization_config")
+    # Block-scaled fp8 checkpoints (weight_block_size) are priced with the per-tensor fp8 GEMM model: the shared
+    # block-fp8 measurements time vLLM's eager per-call dispatch (55-300 us at any shape), which CUDA graphs hide.
     quantization = None
     if isinstance(quant, dict) and quant.get("quant_method"):
         quantization = str(quant["quant_method"]).lower()
