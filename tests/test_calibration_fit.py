@@ -346,3 +346,32 @@ def test_decode_lattice_keys_on_sequence_kv_head_pairs():
     old = _pair_count_error((0, 1, 6, 3, 4, 5), ((0, 1, 5), (6, 3, 4, 5)))
     assert eta_fit.GRID_DIMS["attn_decode"][0] == 7
     assert new < 0.05 and old > new + 0.05
+
+
+def _group_sweep(seed: int = 0):
+    """Decode rows over seqs × context × GQA group (KV heads 8), repeated up to the rows a spacing search needs;
+    log-ratio noise of 5 % on every row."""
+    b, c, q = np.meshgrid([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0], [127.0, 1023.0, 8191.0],
+                          [8.0, 16.0, 24.0, 32.0, 40.0, 48.0, 64.0, 80.0, 96.0, 128.0], indexing="ij")
+    reps = -(-eta_fit.GAP_CV_MIN_ROWS // b.size)
+    F = _decode_features(np.repeat(b.ravel(), reps), np.repeat(c.ravel(), reps), np.repeat(q.ravel(), reps), 8.0,
+                         128.0, 0.0)
+    noise = 0.05 * np.random.default_rng(seed).standard_normal(len(F))
+    return F, RESIDUAL_COORDS["attn_decode"](F), noise
+
+
+def test_lattice_spacing_is_chosen_on_held_out_rows():
+    """Flat along the GQA group (the kernel packs the group's heads): the coarsest spacing pools the most rows.
+    A time that alternates between neighbouring group values needs a knot at each: the finest candidate wins."""
+    pos, values = eta_fit.GRID_GAP_CHOICES["attn_decode"][0]
+    F, coords, noise = _group_sweep()
+    assert len(F) >= eta_fit.GAP_CV_MIN_ROWS
+    flat = 0.2 * np.log(F[:, 0]) / 4 + noise
+    assert eta_fit.choose_lattice_gaps("attn_decode", coords, flat)[pos] == max(values)
+    group = np.round(F[:, 2] / F[:, 3]).astype(int)
+    jagged = np.where(np.isin(group, (2, 4, 6, 10)), 0.4, 0.0) + noise
+    chosen = eta_fit.choose_lattice_gaps("attn_decode", coords, jagged)
+    assert chosen[pos] == min(values)
+    assert chosen == eta_fit.choose_lattice_gaps("attn_decode", coords, jagged)   # deterministic
+    few = eta_fit.choose_lattice_gaps("attn_decode", coords[:100], flat[:100])
+    assert few == eta_fit.GRID_MIN_GAPS["attn_decode"]   # too few rows to tell: the default

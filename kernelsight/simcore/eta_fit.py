@@ -552,35 +552,80 @@ def add_residual_grid(
     grid = None
     free = window_is_free(model.basis, features, lat_s)
     coords = residual_coordinates(model.basis, features, free)
-    dims, gaps = GRID_DIMS[family], GRID_MIN_GAPS[family]
+    gaps = None
     for _ in range(rounds):
         current = replace(model, grid=grid)
         eta, ovh = current.from_basis(z, features)
         log_ratio = np.log(lat_s / (roof_s / eta + ovh))
-        # Coarse stages first (sub-lattices pooling many rows), then the full lattice on what they leave;
-        # a sub-lattice on the same knots is constant along its missing axes, so it folds into the full one.
-        stages = []
-        for sub in GRID_STAGES.get(family, ()):
-            g = fit_residual_grid(
-                coords, sub, np.clip(log_ratio, -GRID_FIT_CLIP, GRID_FIT_CLIP), np.ones(len(z)),
-                min_gaps=tuple(gaps[dims.index(d)] for d in sub), smooth=GRID_SMOOTH[family], coords="raw",
-            )
-            log_ratio = log_ratio - g(coords)
-            stages.append(g)
-        add = fit_residual_grid(
-            coords,
-            dims,
-            np.clip(log_ratio, -GRID_FIT_CLIP, GRID_FIT_CLIP),
-            np.ones(len(z)),
-            min_gaps=gaps,
-            smooth=GRID_SMOOTH[family],
-            coords="raw",
-        )
-        add = _fold_stages(add, stages)
+        if gaps is None:
+            gaps = choose_lattice_gaps(family, coords, log_ratio)
+        add = _fit_lattice(family, coords, log_ratio, gaps)
         if grid is not None:
             add = replace(add, values=tuple(a + b for a, b in zip(add.values, grid.values, strict=True)))
         grid = add
     return replace(model, grid=replace(grid, free_window=free) if grid is not None else None)
+
+
+def _fit_lattice(family: str, coords: np.ndarray, log_ratio: np.ndarray, gaps: tuple[float, ...]) -> ResidualGrid:
+    """Coarse stages first (sub-lattices pooling many rows), then the full lattice on what they leave; a
+    sub-lattice on the same knots is constant along its missing axes, so it folds into the full one."""
+    dims = GRID_DIMS[family]
+    ones = np.ones(len(log_ratio))
+    stages = []
+    for sub in GRID_STAGES.get(family, ()):
+        g = fit_residual_grid(
+            coords, sub, np.clip(log_ratio, -GRID_FIT_CLIP, GRID_FIT_CLIP), ones,
+            min_gaps=tuple(gaps[dims.index(d)] for d in sub), smooth=GRID_SMOOTH[family], coords="raw",
+        )
+        log_ratio = log_ratio - g(coords)
+        stages.append(g)
+    full = fit_residual_grid(coords, dims, np.clip(log_ratio, -GRID_FIT_CLIP, GRID_FIT_CLIP), ones, min_gaps=gaps,
+                             smooth=GRID_SMOOTH[family], coords="raw")
+    return _fold_stages(full, stages)
+
+
+#: Knot spacing chosen per fit, by family: (position in GRID_DIMS, candidate min gaps) per searched axis. How much
+#: a kernel's time moves along a head axis is a property of the kernel (H100 FA3 decode packs a GQA group's heads
+#: into one CTA, so its time is nearly flat along the group and coarse knots pool more rows; A100 FA2 is not), so
+#: one global spacing was a compromise. On the 25 %/75 % split, seed 0: decode group gap 0.6 / 0.9 / 1.4 gave
+#: A100 6.18 / 7.34 / 8.39 %, L40S 7.28 / 7.27 / 7.60 %, H100 3.17 / 2.89 / 2.77 %; prefill KV-head gap 0.6 / 1.0
+#: gave A100 4.78 / 4.86 %, L40S 7.42 / 7.06 %, H100 5.31 / 5.64 %.
+GRID_GAP_CHOICES: dict[str, tuple[tuple[int, tuple[float, ...]], ...]] = {
+    "attn_decode": ((2, (0.6, 0.9, 1.4)),),
+    "attn_prefill": ((3, (0.6, 1.0)),),
+}
+#: The choice is made on the training rows alone, by MAPE on held-out rows (fixed seed, so a fit stays
+#: deterministic): 5-fold cross-validation, or one 20 % hold-out above GAP_CV_ONE_FOLD_ROWS rows. A lattice fit
+#: costs by its knots, not its rows, so small samples of a big sweep (fewer than GAP_CV_MIN_ROWS rows) keep the
+#: default spacing: the search would cost as much as on the whole sweep, and a hold-out of < 1000 rows cannot
+#: tell spacings apart whose effect is a few tenths of a percent (A100, 25 % split: it picked 0.6 or 1.0 by seed).
+GAP_CV_FOLDS = 5
+GAP_CV_ONE_FOLD_ROWS = 10_000
+GAP_CV_MIN_ROWS = 5_000
+
+
+def choose_lattice_gaps(family: str, coords: np.ndarray, log_ratio: np.ndarray) -> tuple[float, ...]:
+    """``GRID_MIN_GAPS[family]`` with the axes of ``GRID_GAP_CHOICES`` set by a hold-out on these rows (one axis
+    after the other)."""
+    best = GRID_MIN_GAPS[family]
+    choices = GRID_GAP_CHOICES.get(family, ())
+    if not choices or len(log_ratio) < GAP_CV_MIN_ROWS:
+        return best
+    fold = np.random.default_rng(0).integers(0, GAP_CV_FOLDS, len(log_ratio))
+    folds = range(1 if len(log_ratio) > GAP_CV_ONE_FOLD_ROWS else GAP_CV_FOLDS)
+
+    def holdout_ape(gaps: tuple[float, ...]) -> float:
+        ape = np.empty(len(log_ratio))
+        for k in folds:
+            hold = fold == k
+            grid = _fit_lattice(family, coords[~hold], log_ratio[~hold], gaps)
+            ape[hold] = np.abs(np.expm1(np.clip(grid(coords[hold]), -3.0, 3.0) - log_ratio[hold]))
+        return float(np.mean(ape[np.isin(fold, list(folds))]))
+
+    for pos, values in choices:
+        cands = [tuple(v if j == pos else g for j, g in enumerate(best)) for v in values]
+        best = min(cands, key=holdout_ape)
+    return best
 
 
 #: A kernel ignores a non-binding sliding window when its windowed rows with context ≤ window time like the same
