@@ -518,7 +518,7 @@ class ResidualGrid:
         c = RESIDUAL_COORDS_SCALAR[basis](features)
         if self.free_window and basis in WINDOW_COLUMNS:
             ctx, win = WINDOW_COLUMNS[basis]
-            if len(features) > win and 0.0 < features[ctx] <= features[win]:
+            if len(features) > win and features[win] > 0 and features[ctx] <= features[win]:
                 c[_WINDOW_COORD] = 0.0
         return c
 
