@@ -19,14 +19,17 @@ learned from the same rows, names the kernel when only the shape is known (the s
 Measured on the 25 %/75 % split of ``benchmarks/kernel_accuracy.py``: own smooth η per kernel beat a shared
 smooth η with per-kernel lattices (H100 GEMM 5.0 vs 5.2 %, decode 3.9 vs 4.0 %).
 
-Target tier: a residual lattice g over the sweep's raw shape axes (GEMM: m, n, k, m % 16; attention: seqs,
-tokens, q heads (decode: GQA group), KV heads, head_dim, window — in logs) multiplies the time by exp(g). Why: what
-the smooth form misses is library kernel selection (tile configs, split-K, GQA packing switched off by a
-window, FA2 vs FlashInfer vs Triton by head_dim), a property of the raw shape that jumps between
-neighbouring grid values and does not transfer across GPUs. Form: multilinear on knots at the measured
-values (merged where dense), penalized least squares (second differences fill unmeasured knots from
-their neighbours, a ridge pulls toward 0), attention first through coarse sub-lattices that pool the
-broad trends. Bounded: edge values hold outside the lattice, |g| ≤ 3, and η stays ≤ eta_max. Measured
+Target tier: a residual lattice g over the sweep's raw shape axes (GEMM: m, n, k, m % 16; attention: seqs
+(decode: seqs × KV heads), tokens, q heads (decode: GQA group), KV heads, head_dim, window — in logs)
+multiplies the time by exp(g). Why: what the smooth form misses is library kernel selection (tile configs,
+split-K, GQA packing switched off by a window, FA2 vs FlashInfer vs Triton by head_dim), a property of the raw
+shape that jumps between neighbouring grid values and does not transfer across GPUs. Form: multilinear on
+knots at the measured values (merged where dense), penalized least squares (second differences fill unmeasured
+knots from their neighbours, a ridge pulls toward 0), attention first through coarse sub-lattices that pool
+the broad trends; the knot spacing along a head axis is chosen per fit on held-out training rows, and a kernel
+that ignores a window its context fits in shares those shapes with full attention. Bounded: edge values hold
+outside the lattice, |g| ≤ 3, and η stays ≤ eta_max.
+Measured
 floor: the residual varies at the grid spacing, not by noise (repeated measurements agree to ~1%, but
 the mean of a GEMM row's two immediate grid neighbours, all measured, predicts it only to 4.7–6.6% along
 the best axis), so at 25% training density interpolation does not reach the paper's 3.8% everywhere.
