@@ -29,10 +29,10 @@ knots from their neighbours, a ridge pulls toward 0), attention first through co
 the broad trends; the knot spacing along a head axis is chosen per fit on held-out training rows, and a kernel
 that ignores a window its context fits in shares those shapes with full attention. Bounded: edge values hold
 outside the lattice, |g| ≤ 3, and η stays ≤ eta_max.
-Measured
-floor: the residual varies at the grid spacing, not by noise (repeated measurements agree to ~1%, but
-the mean of a GEMM row's two immediate grid neighbours, all measured, predicts it only to 4.7–6.6% along
-the best axis), so at 25% training density interpolation does not reach the paper's 3.8% everywhere.
+Measured floor (``benchmarks/measurement_floor.py``): the residual varies at the grid spacing, not by noise
+(repeated measurements agree to 0.5–1.2%, but a GEMM row's two immediate grid neighbours, all measured,
+predict it only to 4.2–6.5% along the best axis), so at 25% training density interpolation does not reach the
+paper's 3.8% everywhere.
 """
 
 from __future__ import annotations
