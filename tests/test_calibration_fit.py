@@ -18,6 +18,7 @@ from kernelsight.simcore.calibration import (
     RESIDUAL_COORDS,
     RESIDUAL_COORDS_SCALAR,
     DispatchEta,
+    EnsembleEta,
     LogPolyEta,
     ResidualGrid,
     SwitchEta,
@@ -26,6 +27,7 @@ from kernelsight.simcore.calibration import (
     calibration_from_dict,
     residual_coordinates,
 )
+from kernelsight.simcore.eta_transfer import cross_generation_calibration
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 
@@ -145,6 +147,29 @@ def test_scalar_and_vector_paths_agree(small_fit, h100):
     assert calib.kernel_overhead_s("gemm", k.features) == pytest.approx(ovh[0])
     # old-style 3-feature GEMM tuples fall back to the default (bf16) variant
     assert calib.kernel_eta("gemm", k.features[:3]) == pytest.approx(eta[0])
+
+
+def _logpoly_models(model) -> list[LogPolyEta]:
+    if isinstance(model, LogPolyEta):
+        return [model]
+    if isinstance(model, SwitchEta | DispatchEta):
+        return [m for sub in model.models.values() for m in _logpoly_models(sub)]
+    if isinstance(model, EnsembleEta):
+        return [m for sub in model.members for m in _logpoly_models(sub)]
+    return []
+
+
+def test_target_fit_carries_residual_trees_and_the_transfer_drops_them(small_fit, h100):
+    """The trees encode one GPU's library switches: fitted in the target tier (and saved), never transferred."""
+    calib, _ = small_fit
+    fitted = [m for fam in ("gemm", "attn_prefill", "attn_decode") for m in _logpoly_models(calib.eta[fam])]
+    assert fitted and all(m.trees is not None and m.grid is not None for m in fitted)
+    back = calibration_from_dict(json.loads(json.dumps(calib.to_dict())))
+    k = gemm_kernel("g", 300, 5120, 4096, "bf16", 2.0, 2.0)
+    assert back.kernel_eta("gemm", k.features) == pytest.approx(calib.kernel_eta("gemm", k.features), rel=1e-3)
+    cross = cross_generation_calibration(load_hardware("l40s"), [(calib, h100)])
+    moved = [m for fam in ("gemm", "attn_prefill", "attn_decode") for m in _logpoly_models(cross.eta[fam])]
+    assert moved and all(m.trees is None and m.grid is None for m in moved)
 
 
 # ------------------------------------------------------------------------------------------------

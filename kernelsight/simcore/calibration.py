@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kernelsight.simcore.residual_trees import ResidualTrees
+
 
 class EtaModel(Protocol):
     """η as a function of one family's shape features (a tuple; meaning documented per family)."""
@@ -78,7 +80,8 @@ class ConstantEta:
 #     z   = basis(features, device)                  (log-features; some divided by spec constants)
 #     s   = β · [1, ẑ, ẑ_i ẑ_j (i ≤ j)]            ẑ = (z − center) / scale
 #     η   = lo + (hi − lo) · sigmoid(s)
-#   kernel_s = (roof_s / η + overhead_s) · exp(g(x))      g = optional residual lattice, x = raw shape (target tier)
+#   kernel_s = (roof_s / η + overhead_s) · exp(g(x))      g = optional residual lattice + boosted trees,
+#                                                          x = raw shape (target tier)
 #   i.e. the model reports η·exp(−g) and overhead_s·exp(g), so both terms scale together
 #
 # Why this form: latency/roofline is governed by a few ratios — arithmetic intensity against the
@@ -91,7 +94,8 @@ class ConstantEta:
 # (``eta_transfer``). The residual lattice is a multilinear (continuous, bounded) correction of the
 # log kernel time on a lattice of the raw sweep axes (knots at the measured values), fitted only when
 # the target GPU itself was measured: it captures library kernel-selection effects (split-K, tile configs, which fp8
-# kernel vLLM dispatches) that no smooth law of the shape can, and that do not transfer anyway.
+# kernel vLLM dispatches) that no smooth law of the shape can, and that do not transfer anyway. Boosted
+# trees on the same axes (``residual_trees``) add the sharp steps where a library switches kernels.
 # Scaling the fixed latency too is what lets it correct small, latency-bound shapes.
 # ---------------------------------------------------------------------------------------------------
 
@@ -639,6 +643,8 @@ class LogPolyEta:
     grid: ResidualGrid | None = None
     zlo: tuple[float, ...] | None = None
     zhi: tuple[float, ...] | None = None
+    #: boosted trees on the same raw coordinates as a raw ``grid``: their correction adds to the lattice's
+    trees: ResidualTrees | None = None
     _arrays: tuple[np.ndarray, ...] = field(init=False, repr=False, compare=False)  # center, scale, coef
     _pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
@@ -670,8 +676,18 @@ class LogPolyEta:
         if "l2_bw_ratio_target" in self.device or "fallback_peak_ratio" in self.device:  # cross-generation
             eta = eta * transfer_eta_factor(self.basis, z, self.device)
         ovh = np.full(len(z), self.overhead_s or 0.0)
-        if self.grid is not None:
-            scale = np.exp(np.clip(self.grid(self.grid.coordinates(self.basis, z, features)), -3.0, 3.0))
+        if self.grid is not None or self.trees is not None:
+            g = np.zeros(len(z))
+            if self.grid is not None:
+                coords = self.grid.coordinates(self.basis, z, features)
+                g += self.grid(coords)
+            if self.trees is not None:
+                if self.grid is None or self.grid.coords != "raw":
+                    if features is None:
+                        raise ValueError("residual trees need the feature rows")
+                    coords = residual_coordinates(self.basis, np.atleast_2d(np.asarray(features, dtype=float)))
+                g += self.trees(coords)
+            scale = np.exp(np.clip(g, -3.0, 3.0))
             eta, ovh = eta / scale, ovh * scale
         return eta, ovh
 
@@ -696,8 +712,15 @@ class LogPolyEta:
         if "l2_bw_ratio_target" in self.device or "fallback_peak_ratio" in self.device:
             eta *= float(transfer_eta_factor(self.basis, np.asarray([z], dtype=float), self.device)[0])
         ovh = self.overhead_s or 0.0
-        if self.grid is not None:
-            g = self.grid.scalar(self.grid.scalar_coordinates(self.basis, z, features))
+        if self.grid is not None or self.trees is not None:
+            g = 0.0
+            if self.grid is not None:
+                coords = self.grid.scalar_coordinates(self.basis, z, features)
+                g += self.grid.scalar(coords)
+            if self.trees is not None:
+                if self.grid is None or self.grid.coords != "raw":
+                    coords = RESIDUAL_COORDS_SCALAR[self.basis](features)
+                g += self.trees.scalar(coords)
             scale = math.exp(min(max(g, -3.0), 3.0))
             eta, ovh = eta / scale, ovh * scale
         return eta, ovh
@@ -708,7 +731,7 @@ class LogPolyEta:
     def overhead(self, features: tuple[float, ...]) -> float | None:
         if self.overhead_s is None:
             return None
-        if self.grid is None:
+        if self.grid is None and self.trees is None:
             return self.overhead_s
         return self.eta_overhead_scalar(features)[1]
 
@@ -728,6 +751,8 @@ class LogPolyEta:
             d["zlo"], d["zhi"] = list(self.zlo), list(self.zhi)
         if self.grid is not None:
             d["grid"] = self.grid.to_dict()
+        if self.trees is not None:
+            d["trees"] = self.trees.to_dict()
         return d
 
 
@@ -745,6 +770,7 @@ def _logpoly_from_dict(d: dict[str, Any]) -> LogPolyEta:
         None if g is None else _grid_from_dict(g),
         None if d.get("zlo") is None else tuple(float(x) for x in d["zlo"]),
         None if d.get("zhi") is None else tuple(float(x) for x in d["zhi"]),
+        None if d.get("trees") is None else ResidualTrees.from_dict(d["trees"]),
     )
 
 

@@ -8,8 +8,8 @@ Transfer rule (documented contract):
    L2 size. Moving a model to another GPU = keeping its coefficients and swapping in the target's spec
    constants. So a GEMM that sits at the ridge point of the target is predicted with the efficiency a
    source GPU had at *its* ridge point, not at the same m, n, k.
-2. **Only the smooth part transfers.** The target-tier residual lattice encodes one GPU's library
-   kernel choices (tile configs, split-K heuristics, which fp8 kernel vLLM dispatched) and is dropped; so
+2. **Only the smooth part transfers.** The target-tier residual lattice and trees encode one GPU's library
+   kernel choices (tile configs, split-K heuristics, which fp8 kernel vLLM dispatched) and are dropped; so
    are per-kernel models and the learned dispatch rule: a variant with several kernels transfers its
    pooled smooth model (fitted on all its kernels' rows, as before kernels were told apart).
 3. **The L2 benefit is re-expressed, not copied.** Where a working set fits in L2, a source's η already
@@ -140,7 +140,7 @@ def retarget(
         if source is not None:
             dev.update(l2_bw_ratio_source=l2_bw_ratio(source), l2_bw_ratio_target=l2_bw_ratio(target))
             ovh = None if ovh is None else ovh * overhead_scale(source, target)
-        return replace(model, device=dev, grid=None, overhead_s=ovh)
+        return replace(model, device=dev, grid=None, trees=None, overhead_s=ovh)
     if isinstance(model, DispatchEta):
         # The target has no kernel measurements: transfer the variant's pooled smooth model (all kernels' rows,
         # what a calibration without per-kernel models held), else the majority kernel's.
@@ -286,6 +286,6 @@ def cross_generation_calibration(
     calib.licence = "; ".join(sorted({c.licence for c, _ in sources if c.licence}))
     calib.notes = (
         "cross-generation tier: source η models re-expressed on this GPU's spec (machine balance, "
-        "SM count, L2), residual lattices dropped, geometric mean weighted by spec similarity"
+        "SM count, L2), residual lattices and trees dropped, geometric mean weighted by spec similarity"
     )
     return calib

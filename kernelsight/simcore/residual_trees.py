@@ -1,0 +1,211 @@
+"""Boosted regression trees on a kernel family's raw shape coordinates: the target tier's step correction.
+
+Why trees: neighbouring shapes of a sweep often run different library kernels (cuBLAS tile and split-K
+choices, an attention kernel's split heuristics), so kernel time jumps at thresholds of m, n, k, sequence
+count or context that a smooth model and a multilinear lattice both blur across a knot interval. A tree
+split sits exactly at such a threshold. Fitted on the smooth model's log residual *before* the lattice
+(the lattice then smooths what the steps leave). On the 25 %/75 % split of the shared data (seed 0,
+``benchmarks/kernel_accuracy.py``) this took the target tier's GEMM / prefill / decode MAPE from 4.85 / 5.31 /
+2.78 % to 4.18 / 3.90 / 2.05 % on the H100, 7.00 / 4.78 / 6.18 → 5.85 / 4.32 / 3.76 % on the A100 and
+7.44 / 7.04 / 7.25 → 6.46 / 5.97 / 5.45 % on the L40S. Tried: trees stacked on the lattice's in-sample
+residual instead (H100 4.43 / 5.04 / 2.55 %: the lattice already fits its training rows closely, so little
+is left to learn from them); oblivious trees (one split per level, worse than the lattice alone).
+
+Form: ``n_trees`` complete binary trees of depth ``depth`` (heap order), each internal node a threshold on
+one coordinate (``x[dim] > threshold`` goes right; a node that did not split has threshold +inf), leaves
+holding log-time corrections; the correction is the sum over trees. Squared loss on the log ratio, leaf
+value = learning rate × Σ residual / (count + l2), candidate thresholds at midpoints between a coordinate's
+values (its quantiles above ``max_bins`` values). Deterministic: no sampling, ties go to the lowest
+coordinate and threshold. Leaves are rounded to :data:`LEAF_STEP` while fitting, so the stored model is the
+fitted one exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Leaf values are multiples of this (log units; stored as int16).
+LEAF_STEP = 1e-4
+#: Thresholds are stored rounded to this many decimals (they are midpoints of logs of measured sizes).
+THRESHOLD_DECIMALS = 6
+#: Defaults of :func:`fit_residual_trees`, chosen on the 25 %/75 % split of the shared A100 / H100 / L40S data
+#: (H100 GEMM / decode / prefill of one variant: depth 6 × 200 trees 4.22 / 1.91 / 4.22 %, × 300 4.17 / 1.89 /
+#: 4.05 %, depth 8 × 200 4.12 / 1.85 / 3.86 %, × 400 4.10 / 1.84 / 3.79 % for twice the fit time).
+N_TREES = 200
+DEPTH = 8
+#: Fits on fewer rows use shallower trees (leaves of a depth-8 tree on ~1,300 rows would hold ~5 rows each).
+SMALL_DEPTH = 6
+DEEP_MIN_ROWS = 5_000
+LEARNING_RATE = 0.1
+MIN_LEAF = 5
+L2 = 1.0
+MAX_BINS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ResidualTrees:
+    """Sum of depth-``depth`` regression trees; arrays are (trees, nodes) in heap order."""
+
+    depth: int
+    dims: np.ndarray          # (T, 2^depth − 1) int: coordinate tested at each internal node
+    thresholds: np.ndarray    # (T, 2^depth − 1) float: +inf where the node did not split
+    leaves: np.ndarray        # (T, 2^depth) float: log-time correction of each leaf
+    _lists: tuple[list, list, list] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_lists", (self.dims.tolist(), self.thresholds.tolist(), self.leaves.tolist()))
+
+    @property
+    def n_trees(self) -> int:
+        return len(self.leaves)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """Correction of each row of ``x`` (rows × coordinates); one tree at a time over all rows."""
+        x = np.atleast_2d(np.asarray(x, dtype=float))
+        n = len(x)
+        flat = np.ascontiguousarray(x.T).ravel()      # coordinate j of row i at j·n + i
+        rows = np.arange(n)
+        first_leaf = (1 << self.depth) - 1
+        out = np.zeros(n)
+        for dims, thresholds, leaves in zip(self.dims, self.thresholds, self.leaves, strict=True):
+            node = np.zeros(n, dtype=np.intp)
+            for _ in range(self.depth):
+                node = 2 * node + 1 + (flat[dims[node] * n + rows] > thresholds[node])
+            out += leaves[node - first_leaf]
+        return out
+
+    def scalar(self, x: list[float]) -> float:
+        """Correction at one coordinate row in pure Python (the step model's uncached path)."""
+        dims, thresholds, leaves = self._lists
+        first_leaf = (1 << self.depth) - 1
+        total = 0.0
+        for d, t, v in zip(dims, thresholds, leaves, strict=True):
+            i = 0
+            for _ in range(self.depth):
+                i = 2 * i + (2 if x[d[i]] > t[i] else 1)
+            total += v[i - first_leaf]
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        def b64(a: np.ndarray, dtype: str) -> str:
+            return base64.b64encode(zlib.compress(np.ascontiguousarray(a, dtype=dtype).tobytes(), 9)).decode("ascii")
+
+        # thresholds as indices into the sorted table of distinct values (a few hundred), −1 = no split
+        finite = np.isfinite(self.thresholds)
+        table = np.unique(self.thresholds[finite])
+        index = np.where(finite, np.searchsorted(table, np.where(finite, self.thresholds, 0.0)), -1)
+        return {
+            "form": "boosted_trees",
+            "depth": self.depth,
+            "n_trees": self.n_trees,
+            "threshold_table": [round(float(v), THRESHOLD_DECIMALS) for v in table],
+            # zlib-compressed little-endian arrays, base64
+            "dims_u8_z": b64(self.dims, "u1"),
+            "threshold_index_i16_z": b64(index, "<i2"),
+            "leaves_i16_z": b64(np.round(self.leaves / LEAF_STEP), "<i2"),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ResidualTrees:
+        depth, n = int(d["depth"]), int(d["n_trees"])
+        inner, n_leaves = (1 << depth) - 1, 1 << depth
+
+        def arr(key: str, dtype: str, cols: int) -> np.ndarray:
+            return np.frombuffer(zlib.decompress(base64.b64decode(d[key])), dtype=dtype).reshape(n, cols)
+
+        table = np.asarray(d["threshold_table"], dtype=float)
+        index = arr("threshold_index_i16_z", "<i2", inner).astype(np.int64)
+        thresholds = np.where(index >= 0, table[np.maximum(index, 0)] if len(table) else 0.0, np.inf)
+        return cls(depth, arr("dims_u8_z", "u1", inner).astype(np.int64), thresholds,
+                   arr("leaves_i16_z", "<i2", n_leaves).astype(float) * LEAF_STEP)
+
+
+def _cuts(col: np.ndarray, max_bins: int) -> np.ndarray:
+    """Candidate thresholds of one coordinate: midpoints between its values (between quantiles if many)."""
+    u = np.unique(col)
+    if len(u) > max_bins:
+        u = np.unique(np.quantile(col, np.linspace(0.0, 1.0, max_bins + 1)))
+    return np.unique(np.round((u[1:] + u[:-1]) / 2.0, THRESHOLD_DECIMALS))
+
+
+def fit_residual_trees(
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    n_trees: int = N_TREES,
+    depth: int | None = None,
+    learning_rate: float = LEARNING_RATE,
+    min_leaf: int = MIN_LEAF,
+    l2: float = L2,
+    max_bins: int = MAX_BINS,
+) -> ResidualTrees:
+    """Boost ``n_trees`` depth-``depth`` trees on (x, y) (squared loss, level-wise histogram splits); depth
+    None: :data:`DEPTH`, or :data:`SMALL_DEPTH` below :data:`DEEP_MIN_ROWS` rows."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    n, p = x.shape
+    if depth is None:
+        depth = DEPTH if n >= DEEP_MIN_ROWS else SMALL_DEPTH
+    cuts = [_cuts(x[:, j], max_bins) for j in range(p)]
+    n_bins = max(len(c) for c in cuts) + 1
+    # bin b of coordinate j holds cuts[j][b-1] < x ≤ cuts[j][b]; a split "after bin b" is x > cuts[j][b]
+    bins = np.stack([np.searchsorted(cuts[j], x[:, j], side="left") for j in range(p)], axis=1)
+    flat_bins = (bins + (np.arange(p) * n_bins)[None, :]).astype(np.int32)
+    bins_by_dim = np.ascontiguousarray(bins.T).ravel()    # bin of coordinate j of row i at j·n + i
+    inner, n_leaves = (1 << depth) - 1, 1 << depth
+    dims = np.zeros((n_trees, inner), dtype=np.int64)
+    thresholds = np.full((n_trees, inner), np.inf)
+    leaves = np.zeros((n_trees, n_leaves))
+    fitted = np.zeros(n)
+    span = p * n_bins
+    flat_all = flat_bins.ravel()
+    all_rows = np.arange(n)
+    H_root = np.bincount(flat_all, None, span).reshape(1, p, n_bins)   # counts at the root never change
+    for t in range(n_trees):
+        g = y - fitted
+        g_rep = np.repeat(g, p)
+        node = np.zeros(n, dtype=np.int32)
+        go = np.zeros(n, dtype=bool)
+        G = H = None
+        for level in range(depth):
+            width = 1 << level
+            if level == 0:
+                G, H = np.bincount(flat_all, g_rep, span).reshape(1, p, n_bins), H_root
+            else:
+                # histograms of the left children only; a right child's = its parent's − its sibling's
+                left = ~go
+                rows = np.flatnonzero(left)
+                idx = ((node[rows] >> 1)[:, None] * np.int32(span) + flat_bins[rows]).ravel()
+                half = width >> 1
+                GLc = np.bincount(idx, np.repeat(g[rows], p), half * span).reshape(half, p, n_bins)
+                HLc = np.bincount(idx, None, half * span).reshape(half, p, n_bins)
+                G2 = np.empty((width, p, n_bins))
+                H2 = np.empty((width, p, n_bins))
+                G2[0::2], G2[1::2] = GLc, G - GLc
+                H2[0::2], H2[1::2] = HLc, H - HLc
+                G, H = G2, H2
+            GL, HL = np.cumsum(G, axis=2)[:, :, :-1], np.cumsum(H, axis=2)[:, :, :-1]
+            GT, HT = G.sum(axis=2, keepdims=True), H.sum(axis=2, keepdims=True)
+            GR, HR = GT - GL, HT - HL
+            gain = GL * GL / (HL + l2) + GR * GR / (HR + l2) - GT * GT / (HT + l2)
+            gain = np.where((HL >= min_leaf) & (HR >= min_leaf), gain, -np.inf).reshape(width, -1)
+            best = gain.argmax(axis=1)
+            ok = gain[np.arange(width), best] > 1e-12
+            dim, b = best // (n_bins - 1), best % (n_bins - 1)
+            heap = width - 1 + np.arange(width)
+            split = np.flatnonzero(ok)
+            dims[t, heap[split]] = dim[split]
+            thresholds[t, heap[split]] = [cuts[int(dim[i])][int(b[i])] for i in split]
+            limit = np.where(ok, b, n_bins)          # no split: every row goes left
+            go = bins_by_dim[np.where(ok, dim, 0)[node] * n + all_rows] > limit[node]
+            node = 2 * node + go
+        G = np.bincount(node, g, n_leaves)
+        H = np.bincount(node, None, n_leaves)
+        leaves[t] = np.round(learning_rate * G / (H + l2) / LEAF_STEP) * LEAF_STEP
+        fitted += leaves[t][node]
+    return ResidualTrees(depth, dims, thresholds, leaves)
