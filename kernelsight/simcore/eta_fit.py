@@ -552,7 +552,8 @@ def add_residual_grid(
     features: np.ndarray,
     residual_trees: bool = True,
 ) -> LogPolyEta:
-    """Backfit the residual lattice: log(measured / predicted) kernel time on the raw-shape lattice.
+    """Backfit the residual correction: log(measured / predicted) kernel time, first by boosted trees on the raw
+    shape axes (``residual_trees``), then by the raw-shape lattice on what the trees leave.
 
     ``z`` is the smooth model's basis of the rows, ``features`` their raw feature rows (the lattice's axes).
     """
