@@ -56,6 +56,8 @@ def test_no_split_without_signal_or_without_rows():
     assert np.allclose(flat(x), flat(x)[0])
     few = fit_residual_trees(x[:8], np.arange(8.0), n_trees=5, min_leaf=5)
     assert np.isinf(few.thresholds).all()                    # 8 rows cannot make two leaves of 5
+    same = fit_residual_trees(np.ones((30, 3)), np.arange(30.0), n_trees=5)   # no coordinate varies
+    assert np.isinf(same.thresholds).all() and not same(np.ones((2, 3))).any()
 
 
 def test_small_samples_get_shallow_trees():

@@ -166,7 +166,7 @@ def fit_residual_trees(
     flat_all = flat_bins.ravel()
     all_rows = np.arange(n)
     H_root = np.bincount(flat_all, None, span).reshape(1, p, n_bins)   # counts at the root never change
-    for t in range(n_trees):
+    for t in range(n_trees if n_bins > 1 else 0):     # no coordinate varies: nothing to split, no correction
         g = y - fitted
         g_rep = np.repeat(g, p)
         node = np.zeros(n, dtype=np.int32)
