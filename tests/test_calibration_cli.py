@@ -121,6 +121,12 @@ def test_fit_then_eval_cli(small_dir, tmp_path, capsys):
         assert tier in text
     results = json.loads(res.read_text())
     assert results["target"]["gemm"]["mape"] < results["roofline"]["gemm"]["mape"]
+    assert "the target fit did not see" in text
+    # a given file was fitted on rows of its own choosing: the header must not claim they were held out
+    assert _run(["calibrate", "eval", "--measurements", str(small_dir), "--hardware", "h100-sxm",
+                 "--calibration", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "did not see" not in text and "may have seen them" in text
 
 
 def test_sweep_grid_is_fixed_and_schema_complete(tmp_path):
