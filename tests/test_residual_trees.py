@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kernelsight.simcore import eta_fit
+from kernelsight.simcore.calibration import GEMM_TILES, PREFILL_QUERY_TILE, RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR
 from kernelsight.simcore.residual_trees import LEAF_STEP, ResidualTrees, fit_residual_trees
 
 
@@ -65,3 +66,51 @@ def test_small_samples_get_shallow_trees():
     assert fit_residual_trees(x, y, n_trees=2).depth == 6       # 270 rows
     big = np.repeat(x, 20, axis=0)
     assert fit_residual_trees(big, np.repeat(y, 20), n_trees=2).depth == 8
+
+
+def _gemm_wave_sweep():
+    """GEMM shapes whose time relative to the roofline is the wave quantization of 128×128 output tiles over 132 SMs:
+    log(⌈T/132⌉·132/T), T = ⌈m/128⌉·⌈n/128⌉. Returns (feature rows, y)."""
+    m, n, k = np.meshgrid(np.arange(96.0, 4200.0, 37.0),
+                          [1024.0, 1536.0, 2304.0, 3072.0, 3584.0, 4096.0, 5120.0, 6144.0, 7168.0, 9216.0],
+                          [1024.0, 4096.0], indexing="ij")
+    F = np.column_stack([m.ravel(), n.ravel(), k.ravel(), np.zeros(m.size)])
+    tiles = np.ceil(F[:, 0] / 128) * np.ceil(F[:, 1] / 128)
+    return F, np.log(np.ceil(tiles / 132) * 132 / tiles)
+
+
+def test_tile_counts_let_trees_follow_wave_quantization_on_unseen_shapes():
+    """The GEMM coordinates carry output tile counts, so a wave step (tiles crossing a multiple of the SM count,
+    at different m for every n) is one split; on log m, log n, log k alone the trees need a staircase per n."""
+    F, y = _gemm_wave_sweep()
+    coords = RESIDUAL_COORDS["gemm"](F)
+    assert coords.shape[1] == 4 + len(GEMM_TILES)
+    train = np.random.default_rng(3).random(len(y)) < 0.25
+    with_tiles = fit_residual_trees(coords[train], y[train])
+    shape_only = fit_residual_trees(coords[train, :4], y[train])
+    err_tiles = np.abs(with_tiles(coords[~train]) - y[~train]).mean()
+    err_shape = np.abs(shape_only(coords[~train, :4]) - y[~train]).mean()
+    assert err_tiles < 0.5 * err_shape
+
+
+def test_raw_coordinates_scalar_path_matches_vector_path():
+    rng = np.random.default_rng(5)
+    n = 200
+    seqs, new = rng.integers(1, 300, n).astype(float), rng.integers(1, 9000, n).astype(float)
+    heads = rng.choice([8.0, 32.0, 64.0], n)
+    rows = {
+        "gemm": np.column_stack([rng.integers(1, 9000, n), rng.integers(64, 30000, n), rng.integers(64, 30000, n),
+                                 rng.integers(0, 3, n)]).astype(float),
+        "attn_prefill": np.column_stack([seqs, new, new + rng.integers(0, 500, n), heads, heads / 4,
+                                         np.full(n, 128.0), np.full(n, 2.0), rng.choice([0.0, 4096.0], n)]),
+        "attn_decode": np.column_stack([seqs, new, heads, heads / 8, np.full(n, 128.0), np.full(n, 1.0),
+                                        rng.choice([0.0, 1024.0], n)]),
+    }
+    for basis, F in rows.items():
+        vec = RESIDUAL_COORDS[basis](F)
+        for i in range(0, n, 7):
+            assert RESIDUAL_COORDS_SCALAR[basis](tuple(F[i])) == pytest.approx(vec[i].tolist(), abs=1e-12)
+    # the prefill CTA count: seqs × q heads × ⌈new tokens / 128⌉
+    F = rows["attn_prefill"]
+    np.testing.assert_allclose(RESIDUAL_COORDS["attn_prefill"](F)[:, -1],
+                               np.log(F[:, 0] * F[:, 3] * np.ceil(F[:, 1] / PREFILL_QUERY_TILE)))

@@ -563,42 +563,66 @@ def _grid_from_dict(g: dict[str, Any]) -> ResidualGrid:
 # Raw shape coordinates of the target-tier residual lattice, per basis: logs of the sweep's own axes, so the
 # lattice keys on what was measured (incl. the sliding window, which switches attention kernel paths but is
 # folded into the effective context in the smooth basis), whatever the smooth model's basis becomes.
+#: Output tile shapes (rows of m × columns of n) of the GEMM kernels libraries pick among; the residual trees see the
+#: tile count of each, so a wave-quantization step (tiles crossing a multiple of the SM count) is one split.
+GEMM_TILES: tuple[tuple[float, float], ...] = ((64.0, 128.0), (128.0, 128.0), (128.0, 256.0))
+
+
 def _gemm_coords(F: np.ndarray) -> np.ndarray:
-    """(m, n, k[, code]) → log m, log n, log k, m multiple of 16 (0/1)."""
-    return np.column_stack([_log(F[:, 0]), _log(F[:, 1]), _log(F[:, 2]), _aligned(F[:, 0])])
+    """(m, n, k[, code]) → log m, log n, log k, m multiple of 16 (0/1), then log tile counts ⌈m/bm⌉·⌈n/bn⌉ per
+    :data:`GEMM_TILES` (used by the residual trees, not by the lattice's axes)."""
+    m, n = np.maximum(np.asarray(F[:, 0], dtype=float), 1.0), np.maximum(np.asarray(F[:, 1], dtype=float), 1.0)
+    tiles = [np.log(np.ceil(m / bm)) + np.log(np.ceil(n / bn)) for bm, bn in GEMM_TILES]
+    return np.column_stack([_log(F[:, 0]), _log(F[:, 1]), _log(F[:, 2]), _aligned(F[:, 0]), *tiles])
 
 
-def _attn_coords(F: np.ndarray, new: int, qh: int, win: int) -> np.ndarray:
+#: Query rows per CTA of the prefill attention kernels vLLM runs (FA2 / FA3 / FlashInfer tile 128 query tokens at
+#: head_dim 128): the CTA count of a prefill is seqs × q heads × ⌈new tokens / this⌉.
+PREFILL_QUERY_TILE = 128.0
+
+
+def _attn_coords(F: np.ndarray, new: int, qh: int, win: int, prefill: bool) -> np.ndarray:
     """log seqs, log tokens (new for prefill, context for decode), log q heads, log KV heads, log head_dim,
     log(1 + window), log GQA group (q heads / KV heads: kernels switch path at group 1, e.g. no head packing),
-    log(seqs × KV heads) (the (sequence, KV head) pairs a decode kernel spreads over CTAs)."""
+    log(seqs × KV heads) (the (sequence, KV head) pairs a decode kernel spreads over CTAs); then the work counts
+    a kernel's launch grid and split heuristics key on (used by the residual trees, not by the lattice's axes):
+    prefill log CTAs (seqs × q heads × query tiles); decode log KV tokens (seqs × context), log query rows
+    (seqs × q heads) and log KV head-tokens (seqs × KV heads × context)."""
     w = F[:, win] if F.shape[1] > win else np.zeros(len(F))
-    seqs, kv = _log(F[:, 0]), _log(F[:, qh + 1])
-    return np.column_stack([seqs, _log(F[:, new]), _log(F[:, qh]), kv, _log(F[:, qh + 2]),
-                            np.log1p(np.maximum(w, 0.0)), _log(F[:, qh]) - kv, seqs + kv])
+    seqs, tok, q, kv = _log(F[:, 0]), _log(F[:, new]), _log(F[:, qh]), _log(F[:, qh + 1])
+    base = [seqs, tok, q, kv, _log(F[:, qh + 2]), np.log1p(np.maximum(w, 0.0)), q - kv, seqs + kv]
+    if prefill:
+        tiles = np.ceil(np.maximum(np.asarray(F[:, new], dtype=float), 1.0) / PREFILL_QUERY_TILE)
+        return np.column_stack([*base, seqs + q + np.log(tiles)])
+    return np.column_stack([*base, seqs + tok, seqs + q, seqs + kv + tok])
 
 
-def _attn_coords_scalar(f: tuple[float, ...], new: int, qh: int, win: int) -> list[float]:
+def _attn_coords_scalar(f: tuple[float, ...], new: int, qh: int, win: int, prefill: bool) -> list[float]:
     w = float(f[win]) if len(f) > win else 0.0
-    q, kv, seqs = _lg(float(f[qh])), _lg(float(f[qh + 1])), _lg(float(f[0]))
-    return [seqs, _lg(float(f[new])), q, kv, _lg(float(f[qh + 2])), math.log1p(max(w, 0.0)), q - kv, seqs + kv]
+    q, kv, seqs, tok = _lg(float(f[qh])), _lg(float(f[qh + 1])), _lg(float(f[0])), _lg(float(f[new]))
+    base = [seqs, tok, q, kv, _lg(float(f[qh + 2])), math.log1p(max(w, 0.0)), q - kv, seqs + kv]
+    if prefill:
+        return [*base, seqs + q + math.log(math.ceil(max(float(f[new]), 1.0) / PREFILL_QUERY_TILE))]
+    return [*base, seqs + tok, seqs + q, seqs + kv + tok]
 
 
 def _gemm_coords_scalar(f: tuple[float, ...]) -> list[float]:
-    m = float(f[0])
-    return [_lg(m), _lg(float(f[1])), _lg(float(f[2])), 1.0 if (m % 16.0 == 0 or m % 1.0 != 0) else 0.0]
+    m, n = float(f[0]), float(f[1])
+    mt, nt = max(m, 1.0), max(n, 1.0)
+    tiles = [math.log(math.ceil(mt / bm)) + math.log(math.ceil(nt / bn)) for bm, bn in GEMM_TILES]
+    return [_lg(m), _lg(n), _lg(float(f[2])), 1.0 if (m % 16.0 == 0 or m % 1.0 != 0) else 0.0, *tiles]
 
 
 #: basis → raw residual coordinates (rows × d); feature layouts as in ``kernels.py``
 RESIDUAL_COORDS: dict[str, Any] = {
     "gemm": _gemm_coords,
-    "attn_prefill": lambda F: _attn_coords(F, 1, 3, 7),
-    "attn_decode": lambda F: _attn_coords(F, 1, 2, 6),
+    "attn_prefill": lambda F: _attn_coords(F, 1, 3, 7, True),
+    "attn_decode": lambda F: _attn_coords(F, 1, 2, 6, False),
 }
 RESIDUAL_COORDS_SCALAR: dict[str, Any] = {
     "gemm": _gemm_coords_scalar,
-    "attn_prefill": lambda f: _attn_coords_scalar(f, 1, 3, 7),
-    "attn_decode": lambda f: _attn_coords_scalar(f, 1, 2, 6),
+    "attn_prefill": lambda f: _attn_coords_scalar(f, 1, 3, 7, True),
+    "attn_decode": lambda f: _attn_coords_scalar(f, 1, 2, 6, False),
 }
 #: Attention feature columns (context attended, sliding window) per basis, and the window's raw coordinate.
 WINDOW_COLUMNS: dict[str, tuple[int, int]] = {"attn_prefill": (2, 7), "attn_decode": (1, 6)}

@@ -11,6 +11,13 @@ split sits exactly at such a threshold. Fitted on the smooth model's log residua
 residual instead (H100 4.43 / 5.04 / 2.55 %: the lattice already fits its training rows closely, so little
 is left to learn from them); oblivious trees (one split per level, worse than the lattice alone).
 
+The coordinates (``calibration.RESIDUAL_COORDS``) also carry the work counts a launch grid depends on: GEMM output
+tiles at three tile shapes, prefill attention CTAs, decode KV tokens / query rows / KV head-tokens. A wave
+filling up (tiles crossing a multiple of the SM count) or a split heuristic keyed on such a count is then one
+split, not a staircase over m and n. That took the same split to GEMM / prefill / decode 4.02 / 3.34 / 1.90 %
+(H100), 4.85 / 3.27 / 3.33 % (A100) and 6.11 / 4.31 / 3.94 % (L40S). Tried: Huber-clipped residuals and median
+leaves (±0.2, mixed), row subsampling per tree (±0.2), more tile shapes or tile sizes (≤ 0.05).
+
 Form: ``n_trees`` complete binary trees of depth ``depth`` (heap order), each internal node a threshold on
 one coordinate (``x[dim] > threshold`` goes right; a node that did not split has threshold +inf), leaves
 holding log-time corrections; the correction is the sum over trees. Squared loss on the log ratio, leaf
