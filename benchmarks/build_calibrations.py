@@ -20,7 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernelsight.calibrate.evaluate import SHARED_DATA_LICENCE, bundled_calibration_dir, fit_target  # noqa: E402
+from kernelsight.calibrate.evaluate import (  # noqa: E402
+    SHARED_DATA_LICENCE,
+    bundled_calibration_dir,
+    default_fit_workers,
+    fit_target,
+)
 from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
 from kernelsight.profiles import list_hardware, load_hardware  # noqa: E402
 from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
@@ -50,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         hw = load_hardware(name)
         tables = read_measurements(args.data / folder)
         calib, _ = fit_target(
-            tables, hw, source=_source_line(args.data / folder), licence=SHARED_DATA_LICENCE
+            tables, hw, source=_source_line(args.data / folder), licence=SHARED_DATA_LICENCE,
+            workers=default_fit_workers(),   # as `kernelsight calibrate fit` does: the same file
         )
         calib.notes = (
             "target-measured tier: η per family/variant (and per vLLM kernel where several ran, picked by a "

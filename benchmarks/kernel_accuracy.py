@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernelsight.calibrate.evaluate import (  # noqa: E402
     SHARED_DATA_LICENCE,
+    default_fit_workers,
     fit_target,
     format_results,
     mape_table,
@@ -59,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
             source=f"shared data kernels/{g}",
             licence=SHARED_DATA_LICENCE,
             residual_grid=False,
+            workers=default_fit_workers(),
         )
         timings[g] = time.perf_counter() - t0
     results: dict[str, dict] = {}
     for g in GPUS:
         hw = hws[g]
         train, test = split_masks(tables[g], args.train_fraction, args.seed)
-        target, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw)
+        target, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw,
+                               workers=default_fit_workers())
         cross = cross_generation_calibration(hw, [(full_fits[o], hws[o]) for o in GPUS if o != g])
         results[g] = {
             "roofline": mape_table(tables[g], hw, roofline_calibration(hw), test),

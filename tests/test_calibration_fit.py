@@ -400,3 +400,27 @@ def test_lattice_spacing_is_chosen_on_held_out_rows():
     assert chosen == eta_fit.choose_lattice_gaps("attn_decode", coords, jagged)   # deterministic
     few = eta_fit.choose_lattice_gaps("attn_decode", coords[:100], flat[:100])
     assert few == eta_fit.GRID_MIN_GAPS["attn_decode"]   # too few rows to tell: the default
+
+
+def test_parallel_fit_is_the_same_calibration_for_any_worker_count(h100, h100_tables):
+    """Families fitted in worker processes (one BLAS thread each) give one calibration whatever the worker count;
+    ``map_fn`` may run the families in any order as long as it returns results in order."""
+    from kernelsight.calibrate.evaluate import fit_target
+
+    train = _subset({f: h100_tables[f] for f in ("gemm", "attn_decode")}, 150, seed=4)
+    one, _ = fit_target(train, h100, workers=1)
+    two, _ = fit_target(train, h100, workers=2)
+    assert json.dumps(one.to_dict(), sort_keys=True) == json.dumps(two.to_dict(), sort_keys=True)
+
+    seen: list[str] = []
+
+    def reversed_map(fn, jobs):
+        jobs = list(jobs)
+        seen.extend(f for f, _ in jobs)
+        return reversed([fn(j) for j in reversed(jobs)])
+
+    cols = {f: t.columns for f, t in train.items()}
+    a, _ = eta_fit.fit_calibration(cols, h100, map_fn=reversed_map, residual_grid=False)
+    b, _ = eta_fit.fit_calibration(cols, h100, residual_grid=False)
+    assert sorted(seen) == ["attn_decode", "gemm"]
+    assert json.dumps(a.to_dict(), sort_keys=True) == json.dumps(b.to_dict(), sort_keys=True)

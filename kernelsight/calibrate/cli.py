@@ -25,6 +25,16 @@ def _hardware(name: str) -> HardwareSpec:
     return load_hardware(name)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("calibrate", help="fit, evaluate or measure kernel calibrations")
     sub = p.add_subparsers(dest="calibrate_command", required=True)
@@ -37,6 +47,13 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument("-o", "--output", required=True, help="calibration JSON to write")
     f.add_argument(
         "--no-residual-grid", action="store_true", help="smooth η form only (no per-shape lattice)"
+    )
+    f.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=ev.default_fit_workers(),
+        help="worker processes fitting the kernel families in parallel (default: one per CPU, at most one per "
+        "family; the calibration does not depend on it)",
     )
     f.add_argument("--source", default="", help="provenance text recorded in the file")
     f.add_argument("--licence", default="", help="licence of the measurements, recorded in the file")
@@ -132,6 +149,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         source=args.source or f"measurements {args.measurements}",
         licence=args.licence,
         residual_grid=not args.no_residual_grid,
+        workers=args.workers,
     )
     Path(args.output).write_text(json.dumps(calib.to_dict()))
     for key, r in report.entries.items():
@@ -148,7 +166,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tables = read_measurements(args.measurements)
     target = ev.load_calibration_file(args.calibration) if args.calibration else None
     results = ev.evaluate_tiers(
-        tables, hw, train_fraction=args.train_fraction, seed=args.seed, target_calibration=target
+        tables, hw, train_fraction=args.train_fraction, seed=args.seed, target_calibration=target,
+        workers=ev.default_fit_workers(),
     )
     held_out = f"{100 * (1 - args.train_fraction):.0f}% of rows"
     # a given calibration file may have been fitted on any of these rows (a bundled one saw all of them)

@@ -40,8 +40,9 @@ the paper's 3.8%; the trees, which pool a switch over every row on its side, do 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -872,6 +873,13 @@ def fit_comm(cols: Columns, hw: HardwareSpec) -> dict[str, CommModel]:
     return out
 
 
+FamilyFit = tuple[EtaModel, float, dict[str, dict[str, float]]]
+
+
+def _fit_family_job(job: tuple[str, Columns], *, hw: HardwareSpec, residual_grid: bool) -> FamilyFit:
+    return fit_family(job[0], job[1], hw, residual_grid=residual_grid)
+
+
 def fit_calibration(
     tables: Mapping[str, Columns],
     hw: HardwareSpec,
@@ -879,18 +887,31 @@ def fit_calibration(
     residual_grid: bool = True,
     source: str = "",
     licence: str = "",
+    map_fn: Callable[[Callable[[tuple[str, Columns]], FamilyFit], Iterable[tuple[str, Columns]]],
+                     Iterator[FamilyFit]] = map,
 ) -> tuple[Calibration, FitReport]:
-    """Target-measured calibration of one GPU from its measurement tables (family → columns)."""
+    """Target-measured calibration of one GPU from its measurement tables (family → columns).
+
+    The kernel families are fitted independently through ``map_fn`` (an ordered map over (family, columns): the
+    builtin, or a process pool's ``map`` to fit them in parallel; the result does not depend on which).
+    """
     calib = default_calibration(hw.name)
     calib.tier = "target-measured"
     calib.source, calib.licence = source, licence
     report = FitReport()
     eta_max = 0.0
+    fams = [
+        f for f in KERNEL_FAMILIES
+        if (cols := tables.get(f)) is not None and "latency_us" in cols and len(cols["latency_us"]) > 0
+    ]
+    # largest family first, so a two-worker pool balances (H100: decode ≈ gemm + prefill in fit time)
+    fams.sort(key=lambda f: -len(tables[f]["latency_us"]))
+    job = partial(_fit_family_job, hw=hw, residual_grid=residual_grid)
+    fitted = dict(zip(fams, map_fn(job, [(f, tables[f]) for f in fams]), strict=True))
     for fam in KERNEL_FAMILIES:
-        cols = tables.get(fam)
-        if cols is None or "latency_us" not in cols or len(cols["latency_us"]) == 0:
+        if fam not in fitted:
             continue
-        model, emax, rep = fit_family(fam, cols, hw, residual_grid=residual_grid)
+        model, emax, rep = fitted[fam]
         calib.eta[fam] = model
         eta_max = max(eta_max, emax)
         report.entries.update(rep)

@@ -22,8 +22,9 @@ Form: ``n_trees`` complete binary trees of depth ``depth`` (heap order), each in
 one coordinate (``x[dim] > threshold`` goes right; a node that did not split has threshold +inf), leaves
 holding log-time corrections; the correction is the sum over trees. Squared loss on the log ratio, leaf
 value = learning rate × Σ residual / (count + l2), candidate thresholds at midpoints between a coordinate's
-values (its quantiles above ``max_bins`` values). Deterministic: no sampling, ties go to the lowest
-coordinate and threshold. Leaves are rounded to :data:`LEAF_STEP` while fitting, so the stored model is the
+values (its quantiles above ``max_bins`` values). Histograms are built for each parent's smaller child only
+(the other is the parent's minus it). Deterministic: no sampling, ties go to the lowest coordinate and
+threshold. Leaves are rounded to :data:`LEAF_STEP` while fitting, so the stored model is the
 fitted one exactly.
 """
 
@@ -173,28 +174,32 @@ def fit_residual_trees(
     flat_all = flat_bins.ravel()
     all_rows = np.arange(n)
     H_root = np.bincount(flat_all, None, span).reshape(1, p, n_bins)   # counts at the root never change
+    g_rep = np.empty((n, p))     # each row's residual once per coordinate (a broadcast copy: np.repeat is slower)
     for t in range(n_trees if n_bins > 1 else 0):     # no coordinate varies: nothing to split, no correction
         g = y - fitted
-        g_rep = np.repeat(g, p)
+        g_rep[:] = g[:, None]
         node = np.zeros(n, dtype=np.int32)
         go = np.zeros(n, dtype=bool)
         G = H = None
         for level in range(depth):
             width = 1 << level
             if level == 0:
-                G, H = np.bincount(flat_all, g_rep, span).reshape(1, p, n_bins), H_root
+                G, H = np.bincount(flat_all, g_rep.ravel(), span).reshape(1, p, n_bins), H_root
             else:
-                # histograms of the left children only; a right child's = its parent's − its sibling's
-                left = ~go
-                rows = np.flatnonzero(left)
-                idx = ((node[rows] >> 1)[:, None] * np.int32(span) + flat_bins[rows]).ravel()
+                # histograms of each parent's smaller child only; the other child's = its parent's − its sibling's
                 half = width >> 1
-                GLc = np.bincount(idx, np.repeat(g[rows], p), half * span).reshape(half, p, n_bins)
-                HLc = np.bincount(idx, None, half * span).reshape(half, p, n_bins)
+                parent = node >> 1
+                n_right = np.bincount(parent, go, half)
+                right_small = n_right < np.bincount(parent, None, half) - n_right
+                rows = np.flatnonzero(go == right_small[parent])
+                idx = (np.take(flat_bins, rows, axis=0) + (parent[rows] * np.int32(span))[:, None]).ravel()
+                GS = np.bincount(idx, np.take(g_rep, rows, axis=0).ravel(), half * span).reshape(half, p, n_bins)
+                HS = np.bincount(idx, None, half * span).reshape(half, p, n_bins)
+                rs = right_small[:, None, None]
                 G2 = np.empty((width, p, n_bins))
                 H2 = np.empty((width, p, n_bins))
-                G2[0::2], G2[1::2] = GLc, G - GLc
-                H2[0::2], H2[1::2] = HLc, H - HLc
+                G2[0::2], G2[1::2] = np.where(rs, G - GS, GS), np.where(rs, GS, G - GS)
+                H2[0::2], H2[1::2] = np.where(rs, H - HS, HS), np.where(rs, HS, H - HS)
                 G, H = G2, H2
             GL, HL = np.cumsum(G, axis=2)[:, :, :-1], np.cumsum(H, axis=2)[:, :, :-1]
             GT, HT = G.sum(axis=2, keepdims=True), H.sum(axis=2, keepdims=True)
