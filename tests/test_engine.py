@@ -57,7 +57,9 @@ def test_windows_match_single_steps_and_emit_runs():
     assert a.keys() == b.keys()
     for rid in a:
         assert len(a[rid]) == len(b[rid])
-        assert b[rid] == pytest.approx(a[rid], rel=1e-4, abs=1e-6)
+        # a window interpolates attention between its first and last step; the target tier's decode η can step
+        # on the batch's KV token count inside a window, which moves a token time by a few parts in 1e4
+        assert b[rid] == pytest.approx(a[rid], rel=3e-4, abs=1e-6)
     assert windowed.stats.num_steps == single.stats.num_steps
 
 

