@@ -163,3 +163,20 @@ def test_transfer_to_pcie_is_slower_per_gpu_as_gpus_grow(fits):
         op, _, g = key.split("/")
         t = np.array([m.time_s(op, s, int(g), link) for s in SIZES])
         assert np.all(np.diff(t) >= 0) and np.all(t >= comm_bus_factor(op, int(g)) * SIZES / link * (1 - 1e-12))
+
+
+def test_a_curve_without_large_messages_takes_its_gpu_counts_bus_bandwidth(tables):
+    """A sweep whose custom all-reduce stops at its 8 MiB buffer: the curve's tail comes from the same collective at
+    the same GPU count on another backend (large messages run at the interconnect's bus bandwidth, and vLLM's
+    custom all-reduce hands them to NCCL), not from the custom backend at another GPU count (H100: 8 GPUs reach
+    NVLS bus bandwidth 2 GPUs do not)."""
+    t = tables["h100_sxm"]
+    c = t.columns
+    custom = np.asarray(c["backend"]) == "vllm_custom_graph"
+    large = np.asarray(c["message_bytes"]) > 8 * 2**20
+    calib = _comm_only_calibration("h100-sxm", t.subset(~((np.asarray(c["backend"]) != "nccl") & large)).columns)
+    pred = predict_comm_s(c, load_hardware("h100-sxm"), calib)
+    for g in (2, 4, 8):
+        sel = custom & large & (np.asarray(c["num_gpus"]) == g)
+        assert sel.sum() >= 5
+        assert _mape(pred, c, sel) < 0.12, g

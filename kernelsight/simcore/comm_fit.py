@@ -15,7 +15,9 @@ What the measurements show (shared/data/kernels/*/comm.csv.gz, NCCL 2.27, vLLM c
 Target tier (:func:`fit_comm_curves`): per (backend, op, GPU count) pool the dtype classes (log offset per
 class, linear in log size), take the median latency per size, clip upward spikes, make it monotone (isotonic
 regression in log time), and use the sizes as knots; beyond the last knot grow at the asymptotic bandwidth
-fitted on ≥ 32 MiB rows (of the curve, else of the backend at that GPU count, else of the backend's op);
+fitted on ≥ 32 MiB rows (of the curve; else of the same collective at that GPU count on any backend, since large
+messages run at the interconnect's bus bandwidth whichever library sends them and vLLM's custom all-reduce hands
+them to NCCL; else of the backend at that GPU count; else of the backend's op);
 below the first knot follow its segment down to the backend's latency floor. Groups measured at fewer than
 4 sizes borrow the nearest GPU count's shape, scaled to their own points.
 
@@ -172,6 +174,7 @@ def fit_comm_curves(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> dict[st
         same_backend = np.flatnonzero(ok & (backend == be))
         s_per_bus = (
             beta(idx)
+            or beta(np.flatnonzero(ok & (op == o) & (gpus == g)))
             or beta(same_backend[gpus[same_backend] == g])
             or beta(same_backend[op[same_backend] == o])
             or 1.0 / (0.7 * link)
