@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         calib.notes = (
             "target-measured tier: η per family/variant (and per vLLM kernel where several ran, picked by a "
             "dispatch rule learned from the shapes) = bounded sigmoid of a quadratic in "
-            "spec-normalized log shape features + residual lattice; fitted by kernelsight "
+            "spec-normalized log shape features, corrected by boosted residual trees (raw shape axes and "
+            "launch-grid work counts) and a residual lattice (raw shape axes); fitted by kernelsight "
             "benchmarks/build_calibrations.py"
         )
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
