@@ -151,3 +151,15 @@ def test_sweep_runs_on_cpu_end_to_end(tmp_path):
     assert {"gemm", "attn_prefill", "attn_decode"} <= set(m)
     for t in m.values():
         assert len(t) > 0 and np.all(t["latency_us"] > 0)
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be at least 1, got 0"), ("two", "expected a whole number")])
+def test_workers_must_be_a_positive_whole_number(value, message, capsys):
+    for cmd in ("fit", "eval"):
+        argv = ["calibrate", cmd, "--measurements", "d", "--hardware", "h100-sxm", "--workers", value]
+        if cmd == "fit":
+            argv += ["-o", "x.json"]
+        with pytest.raises(SystemExit) as exc:
+            _parser().parse_args(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err

@@ -35,6 +35,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_workers(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=ev.default_fit_workers(),
+        help="worker processes fitting the kernel families in parallel (default: one per CPU, at most one per "
+        "family; the calibration does not depend on it)",
+    )
+
+
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("calibrate", help="fit, evaluate or measure kernel calibrations")
     sub = p.add_subparsers(dest="calibrate_command", required=True)
@@ -48,13 +58,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument(
         "--no-residual-grid", action="store_true", help="smooth η form only (no per-shape lattice)"
     )
-    f.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=ev.default_fit_workers(),
-        help="worker processes fitting the kernel families in parallel (default: one per CPU, at most one per "
-        "family; the calibration does not depend on it)",
-    )
+    _add_workers(f)
     f.add_argument("--source", default="", help="provenance text recorded in the file")
     f.add_argument("--licence", default="", help="licence of the measurements, recorded in the file")
     f.set_defaults(func=cmd_fit)
@@ -70,6 +74,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--calibration", help="use this file as the target tier instead of fitting")
+    _add_workers(e)
     e.add_argument("--json", help="also write the results as JSON here")
     e.set_defaults(func=cmd_eval)
 
@@ -167,7 +172,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     target = ev.load_calibration_file(args.calibration) if args.calibration else None
     results = ev.evaluate_tiers(
         tables, hw, train_fraction=args.train_fraction, seed=args.seed, target_calibration=target,
-        workers=ev.default_fit_workers(),
+        workers=args.workers,
     )
     held_out = f"{100 * (1 - args.train_fraction):.0f}% of rows"
     # a given calibration file may have been fitted on any of these rows (a bundled one saw all of them)
