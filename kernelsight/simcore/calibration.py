@@ -560,9 +560,11 @@ def _grid_from_dict(g: dict[str, Any]) -> ResidualGrid:
                         bool(g.get("free_window", False)))
 
 
-# Raw shape coordinates of the target-tier residual lattice, per basis: logs of the sweep's own axes, so the
-# lattice keys on what was measured (incl. the sliding window, which switches attention kernel paths but is
-# folded into the effective context in the smooth basis), whatever the smooth model's basis becomes.
+# Raw shape coordinates of the target-tier residual lattice and trees, per basis: logs of the sweep's own axes, so
+# the lattice keys on what was measured (incl. the sliding window, which switches attention kernel paths but is
+# folded into the effective context in the smooth basis), whatever the smooth model's basis becomes; after them
+# the launch-grid work counts only the trees use.
+
 #: Output tile shapes (rows of m × columns of n) of the GEMM kernels libraries pick among; the residual trees see the
 #: tile count of each, so a wave-quantization step (tiles crossing a multiple of the SM count) is one split.
 GEMM_TILES: tuple[tuple[float, float], ...] = ((64.0, 128.0), (128.0, 128.0), (128.0, 256.0))

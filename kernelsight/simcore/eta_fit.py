@@ -893,7 +893,7 @@ def fit_calibration(
     """Target-measured calibration of one GPU from its measurement tables (family → columns).
 
     The kernel families are fitted independently through ``map_fn`` (an ordered map over (family, columns): the
-    builtin, or a process pool's ``map`` to fit them in parallel; the result does not depend on which).
+    builtin, or a process pool's ``map`` to fit them in parallel; the same result under the same BLAS threading).
     """
     calib = default_calibration(hw.name)
     calib.tier = "target-measured"
