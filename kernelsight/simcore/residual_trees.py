@@ -208,6 +208,9 @@ def fit_residual_trees(
             gain = np.where((HL >= min_leaf) & (HR >= min_leaf), gain, -np.inf).reshape(width, -1)
             best = gain.argmax(axis=1)
             ok = gain[np.arange(width), best] > 1e-12
+            if not ok.any():   # a node that cannot split hands all its rows left: so can none below it
+                node <<= depth - level
+                break
             dim, b = best // (n_bins - 1), best % (n_bins - 1)
             heap = width - 1 + np.arange(width)
             split = np.flatnonzero(ok)
