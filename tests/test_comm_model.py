@@ -180,3 +180,26 @@ def test_a_curve_without_large_messages_takes_its_gpu_counts_bus_bandwidth(table
         sel = custom & large & (np.asarray(c["num_gpus"]) == g)
         assert sel.sum() >= 5
         assert _mape(pred, c, sel) < 0.12, g
+
+
+def test_a_group_measured_at_one_size_is_a_line_from_the_latency_floor(tables):
+    """A collective measured at a single (large) size, with no GPU count of its backend measured at ≥ 4 sizes to
+    borrow a shape from: small messages cost the backend's latency floor, not the large message's time (a lone
+    knot used to be a flat curve: 8 ms for a 256 B all-reduce)."""
+    t = tables["a100_sxm"]
+    c = t.columns
+    backend, gpus = np.asarray(c["backend"]), np.asarray(c["num_gpus"])
+    size, op = np.asarray(c["message_bytes"]), np.asarray(c["op"])
+    graph = (backend == "vllm_custom_graph") & (op == "all_reduce")
+    big = int(size[graph & (gpus == 8)].max())
+    keep = ~graph | ((gpus == 8) & (size == big)) | ((gpus == 2) & (size <= 1024))
+    calib = _comm_only_calibration("a100-sxm", t.subset(keep).columns)
+    curve = calib.comm["custom"].curves["all_reduce/16/8"]
+    assert len(curve.message_bytes) == 2
+    hw = load_hardware("a100-sxm")
+    small = calib.comm["custom"].time_s("all_reduce", 1024, 8, hw.intra_node_bytes_per_s)
+    floor = float(np.min(np.asarray(c["latency_us"])[graph & (gpus == 2) & (size <= 4096)])) * 1e-6
+    assert small == pytest.approx(floor, rel=0.05)
+    measured_big = float(np.median(np.asarray(c["latency_us"])[graph & (gpus == 8) & (size == big)])) * 1e-6
+    assert calib.comm["custom"].time_s("all_reduce", big, 8, hw.intra_node_bytes_per_s) == pytest.approx(
+        measured_big, rel=0.01)

@@ -19,7 +19,8 @@ fitted on ≥ 32 MiB rows (of the curve; else of the same collective at that GPU
 messages run at the interconnect's bus bandwidth whichever library sends them and vLLM's custom all-reduce hands
 them to NCCL; else of the backend at that GPU count; else of the backend's op);
 below the first knot follow its segment down to the backend's latency floor. Groups measured at fewer than
-4 sizes borrow the nearest GPU count's shape, scaled to their own points.
+4 sizes borrow the nearest GPU count's shape, scaled to their own points; a group measured at one size with
+nothing to borrow is the α–β line from the backend's latency floor to that point.
 
 Cross-generation (:func:`transfer_comm_curves`): each source curve is split into a bandwidth part
 bus_bytes / B (B = its asymptotic bandwidth) and a latency/protocol remainder L(s) ≥ 0, then
@@ -188,6 +189,13 @@ def fit_comm_curves(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> dict[st
             t0, t1 = math.exp(y[0]), math.exp(y[1])
             head = max(t0 - (t1 - t0) / (b[1] - b[0]) * (b[0] - smallest), min(floor, t0))
             b, y = np.concatenate([[smallest], b]), np.concatenate([[math.log(head)], y])
+        elif b[0] > smallest:
+            # one measured size and no shape to borrow: an α–β line from the backend's latency floor (at this GPU
+            # count if it ran smaller messages there, else at any) to the point; a lone point is no floor
+            below = same_backend[size[same_backend] < b[0]]
+            at_g = below[gpus[below] == g]
+            floor = float(lat[at_g if len(at_g) else below].min())
+            b, y = np.array([smallest, b[0]]), np.array([math.log(min(floor, math.exp(y[0]))), y[0]])
         for c, (level, per_octave) in off.items():
             t = np.maximum.accumulate(np.exp(y + level + per_octave * np.log2(b / 2**20)))
             own = beta(by_class[c]) if len(off) > 1 else None  # a class's own asymptote when it has one
