@@ -163,3 +163,23 @@ def test_workers_must_be_a_positive_whole_number(value, message, capsys):
             _parser().parse_args(argv)
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_fit_fills_unmeasured_families_from_the_cross_generation_tier_unless_told_not_to(tmp_path, capsys):
+    """A GEMM-only sweep: by default attention comes from the cross-generation tier (bundled calibrations of the
+    other GPUs); ``--no-prior`` leaves it at the uncalibrated default."""
+    d = tmp_path / "gemm_only"
+    d.mkdir()
+    _write_subset(DATA / "h100_sxm" / "gemm.csv.gz", d / "gemm.csv", 200)
+    files = {}
+    for flag in ([], ["--no-prior"]):
+        out = tmp_path / f"calib{len(flag)}.json"
+        argv = ["calibrate", "fit", "--measurements", str(d), "--hardware", "h100-sxm", "-o", str(out), *flag]
+        assert _run(argv) == 0
+        files[bool(flag)] = json.loads(out.read_text())
+    capsys.readouterr()
+    with_prior, bare = files[False], files[True]
+    assert with_prior["eta"]["attn_decode"]["form"] == "switch"
+    assert with_prior["eta"]["attn_decode"]["models"]["2"]["form"] == "ensemble"   # transferred from other GPUs
+    assert "attn_decode" not in bare["eta"] or bare["eta"]["attn_decode"]["form"] != "switch"
+    assert with_prior["eta"]["gemm"] == bare["eta"]["gemm"]   # ~180 rows a format, each fit beats the prior

@@ -58,6 +58,12 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument(
         "--no-residual-grid", action="store_true", help="smooth η form only (no per-shape lattice)"
     )
+    f.add_argument(
+        "--no-prior",
+        action="store_true",
+        help="do not fill in from the cross-generation tier (by default, kernel families and collective backends "
+        "the measurements lack, and small variants it predicts better than their own fit, come from it)",
+    )
     _add_workers(f)
     f.add_argument("--source", default="", help="provenance text recorded in the file")
     f.add_argument("--licence", default="", help="licence of the measurements, recorded in the file")
@@ -144,6 +150,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prior(hw: HardwareSpec) -> Calibration | None:
+    """The GPU's cross-generation calibration from the bundled target-measured ones (None if none is usable)."""
+    try:
+        return ev.cross_generation_for(hw)
+    except ValueError:
+        return None
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     hw = _hardware(args.hardware)
     t0 = time.perf_counter()
@@ -155,12 +169,15 @@ def cmd_fit(args: argparse.Namespace) -> int:
         licence=args.licence,
         residual_grid=not args.no_residual_grid,
         workers=args.workers,
+        prior=None if args.no_prior else _prior(hw),
     )
     Path(args.output).write_text(json.dumps(calib.to_dict()))
     for key, r in report.entries.items():
+        note = f"  → cross-generation model (MAPE {100 * r['prior_mape']:.1f}% on these rows)" \
+            if r.get("uses_prior") else ""
         print(
             f"{key:<22} rows {int(r['rows']):>7}  train MAPE {100 * r['train_mape']:5.1f}%  "
-            f"overhead {r['overhead_us']:.1f} µs"
+            f"overhead {r['overhead_us']:.1f} µs{note}"
         )
     print(f"wrote {args.output} in {time.perf_counter() - t0:.1f} s")
     return 0

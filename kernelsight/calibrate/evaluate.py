@@ -85,12 +85,14 @@ def fit_target(
     licence: str = "",
     residual_grid: bool = True,
     workers: int = 0,
+    prior: Calibration | None = None,
 ) -> tuple[Calibration, eta_fit.FitReport]:
     """Target-measured fit of one GPU's tables. ``workers`` = 0 fits in this process; N ≥ 1 fits the kernel
     families in N worker processes with one BLAS thread each (same calibration for every N; this process's BLAS
-    threading can move the last bits of the in-process fit)."""
+    threading can move the last bits of the in-process fit). ``prior``: the GPU's cross-generation calibration,
+    which fills in what the tables do not measure (:func:`~kernelsight.simcore.eta_fit.fit_calibration`)."""
     cols = {f: t.columns for f, t in tables.items()}
-    kwargs = {"residual_grid": residual_grid, "source": source, "licence": licence}
+    kwargs = {"residual_grid": residual_grid, "source": source, "licence": licence, "prior": prior}
     if workers <= 0:
         return eta_fit.fit_calibration(cols, hw, **kwargs)
     with _single_threaded_blas(), ProcessPoolExecutor(workers, multiprocessing.get_context("spawn")) as pool:
@@ -202,16 +204,19 @@ def evaluate_tiers(
     workers: int = 0,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """MAPE per tier and family. The target tier fits on ``train_fraction`` of rows (``workers`` as in
-    :func:`fit_target`); all tiers are judged on the remaining rows (so the columns are comparable)."""
+    :func:`fit_target`, the cross-generation tier as its prior); all tiers are judged on the remaining rows (so the
+    columns are comparable)."""
     train, test = split_masks(tables, train_fraction, seed)
     results: dict[str, dict[str, dict[str, float]]] = {}
     results["roofline"] = mape_table(tables, hw, roofline_calibration(hw), test)
     try:
-        results["cross-generation"] = mape_table(tables, hw, cross_generation_for(hw, sources), test)
+        prior: Calibration | None = cross_generation_for(hw, sources)
+        results["cross-generation"] = mape_table(tables, hw, prior, test)
     except ValueError:
-        results["cross-generation"] = {}
+        prior, results["cross-generation"] = None, {}
     if target_calibration is None:
-        target_calibration, _ = fit_target({f: t.subset(train[f]) for f, t in tables.items()}, hw, workers=workers)
+        target_calibration, _ = fit_target({f: t.subset(train[f]) for f, t in tables.items()}, hw, workers=workers,
+                                           prior=prior)
     results["target"] = mape_table(tables, hw, target_calibration, test)
     return results
 

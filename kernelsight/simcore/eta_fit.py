@@ -233,6 +233,7 @@ class SubFit:
     n_rows: int
     train_mape: float
     eta_max_seen: float
+    cv_mape: float = math.inf  # held-out MAPE of the chosen complexity (small samples only; inf: not measured)
 
 
 def _sigmoid(s: np.ndarray) -> np.ndarray:
@@ -495,7 +496,47 @@ def fit_submodel(
             fit_spill_center(rows.features, dev, roof_s, lat_s) if spill_center is None else spill_center
         )
     z = basis_matrix(basis_name(family), rows.features, dev)
-    beta, ovh, center, scale = fit_logpoly(z, roof_s, lat_s)
+    level, cv_mape = FULL_COMPLEXITY if residual_grid else SMOOTH_COMPLEXITY, math.inf
+    if len(z) < SELECT_MAX_ROWS:
+        levels = COMPLEXITY_LEVELS if residual_grid else tuple(c for c in COMPLEXITY_LEVELS if not c.trees)
+        level, cv_mape = choose_complexity(family, rows.features, dev, z, roof_s, lat_s, levels)
+    model = _fit_at_level(family, dev, z, roof_s, lat_s, rows.features, level, grid_rounds)
+    eta, ovh_rows = model.from_basis(z, rows.features)
+    pred = roof_s / eta + ovh_rows
+    return SubFit(model, len(z), float(np.mean(np.abs(pred - lat_s) / lat_s)), float(eta.max()), cv_mape)
+
+
+@dataclass(frozen=True)
+class Complexity:
+    """How much a sub-model may bend to its rows: the smooth fit's ridge and which residual stages it gets."""
+
+    ridge: float
+    trees: bool
+    lattice: bool
+
+
+#: The model every sweep of at least SELECT_MAX_ROWS rows gets: smooth η, boosted trees, then the lattice.
+FULL_COMPLEXITY = Complexity(_RIDGE, True, True)
+#: ... and without the residual stages (``residual_grid=False``).
+SMOOTH_COMPLEXITY = Complexity(_RIDGE, False, False)
+#: Candidates for smaller samples, simplest first. No lattice: its knots sit at every measured value of 6 axes, so
+#: it costs by the grid, not the rows (~1 s a fit even on 50 rows), and a sample this small leaves most cells empty.
+COMPLEXITY_LEVELS = (
+    Complexity(1e-1, False, False),
+    Complexity(_RIDGE, False, False),
+    Complexity(_RIDGE, True, False),
+)
+#: Sub-models with fewer rows pick their complexity by cross-validation (a handful of rows cannot pin a quadratic
+#: in 5–8 log-features plus boosted trees and a lattice: fitted on 100 rows, they interpolate the rows exactly and
+#: miss unseen shapes by 10–100×). From a few hundred rows on, the full model is the better on the A100 and L40S
+#: (held-out error of 100, 300 and 1000-row samples of their GEMM, prefill and decode tables).
+SELECT_MAX_ROWS = 500
+SELECT_FOLDS = 5
+
+
+def _fit_at_level(family: str, dev: dict[str, float], z: np.ndarray, roof_s: np.ndarray, lat_s: np.ndarray,
+                  features: np.ndarray, level: Complexity, grid_rounds: int = 1) -> LogPolyEta:
+    beta, ovh, center, scale = fit_logpoly(z, roof_s, lat_s, ridge=level.ridge)
     model = LogPolyEta(
         basis_name(family),
         dev,
@@ -508,11 +549,33 @@ def fit_submodel(
         zlo=tuple(z.min(axis=0).tolist()),
         zhi=tuple(z.max(axis=0).tolist()),
     )
-    if residual_grid:
-        model = add_residual_grid(model, family, z, roof_s, lat_s, rounds=grid_rounds, features=rows.features)
-    eta, ovh_rows = model.from_basis(z, rows.features)
-    pred = roof_s / eta + ovh_rows
-    return SubFit(model, len(z), float(np.mean(np.abs(pred - lat_s) / lat_s)), float(eta.max()))
+    if level.trees or level.lattice:
+        model = add_residual_grid(model, family, z, roof_s, lat_s, rounds=grid_rounds, features=features,
+                                  residual_trees=level.trees, lattice=level.lattice)
+    return model
+
+
+def choose_complexity(family: str, features: np.ndarray, dev: dict[str, float], z: np.ndarray, roof_s: np.ndarray,
+                      lat_s: np.ndarray, levels: tuple[Complexity, ...] = COMPLEXITY_LEVELS
+                      ) -> tuple[Complexity, float]:
+    """The level of ``levels`` with the least MAPE on held-out rows (deterministic k-fold), and that MAPE (inf when
+    there are too few rows to hold any out: then the simplest)."""
+    n = len(z)
+    if n < 2 * SELECT_FOLDS:
+        return levels[0], math.inf
+    fold = np.random.default_rng(0).permutation(n) % SELECT_FOLDS
+    best, best_err = levels[-1], math.inf
+    for level in levels:
+        ape = np.empty(n)
+        for k in range(SELECT_FOLDS):
+            tr, te = fold != k, fold == k
+            m = _fit_at_level(family, dev, z[tr], roof_s[tr], lat_s[tr], features[tr], level)
+            e, o = m.from_basis(z[te], features[te])
+            ape[te] = np.abs((roof_s[te] / e + o) / lat_s[te] - 1.0)
+        err = float(ape.mean())
+        if err < best_err:
+            best, best_err = level, err
+    return best, best_err
 
 
 #: Candidate positions (log KV bytes / L2) of the decode L2 step searched in the target tier.
@@ -552,6 +615,7 @@ def add_residual_grid(
     *,
     features: np.ndarray,
     residual_trees: bool = True,
+    lattice: bool = True,
 ) -> LogPolyEta:
     """Backfit the residual correction: log(measured / predicted) kernel time, first by boosted trees on the raw
     shape axes (``residual_trees``), then by the raw-shape lattice on what the trees leave.
@@ -569,7 +633,7 @@ def add_residual_grid(
         trees = fit_residual_trees(coords, np.clip(smooth_log_ratio, -GRID_FIT_CLIP, GRID_FIT_CLIP))
         smooth_log_ratio = smooth_log_ratio - trees(coords)
     gaps = None
-    for _ in range(rounds):
+    for _ in range(rounds if lattice else 0):
         log_ratio = smooth_log_ratio if grid is None else smooth_log_ratio - grid(coords)
         if gaps is None:
             gaps = choose_lattice_gaps(family, coords, log_ratio)
@@ -769,8 +833,10 @@ def _fit_variant(
     lat_s: np.ndarray,
     hw: HardwareSpec,
     residual_grid: bool,
+    prior: tuple[EtaModel, float] | None = None,
 ) -> tuple[EtaModel, float, dict[str, dict[str, float]]]:
-    """One variant's model: a LogPolyEta, or a DispatchEta over the kernels that ran (``kernel`` column)."""
+    """One variant's model: a LogPolyEta, or a DispatchEta over the kernels that ran (``kernel`` column); or
+    ``prior`` = (the cross-generation model of the variant, its MAPE on these rows) if that does better."""
     names: list[str] = []
     if rows.kernel is not None:
         uniq, counts = np.unique(rows.kernel, return_counts=True)
@@ -783,11 +849,12 @@ def _fit_variant(
     pooled = fit_submodel(family, variant, rows, roof_s, lat_s, hw, residual_grid=residual_grid and len(names) < 2)
     if len(names) < 2:
         report[f"{family}[{variant}]"] = entry(pooled)
-        return pooled.model, pooled.eta_max_seen, report
+        return _or_prior(pooled.model, pooled.cv_mape, pooled.eta_max_seen, report, prior)
     report[f"{family}[{variant}/pooled smooth]"] = entry(pooled)  # for transfer only: all kernels, no lattice
     assert rows.kernel is not None
     models: dict[str, EtaModel] = {}
     counts_by: dict[str, int] = {}
+    cv_by: dict[str, float] = {}
     eta_max = 0.0
     for name in names:
         sel = rows.kernel == name
@@ -799,20 +866,40 @@ def _fit_variant(
                          spill_center=pooled.model.device.get("l2_spill_center"))
         models[name] = f.model
         counts_by[name] = f.n_rows
+        cv_by[name] = f.cv_mape
         eta_max = max(eta_max, f.eta_max_seen)
         report[f"{family}[{variant}/{name}]"] = entry(f)
     keep = np.isin(rows.kernel, names)
     basis = basis_name(family)
     rule = fit_dispatch_rule(RESIDUAL_COORDS[basis](rows.features[keep]), rows.kernel[keep])
     default = max(names, key=lambda k: (counts_by[k], k))
-    return DispatchEta(basis, rule, models, default, pooled.model), max(eta_max, pooled.eta_max_seen), report
+    cv = sum(cv_by[k] * counts_by[k] for k in names) / sum(counts_by.values())
+    return _or_prior(DispatchEta(basis, rule, models, default, pooled.model), cv, max(eta_max, pooled.eta_max_seen),
+                     report, prior)
+
+
+def _or_prior(model: EtaModel, cv_mape: float, eta_max: float, report: dict[str, dict[str, float]],
+              prior: tuple[EtaModel, float] | None) -> tuple[EtaModel, float, dict[str, dict[str, float]]]:
+    """The fitted model, or the prior's (``(model, MAPE on these rows)``) where it predicts the measured rows
+    better than the fit predicts rows it did not see (only measured for small samples: see SELECT_MAX_ROWS)."""
+    if prior is None or not prior[1] < cv_mape:
+        return model, eta_max, report
+    for e in report.values():
+        e["prior_mape"] = prior[1]
+    key = next(iter(report))
+    report[key]["uses_prior"] = 1.0
+    return prior[0], eta_max, report
 
 
 def fit_family(
-    family: str, cols: Columns, hw: HardwareSpec, *, residual_grid: bool = False
+    family: str, cols: Columns, hw: HardwareSpec, *, residual_grid: bool = False, prior: Calibration | None = None
 ) -> tuple[EtaModel, float, dict[str, dict[str, float]]]:
     """η model of one family on one GPU: a SwitchEta over its variants (each a DispatchEta over the kernels that
-    ran when the ``kernel`` column names several). Returns (model, η max, report)."""
+    ran when the ``kernel`` column names several). Returns (model, η max, report).
+
+    ``prior`` (a cross-generation calibration of this GPU): a variant measured at fewer than SELECT_MAX_ROWS rows
+    takes the prior's model instead when that predicts its rows better than the fit predicts held-out rows.
+    """
     rows = kernel_rows(family, cols)
     lat_s = np.asarray(cols["latency_us"], dtype=float) * 1e-6
     ok = np.isfinite(lat_s) & (lat_s > 0)
@@ -821,9 +908,18 @@ def fit_family(
     report: dict[str, dict[str, float]] = {}
     eta_max = 0.0
     counts: dict[str, int] = {}
+    prior_model = prior.eta.get(family) if prior is not None else None
+    prior_t = rows_time_s(prior, family, rows, roof, hw) if prior is not None and prior_model is not None else None
     for v in np.unique(rows.variant[ok]):
         sel = ok & (rows.variant == v)
-        model, emax, rep = _fit_variant(family, str(v), _take(rows, sel), roof[sel], lat_s[sel], hw, residual_grid)
+        alt = None
+        if (prior_t is not None and isinstance(prior_model, SwitchEta) and str(v) in prior_model.models
+                and sel.sum() < SELECT_MAX_ROWS):
+            alt = (prior_model.models[str(v)], float(np.mean(np.abs(prior_t[sel] / lat_s[sel] - 1.0))))
+        model, emax, rep = _fit_variant(family, str(v), _take(rows, sel), roof[sel], lat_s[sel], hw, residual_grid,
+                                        alt)
+        if alt is not None and model is alt[0]:
+            emax = max(emax, prior.eta_max)  # type: ignore[union-attr]
         models[str(v)] = model
         counts[str(v)] = int(sel.sum())
         eta_max = max(eta_max, emax)
@@ -876,8 +972,9 @@ def fit_comm(cols: Columns, hw: HardwareSpec) -> dict[str, CommModel]:
 FamilyFit = tuple[EtaModel, float, dict[str, dict[str, float]]]
 
 
-def _fit_family_job(job: tuple[str, Columns], *, hw: HardwareSpec, residual_grid: bool) -> FamilyFit:
-    return fit_family(job[0], job[1], hw, residual_grid=residual_grid)
+def _fit_family_job(job: tuple[str, Columns], *, hw: HardwareSpec, residual_grid: bool,
+                    prior: Calibration | None = None) -> FamilyFit:
+    return fit_family(job[0], job[1], hw, residual_grid=residual_grid, prior=prior)
 
 
 def fit_calibration(
@@ -889,11 +986,17 @@ def fit_calibration(
     licence: str = "",
     map_fn: Callable[[Callable[[tuple[str, Columns]], FamilyFit], Iterable[tuple[str, Columns]]],
                      Iterator[FamilyFit]] = map,
+    prior: Calibration | None = None,
 ) -> tuple[Calibration, FitReport]:
     """Target-measured calibration of one GPU from its measurement tables (family → columns).
 
     The kernel families are fitted independently through ``map_fn`` (an ordered map over (family, columns): the
     builtin, or a process pool's ``map`` to fit them in parallel; the same result under the same BLAS threading).
+
+    ``prior``: the cross-generation calibration of this GPU (what it would get with no measurements). What the
+    tables do not measure comes from it: kernel families with no rows (with their fixed latency and the decode
+    floor) and collective backends with no rows; and small variants take its model where it predicts their rows
+    better than their own fit predicts held-out rows (:func:`fit_family`).
     """
     calib = default_calibration(hw.name)
     calib.tier = "target-measured"
@@ -906,7 +1009,7 @@ def fit_calibration(
     ]
     # largest family first, so a two-worker pool balances (H100: decode ≈ gemm + prefill in fit time)
     fams.sort(key=lambda f: -len(tables[f]["latency_us"]))
-    job = partial(_fit_family_job, hw=hw, residual_grid=residual_grid)
+    job = partial(_fit_family_job, hw=hw, residual_grid=residual_grid, prior=prior)
     fitted = dict(zip(fams, map_fn(job, [(f, tables[f]) for f in fams]), strict=True))
     for fam in KERNEL_FAMILIES:
         if fam not in fitted:
@@ -929,9 +1032,32 @@ def fit_calibration(
     dec = tables.get("attn_decode")
     if dec is not None and "latency_us" in dec and len(dec["latency_us"]):
         calib.decode_cta_bytes_per_s = fit_decode_floor(dec, hw)
+    comm: dict[str, CommModel] = {}
     if "comm" in tables and "latency_us" in tables["comm"]:
-        calib.comm.update(fit_comm(tables["comm"], hw))
+        comm = fit_comm(tables["comm"], hw)
+        calib.comm.update(comm)
+    if prior is not None:
+        _fill_from_prior(calib, prior, fitted, comm)
     return calib, report
+
+
+def _fill_from_prior(calib: Calibration, prior: Calibration, fitted: Mapping[str, FamilyFit],
+                     comm: Mapping[str, CommModel]) -> None:
+    """What the measurements leave out, from the prior: unmeasured kernel families (lm_head and MoE GEMMs follow
+    the GEMM family) with their fixed latency, the decode floor without decode rows, unmeasured backends."""
+    stands_for = {"lm_head": "gemm", "moe_gemm": "gemm"}
+    for fam, model in prior.eta.items():
+        if fam == "default" or stands_for.get(fam, fam) in fitted:
+            continue
+        calib.eta[fam] = model
+        if fam in prior.overhead_s:
+            calib.overhead_s[fam] = prior.overhead_s[fam]
+        calib.eta_max = max(calib.eta_max, prior.eta_max)
+    if "attn_decode" not in fitted:
+        calib.decode_cta_bytes_per_s = dict(prior.decode_cta_bytes_per_s)
+    for backend, model in prior.comm.items():
+        if backend not in comm:
+            calib.comm[backend] = model
 
 
 #: Decode rows that can show the unsplit path (``calibration.decode_serial_floor_s``): one query head per KV head,
@@ -984,9 +1110,14 @@ def family_overheads(calib: Calibration) -> dict[str, float]:
 def predict_rows_s(family: str, cols: Columns, hw: HardwareSpec, calib: Calibration) -> np.ndarray:
     """Predicted latency (s) of each measured row under a calibration (vectorized over variants)."""
     rows = kernel_rows(family, cols)
-    roof = roofline_rows_s(rows, hw)
+    return rows_time_s(calib, family, rows, roofline_rows_s(rows, hw), hw)
+
+
+def rows_time_s(calib: Calibration, family: str, rows: KernelRows, roof_s: np.ndarray, hw: HardwareSpec
+                ) -> np.ndarray:
+    """Predicted latency (s) of kernel rows whose roofline times are ``roof_s``."""
     eta, ovh = eta_and_overhead(calib, family, rows)
-    t = roof / eta + ovh
+    t = roof_s / eta + ovh
     if family == "attn_decode" and calib.decode_cta_bytes_per_s:
         t = np.maximum(t, decode_floor_rows_s(rows, hw, calib.decode_cta_bytes_per_s))
     return t
