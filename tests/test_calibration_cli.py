@@ -6,6 +6,7 @@ import argparse
 import csv
 import gzip
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,10 @@ import pytest
 
 from kernelsight.calibrate import sweep
 from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
+from kernelsight.calibrate.evaluate import predict_table_s, roofline_calibration
 from kernelsight.calibrate.measurements import read_measurements, read_table
+from kernelsight.cli import main
+from kernelsight.profiles import load_hardware
 from kernelsight.simcore.calibration import calibration_from_dict
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"
@@ -183,3 +187,37 @@ def test_fit_fills_unmeasured_families_from_the_cross_generation_tier_unless_tol
     assert with_prior["eta"]["attn_decode"]["models"]["2"]["form"] == "ensemble"   # transferred from other GPUs
     assert "attn_decode" not in bare["eta"] or bare["eta"]["attn_decode"]["form"] != "switch"
     assert with_prior["eta"]["gemm"] == bare["eta"]["gemm"]   # ~180 rows a format, each fit beats the prior
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("gemm.csv", "dtype,m,n,k\nbf16,1,64,64\nnvfp4,1,64,64\nmxfp8,2,64,64\n",
+         "dtype 'mxfp8', 'nvfp4' not supported (one of bf16, fp16, fp8, fp8_block, int8)"),
+        ("gemm.csv", "dtype,m,n,k\nbf16,1,64\n", "line 2 has 3 cells, the header 4"),
+        ("gemm.csv", "dtype,m,n,k\nbf16,1,64,64\nbf16,0,64,64\n", "line 3: m must be > 0, got 0"),
+        ("attn_decode.csv", "batch,cached_len,num_heads,num_kv_heads,head_dim,kv_dtype,window\n1,-1,8,8,64,bf16,0\n",
+         "line 2: cached_len must be ≥ 0, got -1"),
+        ("attn_prefill.csv", "batch,seq_len,num_heads,num_kv_heads,head_dim,kv_dtype,window\n1,16,8,8,64,fp4,0\n",
+         "kv_dtype 'fp4' not supported"),
+    ],
+)
+def test_rows_outside_the_schema_are_a_one_line_error_naming_them(tmp_path, capsys, name, text, message):
+    src = tmp_path / name
+    src.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_table(src)
+    assert main(["predict", "--hardware", "h100", "--input", str(src), "-o", str(tmp_path / "out.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_vllm_auto_kv_dtype_is_the_models_16_bit_cache(tmp_path):
+    rows = "batch,cached_len,num_heads,num_kv_heads,head_dim,kv_dtype,window\n4,1023,32,8,128,{}\n"
+    preds = []
+    for dt in ("auto,0", "bf16,0"):
+        (tmp_path / "attn_decode.csv").write_text(rows.format(dt))
+        t = read_table(tmp_path / "attn_decode.csv")
+        hw = load_hardware("h100")
+        preds.append(float(predict_table_s(t, hw, roofline_calibration(hw))[0]))
+    assert preds[0] == preds[1] > 0

@@ -94,6 +94,9 @@ def read_table(path: str | Path, family: str | None = None) -> Table:
     missing = [c for c in SCHEMA[fam] if c not in header]
     if missing:
         raise ValueError(f"{path}: missing columns {missing} for family {fam!r}")
+    for i, row in enumerate(raw):
+        if len(row) != len(header):
+            raise ValueError(f"{path}: line {i + 2} has {len(row)} cells, the header {len(header)}")
     cols: dict[str, np.ndarray] = {}
     for j, name in enumerate(header):
         cells = [r[j] for r in raw]
@@ -104,7 +107,40 @@ def read_table(path: str | Path, family: str | None = None) -> Table:
                 cols[name] = np.array(cells, dtype=float) if cells else np.zeros(0)
             except ValueError as exc:
                 raise ValueError(f"{path}: column {name!r} is not numeric") from exc
+    _check_values(path, fam, cols)
     return Table(fam, cols, header, raw)
+
+
+#: Shape columns that must be positive; the rest of each family's numeric schema columns must be ≥ 0.
+_POSITIVE = {
+    "gemm": ("m", "n", "k"),
+    "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim"),
+    "attn_decode": ("batch", "num_heads", "num_kv_heads", "head_dim"),
+    "comm": ("num_gpus", "message_bytes"),
+}
+
+
+def _check_values(path: Path, fam: str, cols: dict[str, np.ndarray]) -> None:
+    """Values the kernel model has no roofline for are an error naming them, not a traceback later."""
+    from kernelsight.simcore.eta_fit import ELEMENT_BYTES
+    from kernelsight.simcore.kernels import GEMM_FORMAT_CODES
+
+    known = {"gemm": ("dtype", GEMM_FORMAT_CODES), "attn_prefill": ("kv_dtype", ELEMENT_BYTES),
+             "attn_decode": ("kv_dtype", ELEMENT_BYTES)}.get(fam)
+    if known is not None:
+        col, allowed = known
+        bad = sorted(set(cols[col].tolist()) - set(allowed))
+        if bad:
+            raise ValueError(f"{path}: {col} {', '.join(map(repr, bad))} not supported (one of {', '.join(allowed)})")
+    for name in SCHEMA[fam]:
+        if name in _STRING_COLUMNS:
+            continue
+        x = cols[name]
+        positive = name in _POSITIVE[fam]
+        ok = np.isfinite(x) & ((x > 0) if positive else (x >= 0))
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"{path}: line {i + 2}: {name} must be {'> 0' if positive else '≥ 0'}, got {x[i]:g}")
 
 
 def read_measurements(path: str | Path) -> dict[str, Table]:

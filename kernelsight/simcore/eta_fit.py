@@ -76,7 +76,10 @@ from kernelsight.simcore.roofline import roofline_s
 Columns = Mapping[str, np.ndarray]
 
 KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode")
-_ELEMENT_BYTES = {
+#: Bytes per element of the dtype names a measurement's ``kv_dtype`` may hold ("auto": vLLM's name for the model's
+#: own 16-bit dtype).
+ELEMENT_BYTES = {
+    "auto": 2.0,
     "bf16": 2.0,
     "fp16": 2.0,
     "half": 2.0,
@@ -115,7 +118,7 @@ class KernelRows:
 
 def element_bytes(dtype: str) -> float:
     try:
-        return _ELEMENT_BYTES[dtype]
+        return ELEMENT_BYTES[dtype]
     except KeyError as exc:
         raise ValueError(f"unknown element dtype {dtype!r}") from exc
 
