@@ -17,10 +17,15 @@ class, linear in log size), take the median latency per size, clip upward spikes
 regression in log time), and use the sizes as knots; beyond the last knot grow at the asymptotic bandwidth
 fitted on ≥ 32 MiB rows (of the curve; else of the same collective at that GPU count on any backend, since large
 messages run at the interconnect's bus bandwidth whichever library sends them and vLLM's custom all-reduce hands
-them to NCCL; else of the backend at that GPU count; else of the backend's op);
-below the first knot follow its segment down to the backend's latency floor. Groups measured at fewer than
-4 sizes borrow the nearest GPU count's shape, scaled to their own points; a group measured at one size with
-nothing to borrow is the α–β line from the backend's latency floor to that point.
+them to NCCL; else of the backend at that GPU count; else the prior's, below; else of the backend's op);
+below the first knot, the α–β line from the backend's latency floor (its fastest message of ≤ 64 kB at that GPU
+count, else at any) to the first knot. Groups measured at fewer than 4 sizes borrow the nearest GPU count's
+shape, scaled to their own points.
+
+With a prior (the GPU's cross-generation curves; ``calibrate fit`` passes it): a thin group with no GPU count of
+its own to borrow from takes the prior curve's shape (and asymptote), scaled to its points, and every prior
+curve of a measured backend that the rows do not cover is kept, so a sweep of all-reduce alone still prices
+all-gather from the prior rather than from the all-reduce α–β line.
 
 Cross-generation (:func:`transfer_comm_curves`): each source curve is split into a bandwidth part
 bus_bytes / B (B = its asymptotic bandwidth) and a latency/protocol remainder L(s) ≥ 0, then
@@ -57,6 +62,8 @@ from kernelsight.simcore.hardware import HardwareSpec
 COMM_BACKENDS = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
 #: rows at least this large are bandwidth-bound enough to fit the asymptotic bandwidth on
 ASYMPTOTE_MIN_BYTES = 32 * 2**20
+#: messages this small are latency-bound on every measured interconnect (the curves are flat up to tens of kB)
+LATENCY_BOUND_BYTES = 64 * 2**10
 #: a size's median more than this (log) above a larger size's is an interference spike, clipped to it
 SPIKE_LOG = 0.1
 #: groups measured at fewer sizes borrow the shape of the nearest GPU count
@@ -139,8 +146,15 @@ def _asymptote_s_per_bus_byte(
     return float(coef[-1]) if coef[-1] > 0 else None
 
 
-def fit_comm_curves(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> dict[str, dict[str, CommCurve]]:
-    """Curves per calibration backend name, keyed by :func:`comm_curve_key`, from measured collective rows."""
+def fit_comm_curves(
+    cols: Mapping[str, np.ndarray], hw: HardwareSpec, prior: Mapping[str, Mapping[str, CommCurve]] | None = None
+) -> dict[str, dict[str, CommCurve]]:
+    """Curves per calibration backend name, keyed by :func:`comm_curve_key`, from measured collective rows.
+
+    ``prior`` (curves of the GPU's cross-generation tier, same keys): a group measured at fewer than MIN_SIZES
+    sizes with no GPU count of its own to borrow a shape from takes the prior curve's shape, scaled to its points;
+    and every prior curve of a measured backend that the rows do not cover is kept as it is.
+    """
     op = np.asarray(cols["op"]).astype(str)
     backend = np.asarray(cols["backend"]).astype(str)
     dtypes = np.asarray(cols["dtype"]).astype(str) if "dtype" in cols else np.full(len(op), "bf16")
@@ -158,6 +172,15 @@ def fit_comm_curves(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> dict[st
     def beta(idx: np.ndarray) -> float | None:
         return _asymptote_s_per_bus_byte(size[idx], lat[idx], op[idx], gpus[idx])
 
+    def _latency_floor(rows: np.ndarray, g: int) -> float:
+        """Fastest latency-bound (≤ LATENCY_BOUND_BYTES) row of a backend at GPU count g, else at any count, else
+        its fastest row at all: a sparse sweep's fastest row at g may be a large, bandwidth-bound message."""
+        small = rows[size[rows] <= LATENCY_BOUND_BYTES]
+        for pool in (small[gpus[small] == g], small, rows[gpus[rows] == g], rows):
+            if len(pool):
+                return float(lat[pool].min())
+        raise ValueError("no rows")
+
     shapes = {}
     for key, by in groups.items():
         by_class = {c: np.array(v) for c, v in by.items()}
@@ -165,37 +188,43 @@ def fit_comm_curves(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> dict[st
     out: dict[str, dict[str, CommCurve]] = defaultdict(dict)
     for (be, o, g), (b, y, off, by_class) in shapes.items():
         idx = np.concatenate(list(by_class.values()))
+        borrowed_tail = None
         if len(b) < MIN_SIZES:
             near = [k for k, v in shapes.items() if k[:2] == (be, o) and k[2] != g and len(v[0]) >= MIN_SIZES]
+            prior_curve = _prior_curve(prior, be, o, g, by_class)
             if near:  # borrow the nearest GPU count's shape, scaled to this group's own points
                 n = min(near, key=lambda k: (abs(math.log(k[2] / g)), -k[2]))
                 bn, yn = shapes[n][0], shapes[n][1]
                 fitted = _interp_s(bn, np.exp(yn), comm_bus_factor(o, n[2]) / link, size[idx])
                 b, y = bn, yn + float(np.median(log_t[idx] - np.log(fitted)))
+            elif prior_curve is not None:  # else the prior's shape of the same collective, scaled the same way
+                bp, tp = np.array(prior_curve.message_bytes), np.array(prior_curve.latency_s)
+                shift = float(np.median(log_t[idx] - np.log(_interp_s(bp, tp, prior_curve.tail_s_per_byte, size[idx]))))
+                b, y, borrowed_tail = bp, np.log(tp) + shift, prior_curve.tail_s_per_byte * math.exp(shift)
         same_backend = np.flatnonzero(ok & (backend == be))
+        prior_curve = _prior_curve(prior, be, o, g, by_class)
         s_per_bus = (
             beta(idx)
             or beta(np.flatnonzero(ok & (op == o) & (gpus == g)))
             or beta(same_backend[gpus[same_backend] == g])
+            # the prior's asymptote of this collective at this GPU count before measured ones at other counts
+            # (over PCIe the bus bandwidth per GPU falls several-fold from 2 to 8 GPUs)
+            or (prior_curve.tail_s_per_byte / comm_bus_factor(o, g) if prior_curve is not None else None)
             or beta(same_backend[op[same_backend] == o])
             or 1.0 / (0.7 * link)
         )
         tail = max(s_per_bus, 1.0 / link) * comm_bus_factor(o, g)
+        if borrowed_tail is not None and beta(idx) is None:
+            tail = max(borrowed_tail, comm_bus_factor(o, g) / link)
         smallest = float(size[same_backend].min())
-        if b[0] > smallest and len(b) > 1:
-            # below the first measured size: its segment's α–β line, down to the backend's latency floor at
-            # this GPU count (nothing of that backend ran faster), as a knot at the backend's smallest size
-            floor = float(lat[same_backend[gpus[same_backend] == g]].min())
-            t0, t1 = math.exp(y[0]), math.exp(y[1])
-            head = max(t0 - (t1 - t0) / (b[1] - b[0]) * (b[0] - smallest), min(floor, t0))
-            b, y = np.concatenate([[smallest], b]), np.concatenate([[math.log(head)], y])
-        elif b[0] > smallest:
-            # one measured size and no shape to borrow: an α–β line from the backend's latency floor (at this GPU
-            # count if it ran smaller messages there, else at any) to the point; a lone point is no floor
-            below = same_backend[size[same_backend] < b[0]]
-            at_g = below[gpus[below] == g]
-            floor = float(lat[at_g if len(at_g) else below].min())
-            b, y = np.array([smallest, b[0]]), np.array([math.log(min(floor, math.exp(y[0]))), y[0]])
+        if b[0] > smallest:
+            # below the first measured size: the α–β line from the backend's latency floor (nothing of that
+            # backend ran faster) to the first knot, as a knot at the backend's smallest size. Tried: extending the
+            # first segment down to the floor; on a sweep whose first sizes are bandwidth-bound (4 and 256 MiB,
+            # 8 GPUs over PCIe) that segment's intercept is 1.5 ms, 100× the small-message latency.
+            floor = _latency_floor(same_backend, g)
+            b = np.concatenate([[smallest], b])
+            y = np.concatenate([[math.log(min(floor, math.exp(y[0])))], y])
         for c, (level, per_octave) in off.items():
             t = np.maximum.accumulate(np.exp(y + level + per_octave * np.log2(b / 2**20)))
             own = beta(by_class[c]) if len(off) > 1 else None  # a class's own asymptote when it has one
@@ -203,7 +232,21 @@ def fit_comm_curves(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> dict[st
             out[COMM_BACKENDS[be]][comm_curve_key(o, c, g)] = CommCurve(
                 tuple(float(x) for x in b), tuple(float(x) for x in t), float(c_tail)
             )
+    for backend, curves in out.items():
+        for key, curve in (prior or {}).get(backend, {}).items():
+            curves.setdefault(key, curve)
     return dict(out)
+
+
+def _prior_curve(prior: Mapping[str, Mapping[str, CommCurve]] | None, backend: str, op: str, num_gpus: int,
+                 by_class: Mapping[str, np.ndarray]) -> CommCurve | None:
+    """The prior's curve of (backend, op, GPU count) in the group's first dtype class (else the 16-bit one)."""
+    curves = (prior or {}).get(COMM_BACKENDS[backend], {})
+    for cls in (*sorted(by_class), "16"):
+        found = curves.get(comm_curve_key(op, cls, num_gpus))
+        if found is not None:
+            return found
+    return None
 
 
 def _transfer_curve(
