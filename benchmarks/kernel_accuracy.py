@@ -3,7 +3,9 @@
 * roofline: η = 1, no fixed latency.
 * cross-generation: leave-one-GPU-out over A100 / H100 / L40S — fit target-measured calibrations on
   the two other GPUs (all their rows), transfer to the held-out GPU by its spec, judge on all its rows.
-* target-measured: fit on a random 25% of each family's rows of the GPU, judge on the other 75%.
+* target-measured: fit on a random 25% of each family's rows of the GPU, judge on the other 75%, with the
+  cross-generation tier as the fit's prior (as ``kernelsight calibrate fit`` does; it only speaks for variants
+  sampled at fewer than eta_fit.SELECT_MAX_ROWS rows, so a small ``--train-fraction`` shows a thin sweep).
 
 Roofline and cross-generation are judged on the same 75% rows as the target tier so the columns are
 comparable. Prints a table per GPU and writes JSON (default ``benchmarks/results/kernel_accuracy.json``).
@@ -67,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     for g in GPUS:
         hw = hws[g]
         train, test = split_masks(tables[g], args.train_fraction, args.seed)
-        target, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw,
-                               workers=default_fit_workers())
         cross = cross_generation_calibration(hw, [(full_fits[o], hws[o]) for o in GPUS if o != g])
+        target, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw,
+                               workers=default_fit_workers(), prior=cross)
         results[g] = {
             "roofline": mape_table(tables[g], hw, roofline_calibration(hw), test),
             "cross-generation": mape_table(tables[g], hw, cross, test),
