@@ -221,3 +221,15 @@ def test_vllm_auto_kv_dtype_is_the_models_16_bit_cache(tmp_path):
         hw = load_hardware("h100")
         preds.append(float(predict_table_s(t, hw, roofline_calibration(hw))[0]))
     assert preds[0] == preds[1] > 0
+
+
+def test_predict_says_which_rows_it_could_not_price(tmp_path, capsys):
+    src = tmp_path / "comm.csv"
+    src.write_text("op,backend,dtype,num_gpus,message_bytes\nall_reduce,nccl,bf16,2,4096\n"
+                   "broadcast,nccl,bf16,2,4096\nbroadcast,nccl,bf16,4,4096\n")
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--hardware", "h100", "--input", str(src), "-o", str(out)]) == 0
+    assert "2 rows without a model (op 'broadcast'): predicted_us left empty" in capsys.readouterr().out
+    with open(out) as fh:
+        rows = list(csv.DictReader(fh))
+    assert float(rows[0]["predicted_us"]) > 0 and rows[1]["predicted_us"] == rows[2]["predicted_us"] == ""

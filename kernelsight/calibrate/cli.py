@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kernelsight.calibrate import evaluate as ev
-from kernelsight.calibrate.measurements import read_measurements, read_table, write_table
+from kernelsight.calibrate.measurements import Table, read_measurements, read_table, write_table
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -135,18 +137,30 @@ def resolve_calibration(
 def predict_file(
     input_path: str | Path, output_path: str | Path, hw: HardwareSpec, calib: Calibration
 ) -> int:
-    """Library form of ``kernelsight predict``: writes the rows plus ``predicted_us``; returns the row count."""
+    """Library form of ``kernelsight predict``: writes the rows plus ``predicted_us`` (empty where nothing models
+    the row: a collective outside all_reduce / all_gather / reduce_scatter / all_to_all); returns the row count."""
+    return len(_predict_file(input_path, output_path, hw, calib)[0])
+
+
+def _predict_file(input_path: str | Path, output_path: str | Path, hw: HardwareSpec, calib: Calibration
+                  ) -> tuple[Table, np.ndarray]:
     table = read_table(input_path)
     pred_us = ev.predict_table_s(table, hw, calib) * 1e6
     write_table(table, output_path, {"predicted_us": pred_us})
-    return len(table)
+    return table, pred_us
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     hw = _hardware(args.hardware)
     calib = resolve_calibration(hw, args.calibration, args.tier)
-    n = predict_file(args.input, args.output, hw, calib)
-    print(f"wrote {n} rows to {args.output} ({calib.tier} calibration of {calib.hardware})")
+    table, pred_us = _predict_file(args.input, args.output, hw, calib)
+    empty = ~np.isfinite(pred_us)
+    note = ""
+    if empty.any():
+        ops = sorted(set(table["op"][empty].tolist())) if "op" in table.columns else []
+        note = f"; {int(empty.sum())} rows without a model" + (f" (op {', '.join(map(repr, ops))})" if ops else "")
+        note += ": predicted_us left empty"
+    print(f"wrote {len(table)} rows to {args.output} ({calib.tier} calibration of {calib.hardware}{note})")
     return 0
 
 
