@@ -25,12 +25,11 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     bundled_calibration_dir,
     default_fit_workers,
     fit_target,
+    measured_gpu_dirs,
 )
 from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
 from kernelsight.profiles import list_hardware, load_hardware  # noqa: E402
 from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
-
-MEASURED = {"a100-sxm": "a100_sxm", "h100-sxm": "h100_sxm", "l40s": "l40s"}
 
 
 def _source_line(data_dir: Path) -> str:
@@ -49,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
+    # every GPU folder of the schema whose name is a bundled profile (shared: A100, H100, L40S)
+    by_profile = {name: folder for folder, name in measured_gpu_dirs(args.data).items()}
     measured = []
-    for name, folder in MEASURED.items():
+    for name, folder in by_profile.items():
         t0 = time.perf_counter()
         hw = load_hardware(name)
         tables = read_measurements(args.data / folder)
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         measured.append((calib, hw))
         print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")
     for name in list_hardware():
-        if name in MEASURED:
+        if name in by_profile:
             continue
         hw = load_hardware(name)
         calib = cross_generation_calibration(hw, measured)

@@ -1,8 +1,8 @@
 """Per-kernel accuracy of the calibration tiers on the shared measurements (issue 3).
 
 * roofline: η = 1, no fixed latency.
-* cross-generation: leave-one-GPU-out over A100 / H100 / L40S — fit target-measured calibrations on
-  the two other GPUs (all their rows), transfer to the held-out GPU by its spec, judge on all its rows.
+* cross-generation: leave-one-GPU-out over every GPU folder in ``--data`` (shared: A100 / H100 / L40S) — fit
+  target-measured calibrations on the other GPUs (all their rows), transfer to the held-out GPU by its spec.
 * target-measured: fit on a random 25% of each family's rows of the GPU, judge on the other 75%, with the
   cross-generation tier as the fit's prior (as ``kernelsight calibrate fit`` does; it only speaks for variants
   sampled at fewer than eta_fit.SELECT_MAX_ROWS rows, so a small ``--train-fraction`` shows a thin sweep).
@@ -30,14 +30,13 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     fit_target,
     format_results,
     mape_table,
+    measured_gpu_dirs,
     roofline_calibration,
     split_masks,
 )
 from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
 from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
-
-GPUS = {"a100_sxm": "a100-sxm", "h100_sxm": "h100-sxm", "l40s": "l40s"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,11 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    tables = {g: read_measurements(args.data / g) for g in GPUS}
-    hws = {g: load_hardware(n) for g, n in GPUS.items()}
+    gpus = measured_gpu_dirs(args.data)   # every GPU folder of the schema whose name is a bundled profile
+    if len(gpus) < 2:
+        raise SystemExit(f"{args.data}: leave-one-GPU-out needs measurements of at least two bundled GPUs")
+    tables = {g: read_measurements(args.data / g) for g in gpus}
+    hws = {g: load_hardware(n) for g, n in gpus.items()}
     full_fits = {}
     timings = {}
-    for g in GPUS:
+    for g in gpus:
         t0 = time.perf_counter()
         full_fits[g], _ = fit_target(
             tables[g],
@@ -66,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         timings[g] = time.perf_counter() - t0
     results: dict[str, dict] = {}
-    for g in GPUS:
+    for g in gpus:
         hw = hws[g]
         train, test = split_masks(tables[g], args.train_fraction, args.seed)
-        cross = cross_generation_calibration(hw, [(full_fits[o], hws[o]) for o in GPUS if o != g])
+        cross = cross_generation_calibration(hw, [(full_fits[o], hws[o]) for o in gpus if o != g])
         target, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw,
                                workers=default_fit_workers(), prior=cross)
         results[g] = {
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             "cross-generation": mape_table(tables[g], hw, cross, test),
             "target": mape_table(tables[g], hw, target, test),
         }
-        print(f"\n== {g} ({hw.name}); cross-generation from {', '.join(o for o in GPUS if o != g)}")
+        print(f"\n== {g} ({hw.name}); cross-generation from {', '.join(o for o in gpus if o != g)}")
         print(format_results(results[g]))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(

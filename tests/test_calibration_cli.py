@@ -233,3 +233,15 @@ def test_predict_says_which_rows_it_could_not_price(tmp_path, capsys):
     with open(out) as fh:
         rows = list(csv.DictReader(fh))
     assert float(rows[0]["predicted_us"]) > 0 and rows[1]["predicted_us"] == rows[2]["predicted_us"] == ""
+
+
+def test_measured_gpu_folders_are_found_by_profile_name(tmp_path):
+    """The benchmarks take every GPU folder of a kernels directory whose name is a bundled profile, so a GPU
+    added to the data (e.g. ``h200_sxm``) is fitted and held out without code changes."""
+    from kernelsight.calibrate.evaluate import measured_gpu_dirs
+
+    for name in ("h200_sxm", "l40s", "mystery_gpu", "empty"):
+        (tmp_path / name).mkdir()
+    for name in ("h200_sxm", "l40s", "mystery_gpu"):
+        (tmp_path / name / "gemm.csv").write_text("dtype,m,n,k,latency_us\nbf16,1,64,64,3.0\n")
+    assert measured_gpu_dirs(tmp_path) == {"h200_sxm": "h200-sxm", "l40s": "l40s"}

@@ -73,6 +73,22 @@ def cross_generation_for(hw: HardwareSpec, sources: Sequence[Calibration] | None
     return cross_generation_calibration(hw, [(c, h) for c, h in pairs if h.name != hw.name])
 
 
+def measured_gpu_dirs(kernels_dir: str | Path) -> dict[str, str]:
+    """Sub-directories of ``kernels_dir`` holding measurement files, by folder name → bundled GPU profile name
+    (folders are matched like ``--hardware``: ``h100_sxm`` is ``h100-sxm``); folders of unknown GPUs are skipped."""
+    from kernelsight.profiles import UnknownHardwareError
+
+    out: dict[str, str] = {}
+    for d in sorted(Path(kernels_dir).iterdir()):
+        if not d.is_dir() or not any(d.glob("*.csv*")):
+            continue
+        try:
+            out[d.name] = _load_hardware(d.name).name
+        except UnknownHardwareError:
+            continue
+    return out
+
+
 def default_fit_workers() -> int:
     """Processes for a target fit: one per CPU, at most one per kernel family."""
     return max(1, min(os.cpu_count() or 1, len(eta_fit.KERNEL_FAMILIES)))
