@@ -12,7 +12,12 @@ step time (running ÷ generation tokens/s in seconds without prompt tokens, KV c
 timeline gives the same for its decode-only steps. Both are printed by number of running requests, with the run
 durations, so a gap can be placed in the step model (same gap in decode steps) or in the scheduling dynamics.
 
-    python benchmarks/replay_rtx4090.py [--calibration FILE]
+    python benchmarks/replay_rtx4090.py [--calibration FILE] [--run DIR] [--workload FILE] [--hardware NAME]
+
+Any run in the same schema (``meta.json`` with ``engine_kwargs`` / ``kv_cache`` / ``hardware``, ``requests.jsonl``,
+``timeseries.csv``) replays with ``--run``: the workload defaults to the file ``meta.json``'s ``dataset_path``
+names (beside the run, with or without .gz), the GPU to the profile whose name or alias is the run's CUDA device
+name, and the engine args to the run's (model, TP, quantization, KV dtype, batch limits, block size, caching).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import csv
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +37,7 @@ from _common import SHARED_DATA, pct_error, write_result  # noqa: E402
 from kernelsight.loadgen.datasets import trace_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
+from kernelsight.profiles import load_hardware  # noqa: E402
 from kernelsight.runtime import create_engine_config  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 
@@ -40,9 +47,9 @@ STATS = (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percenti
          ("p99", lambda a: np.percentile(a, 99)))
 
 
-def measured_metrics() -> dict[str, np.ndarray]:
+def measured_metrics(run: Path = RUN) -> dict[str, np.ndarray]:
     ttft, tpot, e2el = [], [], []
-    with open(RUN / "requests.jsonl") as f:
+    with open(run / "requests.jsonl") as f:
         for line in f:
             r = json.loads(line)
             ttft.append(r["first_token_ts"] - r["queued_ts"])
@@ -52,9 +59,9 @@ def measured_metrics() -> dict[str, np.ndarray]:
     return {"ttft": np.array(ttft), "tpot": np.array(tpot), "e2el": np.array(e2el)}
 
 
-def measured_decode_steps() -> tuple[np.ndarray, np.ndarray, float]:
+def measured_decode_steps(run: Path = RUN) -> tuple[np.ndarray, np.ndarray, float]:
     """(running, step seconds) of the measured seconds that only decoded with the KV cache > 90% full; duration."""
-    with open(RUN / "timeseries.csv") as f:
+    with open(run / "timeseries.csv") as f:
         rows = list(csv.DictReader(f))
     t = np.array([float(r["t"]) for r in rows])
     prompt = np.array([float(r["prompt_throughput"]) for r in rows])
@@ -76,9 +83,9 @@ def startup_burst_s(first_token_s: np.ndarray, arrival_s: np.ndarray) -> float:
     return float(first_token_s[arrival_s - t0 < STARTUP_S].max() - t0)
 
 
-def measured_startup() -> tuple[float, int, int]:
+def measured_startup(run: Path = RUN) -> tuple[float, int, int]:
     """(start-up burst seconds, requests, prompt tokens) of the measured run."""
-    with open(RUN / "requests.jsonl") as f:
+    with open(run / "requests.jsonl") as f:
         reqs = [json.loads(line) for line in f]
     q = np.array([r["queued_ts"] for r in reqs])
     sel = q - q.min() < STARTUP_S
@@ -87,12 +94,12 @@ def measured_startup() -> tuple[float, int, int]:
     return startup_burst_s(ft, q), int(sel.sum()), tokens
 
 
-def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float) -> list[dict]:
+def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float, run: Path = RUN) -> list[dict]:
     """Median pure-decode step time, measured vs simulated, by running requests; the start-up burst (prefill);
     the run durations."""
     tl = np.asarray(timeline, dtype=float)  # time_s, running, waiting, kv_cache_usage, scheduled_tokens, step_s
     sim_pure = (tl[:, 4] == tl[:, 1]) & (tl[:, 3] > 0.9)
-    run_m, step_m, dur_m = measured_decode_steps()
+    run_m, step_m, dur_m = measured_decode_steps(run)
     out = []
     for lo, hi in ((20, 30), (30, 40), (40, 50), (0, 10**6)):
         a = (run_m >= lo) & (run_m < hi)
@@ -102,7 +109,7 @@ def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float)
             label = "all" if hi > 10**5 else f"{lo}-{hi - 1}"
             out.append({"what": f"decode step, running {label}", "measured": r, "simulated": s,
                         "error_pct": pct_error(s, r), "samples": f"{int(a.sum())} s / {int(b.sum())} steps"})
-    burst_m, n, tokens = measured_startup()
+    burst_m, n, tokens = measured_startup(run)
     out.append({"what": "start-up burst s (prefill)", "measured": burst_m, "simulated": startup_s,
                 "error_pct": pct_error(startup_s, burst_m), "samples": f"{n} requests, {tokens} prompt tokens"})
     out.append({"what": "run duration s", "measured": dur_m, "simulated": duration_s,
@@ -110,17 +117,38 @@ def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float)
     return out
 
 
-def simulated_metrics(calibration: str | None) -> tuple[dict[str, np.ndarray], dict]:
-    meta = json.loads((RUN / "meta.json").read_text())
+def run_hardware(meta: dict) -> str:
+    """The bundled profile of the run's GPU: its CUDA device name is a profile alias."""
+    device = meta.get("hardware", {}).get("device_name", "")
+    try:
+        return load_hardware(device).name
+    except ValueError:
+        raise SystemExit(f"no bundled profile for the run's device {device!r}: pass --hardware") from None
+
+
+def run_workload(run: Path, meta: dict) -> Path:
+    """The trace meta.json names, beside the run (plain or gzip), else the shared ShareGPT trace."""
+    name = Path(meta.get("dataset_path", "")).name
+    for cand in (run.parent / name, run.parent / f"{name}.gz"):
+        if name and cand.is_file():
+            return cand
+    return TRACE
+
+
+def simulated_metrics(calibration: str | None, run: Path = RUN, workload: Path | None = None,
+                      hardware: str | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    meta = json.loads((run / "meta.json").read_text())
     ek = meta["engine_kwargs"]
     kv = meta["kv_cache"]
-    args = EngineArgs(model=ek["model"], hardware="rtx-4090", tensor_parallel_size=ek["tensor_parallel_size"],
+    args = EngineArgs(model=ek["model"], hardware=hardware or run_hardware(meta),
+                      tensor_parallel_size=ek.get("tensor_parallel_size", 1),
+                      quantization=ek.get("quantization"), kv_cache_dtype=ek.get("kv_cache_dtype") or "auto",
                       max_num_seqs=ek["max_num_seqs"], max_num_batched_tokens=ek["max_num_batched_tokens"],
                       max_model_len=ek["max_model_len"], gpu_memory_utilization=kv["gpu_memory_utilization"],
                       block_size=kv["block_size"], enable_prefix_caching=kv["enable_prefix_caching"],
-                      seed=ek["seed"], calibration=calibration)
+                      seed=ek.get("seed", 0), calibration=calibration)
     cfg = create_engine_config(args)
-    samples = trace_dataset(TRACE)
+    samples = trace_dataset(workload or run_workload(run, meta))
     res = run_fast_forward(cfg, samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos=True,
                            record_timeline=True)
     ok = [r for r in res.records if r.success]
@@ -129,30 +157,35 @@ def simulated_metrics(calibration: str | None) -> tuple[dict[str, np.ndarray], d
     info = {"config": cfg.summary(), "measured_num_gpu_blocks": kv["num_gpu_blocks"],
             "simulator": res.simulator_stats(),
             "composition": composition_rows(res.timeline or [], res.duration_s, startup_burst_s(
-                np.array([r.start_s + r.ttft_s for r in res.records]), np.array([r.start_s for r in res.records])))}
+                np.array([r.start_s + r.ttft_s for r in res.records]), np.array([r.start_s for r in res.records])),
+                run)}
     return out, info
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--calibration", default=None, help="calibration JSON (default: bundled rtx-4090)")
+    ap.add_argument("--calibration", default=None, help="calibration JSON (default: the GPU's bundled one)")
+    ap.add_argument("--run", type=Path, default=RUN, help="measured run directory (default: the RTX 4090 run)")
+    ap.add_argument("--workload", type=Path, default=None, help="trace (default: the one meta.json names)")
+    ap.add_argument("--hardware", default=None, help="GPU profile (default: the run's CUDA device name)")
     ns = ap.parse_args()
-    real = measured_metrics()
-    sim, info = simulated_metrics(ns.calibration)
+    real = measured_metrics(ns.run)
+    sim, info = simulated_metrics(ns.calibration, ns.run, ns.workload, ns.hardware)
     rows = []
     for metric in ("ttft", "tpot", "e2el"):
         for stat, fn in STATS:
             r, s = float(fn(real[metric])) * 1e3, float(fn(sim[metric])) * 1e3
             rows.append({"metric": metric, "stat": stat, "measured_ms": r, "simulated_ms": s,
                          "error_pct": pct_error(s, r)})
-    print(f"RTX 4090 trace replay: {len(sim['ttft'])} requests simulated, calibration tier "
+    print(f"{ns.run.name} trace replay on {info['config']['hardware']}: {len(sim['ttft'])} requests simulated, "
+          f"calibration tier "
           f"{info['config']['calibration_tier']}, num_gpu_blocks {info['config']['num_gpu_blocks']} "
           f"(measured {info['measured_num_gpu_blocks']})")
     print(format_table(rows, ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]))
     print("\ncomposition (pure-decode steps with the KV cache > 90% full, ms; start-up burst: the requests that "
           f"arrived in the first {STARTUP_S:g} s, until the last one's first token, s; run duration, s):")
     print(format_table(info["composition"], ["what", "measured", "simulated", "error_pct", "samples"]))
-    path = write_result("replay_rtx4090", {"rows": rows, **info})
+    path = write_result("replay_rtx4090" if ns.run == RUN else f"replay_{ns.run.name}", {"rows": rows, **info})
     print(f"wrote {path}")
     return 0
 
