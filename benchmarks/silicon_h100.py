@@ -12,7 +12,7 @@ D = (osl − 1)·TPOT the other C − 1 clients send N = (C − 1)·D / (TTFT + 
 shared decode batch by s, so D = (osl − 1)·d + N·s. Solving for the plain decode step d and the prefill
 stall s (measured and simulated alike) shows how much of the measured TTFT is GPU work that holds up the
 batch (≈ s) and how much is spent outside it (TTFT − s: API server, client, queueing before the engine).
-Usage: python benchmarks/silicon_h100.py [--calibration FILE] [--rounds R] [--limit N]
+Usage: python benchmarks/silicon_h100.py [--calibration FILE] [--rounds R] [--limit N] [--table FILE]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import csv
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -38,7 +39,7 @@ TABLE = SHARED_DATA / "e2e" / "aic_silicon_vllm_h100.csv"
 
 def simulate_row(row: dict, calibration: str | None, rounds: int, seed: int) -> tuple[float, float]:
     isl, osl, conc, tp = int(row["isl"]), int(row["osl"]), int(row["concurrency"]), int(row["tp"])
-    args = EngineArgs(model=row["model"], hardware="h100", tensor_parallel_size=tp,
+    args = EngineArgs(model=row["model"], hardware=row.get("system") or "h100", tensor_parallel_size=tp,
                       quantization="fp8" if row["precision"] == "fp8" else None,
                       max_model_len=isl + osl + 16, seed=seed, calibration=calibration,
                       # vLLM 0.12 (these runs) scheduled synchronously; async scheduling became the default later
@@ -109,8 +110,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="requests per client (default: 4)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N rows")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--table", type=Path, default=TABLE,
+                    help="closed-loop runs in this file's schema; `system` names the GPU profile (default: the "
+                         "shared H100 table)")
     ns = ap.parse_args()
-    with open(TABLE) as f:
+    with open(ns.table) as f:
         rows = list(csv.DictReader(f))[: ns.limit]
     out = []
     for row in rows:
@@ -130,7 +134,8 @@ def main() -> int:
     if stalls:
         print("\nprefill stall of the shared decode batch, solved from rows that differ only in osl (ms):")
         print(format_table(stalls, list(stalls[0])))
-    path = write_result("silicon_h100", {"rows": out, "median_abs_ttft_err_pct": med_ttft,
+    name = "silicon_h100" if ns.table == TABLE else f"silicon_{ns.table.stem}"
+    path = write_result(name, {"rows": out, "median_abs_ttft_err_pct": med_ttft,
                                          "median_abs_tpot_err_pct": med_tpot, "rounds": ns.rounds,
                                          "prefill_stalls": stalls})
     print(f"wrote {path}")
