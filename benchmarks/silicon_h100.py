@@ -136,8 +136,8 @@ def main() -> int:
         print(format_table(stalls, list(stalls[0])))
     name = "silicon_h100" if ns.table == TABLE else f"silicon_{ns.table.stem}"
     path = write_result(name, {"rows": out, "median_abs_ttft_err_pct": med_ttft,
-                                         "median_abs_tpot_err_pct": med_tpot, "rounds": ns.rounds,
-                                         "prefill_stalls": stalls})
+                               "median_abs_tpot_err_pct": med_tpot, "rounds": ns.rounds,
+                               "prefill_stalls": stalls})
     print(f"wrote {path}")
     return 0
 
