@@ -189,9 +189,9 @@ def fit_comm_curves(
     for (be, o, g), (b, y, off, by_class) in shapes.items():
         idx = np.concatenate(list(by_class.values()))
         borrowed_tail = None
+        prior_curve = _prior_curve(prior, be, o, g, by_class)
         if len(b) < MIN_SIZES:
             near = [k for k, v in shapes.items() if k[:2] == (be, o) and k[2] != g and len(v[0]) >= MIN_SIZES]
-            prior_curve = _prior_curve(prior, be, o, g, by_class)
             if near:  # borrow the nearest GPU count's shape, scaled to this group's own points
                 n = min(near, key=lambda k: (abs(math.log(k[2] / g)), -k[2]))
                 bn, yn = shapes[n][0], shapes[n][1]
@@ -202,7 +202,6 @@ def fit_comm_curves(
                 shift = float(np.median(log_t[idx] - np.log(_interp_s(bp, tp, prior_curve.tail_s_per_byte, size[idx]))))
                 b, y, borrowed_tail = bp, np.log(tp) + shift, prior_curve.tail_s_per_byte * math.exp(shift)
         same_backend = np.flatnonzero(ok & (backend == be))
-        prior_curve = _prior_curve(prior, be, o, g, by_class)
         s_per_bus = (
             beta(idx)
             or beta(np.flatnonzero(ok & (op == o) & (gpus == g)))
