@@ -18,9 +18,9 @@ regression in log time), and use the sizes as knots; beyond the last knot grow a
 fitted on ≥ 32 MiB rows (of the curve; else of the same collective at that GPU count on any backend, since large
 messages run at the interconnect's bus bandwidth whichever library sends them and vLLM's custom all-reduce hands
 them to NCCL; else of the backend at that GPU count; else the prior's, below; else of the backend's op);
-below the first knot, the α–β line from the backend's latency floor (its fastest message of ≤ 64 kB at that GPU
-count, else at any) to the first knot. Groups measured at fewer than 4 sizes borrow the nearest GPU count's
-shape, scaled to their own points.
+below the first knot, its segment extended down to the backend's latency floor (its fastest message of ≤ 64 kB at
+that GPU count, else at any), or from a bandwidth-bound first knot (> 64 kB) the α–β line from that floor to it.
+Groups measured at fewer than 4 sizes borrow the nearest GPU count's shape, scaled to their own points.
 
 With a prior (the GPU's cross-generation curves; ``calibrate fit`` passes it): a thin group with no GPU count of
 its own to borrow from takes the prior curve's shape (and asymptote), scaled to its points, and every prior
@@ -217,13 +217,20 @@ def fit_comm_curves(
             tail = max(borrowed_tail, comm_bus_factor(o, g) / link)
         smallest = float(size[same_backend].min())
         if b[0] > smallest:
-            # below the first measured size: the α–β line from the backend's latency floor (nothing of that
-            # backend ran faster) to the first knot, as a knot at the backend's smallest size. Tried: extending the
-            # first segment down to the floor; on a sweep whose first sizes are bandwidth-bound (4 and 256 MiB,
-            # 8 GPUs over PCIe) that segment's intercept is 1.5 ms, 100× the small-message latency.
+            # below the first measured size, as a knot at the backend's smallest size: from a latency-bound first
+            # knot its segment extended down to the backend's latency floor (nothing of that backend ran faster);
+            # from a bandwidth-bound one the α–β line from the floor to it (extending a segment between 4 and
+            # 256 MiB, 8 GPUs over PCIe, gave a 1.5 ms intercept, 100× the small-message latency). The line from
+            # the floor for every first knot was tried: comm MAPE at the 25 % split A100 6.90 → 7.08, H100
+            # 4.53 → 4.86 %.
             floor = _latency_floor(same_backend, g)
+            if len(b) > 1 and b[0] <= LATENCY_BOUND_BYTES:
+                t0, t1 = math.exp(y[0]), math.exp(y[1])
+                head = max(t0 - (t1 - t0) / (b[1] - b[0]) * (b[0] - smallest), min(floor, t0))
+            else:
+                head = min(floor, math.exp(y[0]))
             b = np.concatenate([[smallest], b])
-            y = np.concatenate([[math.log(min(floor, math.exp(y[0])))], y])
+            y = np.concatenate([[math.log(head)], y])
         for c, (level, per_octave) in off.items():
             t = np.maximum.accumulate(np.exp(y + level + per_octave * np.log2(b / 2**20)))
             own = beta(by_class[c]) if len(off) > 1 else None  # a class's own asymptote when it has one
