@@ -20,7 +20,8 @@ messages run at the interconnect's bus bandwidth whichever library sends them an
 them to NCCL; else of the backend at that GPU count; else the prior's, below; else of the backend's op);
 below the first knot, its segment extended down to the backend's latency floor (its fastest message of ≤ 64 kB at
 that GPU count, else at any), or from a bandwidth-bound first knot (> 64 kB) the α–β line from that floor to it.
-Groups measured at fewer than 4 sizes borrow the nearest GPU count's shape, scaled to their own points.
+Groups measured at fewer than 4 sizes borrow the nearest GPU count's shape, fitted to their own points part by
+part (bandwidth-bound points scale its bandwidth part, latency-bound ones its latency part).
 
 With a prior (the GPU's cross-generation curves; ``calibrate fit`` passes it): a thin group with no GPU count of
 its own to borrow from takes the prior curve's shape (and asymptote), scaled to its points, and every prior
@@ -194,9 +195,8 @@ def fit_comm_curves(
             near = [k for k, v in shapes.items() if k[:2] == (be, o) and k[2] != g and len(v[0]) >= MIN_SIZES]
             if near:  # borrow the nearest GPU count's shape, scaled to this group's own points
                 n = min(near, key=lambda k: (abs(math.log(k[2] / g)), -k[2]))
-                bn, yn = shapes[n][0], shapes[n][1]
-                fitted = _interp_s(bn, np.exp(yn), comm_bus_factor(o, n[2]) / link, size[idx])
-                b, y = bn, yn + float(np.median(log_t[idx] - np.log(fitted)))
+                b, y = _rescaled_shape(shapes[n][0], shapes[n][1], size[idx], lat[idx],
+                                       comm_bus_factor(o, n[2]) / link)
             elif prior_curve is not None:  # else the prior's shape of the same collective, scaled the same way
                 bp, tp = np.array(prior_curve.message_bytes), np.array(prior_curve.latency_s)
                 shift = float(np.median(log_t[idx] - np.log(_interp_s(bp, tp, prior_curve.tail_s_per_byte, size[idx]))))
@@ -242,6 +242,30 @@ def fit_comm_curves(
         for key, curve in (prior or {}).get(backend, {}).items():
             curves.setdefault(key, curve)
     return dict(out)
+
+
+def _rescaled_shape(b: np.ndarray, log_t: np.ndarray, own_size: np.ndarray, own_lat: np.ndarray, tail: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """A borrowed knot curve fitted to a thin group's own points, part by part: the curve is split into a bandwidth
+    part (its last segment's slope × size) and the latency rest; own points where the bandwidth part dominates set
+    its scale, the others the latency part's. Without latency-bound points the borrowed latency stays (one common
+    factor, as before, scaled the 2-GPU shape's ~10 µs floor by 15× from bandwidth-bound 8-GPU PCIe points);
+    without bandwidth-bound ones both parts take the common factor, as before."""
+    t = np.exp(log_t)
+    slope = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
+    bw = slope * b
+    lat_part = np.maximum(t - bw, 0.0)
+    own_bw = slope * own_size
+    own_lp = np.interp(own_size, b, lat_part, right=lat_part[-1])
+    fitted = _interp_s(b, t, tail, own_size)
+    by_bw = own_bw > own_lp
+    common = float(np.median(own_lat / fitted))
+    k = float(np.median(np.maximum(own_lat[by_bw] - own_lp[by_bw], 0.0) / own_bw[by_bw])) if by_bw.any() else common
+    rest = own_lat[~by_bw] - k * own_bw[~by_bw]
+    a = float(np.median(np.maximum(rest, 0.0) / np.maximum(own_lp[~by_bw], 1e-12))) if (~by_bw).any() else 1.0
+    if k <= 0 or a <= 0:
+        return b, log_t + math.log(common)
+    return b, np.log(np.maximum(a * lat_part + k * bw, 1e-9))
 
 
 def _prior_curve(prior: Mapping[str, Mapping[str, CommCurve]] | None, backend: str, op: str, num_gpus: int,
