@@ -195,12 +195,12 @@ def fit_comm_curves(
             near = [k for k, v in shapes.items() if k[:2] == (be, o) and k[2] != g and len(v[0]) >= MIN_SIZES]
             if near:  # borrow the nearest GPU count's shape, scaled to this group's own points
                 n = min(near, key=lambda k: (abs(math.log(k[2] / g)), -k[2]))
-                b, y = _rescaled_shape(shapes[n][0], shapes[n][1], size[idx], lat[idx],
-                                       comm_bus_factor(o, n[2]) / link)
-            elif prior_curve is not None:  # else the prior's shape of the same collective, scaled the same way
-                bp, tp = np.array(prior_curve.message_bytes), np.array(prior_curve.latency_s)
-                shift = float(np.median(log_t[idx] - np.log(_interp_s(bp, tp, prior_curve.tail_s_per_byte, size[idx]))))
-                b, y, borrowed_tail = bp, np.log(tp) + shift, prior_curve.tail_s_per_byte * math.exp(shift)
+                b, y, _ = _rescaled_shape(shapes[n][0], shapes[n][1], size[idx], lat[idx],
+                                          comm_bus_factor(o, n[2]) / link)
+            elif prior_curve is not None:  # else the prior's shape of the same collective, fitted the same way
+                b, y, scale = _rescaled_shape(np.array(prior_curve.message_bytes), np.log(prior_curve.latency_s),
+                                              size[idx], lat[idx], prior_curve.tail_s_per_byte)
+                borrowed_tail = prior_curve.tail_s_per_byte * scale
         same_backend = np.flatnonzero(ok & (backend == be))
         s_per_bus = (
             beta(idx)
@@ -245,12 +245,13 @@ def fit_comm_curves(
 
 
 def _rescaled_shape(b: np.ndarray, log_t: np.ndarray, own_size: np.ndarray, own_lat: np.ndarray, tail: float
-                    ) -> tuple[np.ndarray, np.ndarray]:
+                    ) -> tuple[np.ndarray, np.ndarray, float]:
     """A borrowed knot curve fitted to a thin group's own points, part by part: the curve is split into a bandwidth
     part (its last segment's slope × size) and the latency rest; own points where the bandwidth part dominates set
     its scale, the others the latency part's. Without latency-bound points the borrowed latency stays (one common
     factor, as before, scaled the 2-GPU shape's ~10 µs floor by 15× from bandwidth-bound 8-GPU PCIe points);
-    without bandwidth-bound ones both parts take the common factor, as before."""
+    without bandwidth-bound ones both parts take the common factor, as before. Returns (knots, log latencies, the
+    bandwidth part's scale)."""
     t = np.exp(log_t)
     slope = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
     bw = slope * b
@@ -264,8 +265,8 @@ def _rescaled_shape(b: np.ndarray, log_t: np.ndarray, own_size: np.ndarray, own_
     rest = own_lat[~by_bw] - k * own_bw[~by_bw]
     a = float(np.median(np.maximum(rest, 0.0) / np.maximum(own_lp[~by_bw], 1e-12))) if (~by_bw).any() else 1.0
     if k <= 0 or a <= 0:
-        return b, log_t + math.log(common)
-    return b, np.log(np.maximum(a * lat_part + k * bw, 1e-9))
+        return b, log_t + math.log(common), common
+    return b, np.log(np.maximum(a * lat_part + k * bw, 1e-9)), k
 
 
 def _prior_curve(prior: Mapping[str, Mapping[str, CommCurve]] | None, backend: str, op: str, num_gpus: int,
