@@ -245,3 +245,21 @@ def test_measured_gpu_folders_are_found_by_profile_name(tmp_path):
     for name in ("h200_sxm", "l40s", "mystery_gpu"):
         (tmp_path / name / "gemm.csv").write_text("dtype,m,n,k,latency_us\nbf16,1,64,64,3.0\n")
     assert measured_gpu_dirs(tmp_path) == {"h200_sxm": "h200-sxm", "l40s": "l40s"}
+
+
+def test_fit_says_which_variants_the_sweep_did_not_measure(tmp_path, capsys):
+    """A bf16-only GEMM sweep: the fp8 formats are the cross-generation tier's, and the fit report says so."""
+    with gzip.open(DATA / "h100_sxm" / "gemm.csv.gz", "rt") as fh:
+        rows = list(csv.reader(fh))
+    d = tmp_path / "bf16_only"
+    d.mkdir()
+    with open(d / "gemm.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows([rows[0]] + [r for r in rows[1::20] if r[0] == "bf16"])
+    out = tmp_path / "c.json"
+    assert _run(["calibrate", "fit", "--measurements", str(d), "--hardware", "h100-sxm", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"gemm\[1\]\s+rows\s+0\s+not measured → cross-generation model", text)
+    assert re.search(r"gemm\[2\]\s+rows\s+0\s+not measured", text)
+    assert not re.search(r"gemm\[0\][^\n]*not measured", text)
+    calib = calibration_from_dict(json.loads(out.read_text()))
+    assert set(calib.eta["gemm"].models) == {"0", "1", "2"}

@@ -187,6 +187,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
     )
     Path(args.output).write_text(json.dumps(calib.to_dict()))
     for key, r in report.entries.items():
+        if not r["rows"]:
+            print(f"{key:<22} rows       0  not measured → cross-generation model")
+            continue
         note = f"  → cross-generation model (MAPE {100 * r['prior_mape']:.1f}% on these rows)" \
             if r.get("uses_prior") else ""
         print(

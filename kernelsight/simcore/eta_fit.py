@@ -901,7 +901,8 @@ def fit_family(
     ran when the ``kernel`` column names several). Returns (model, η max, report).
 
     ``prior`` (a cross-generation calibration of this GPU): a variant measured at fewer than SELECT_MAX_ROWS rows
-    takes the prior's model instead when that predicts its rows better than the fit predicts held-out rows.
+    takes the prior's model instead when that predicts its rows better than the fit predicts held-out rows, and a
+    variant the prior has but the rows lack is the prior's.
     """
     rows = kernel_rows(family, cols)
     lat_s = np.asarray(cols["latency_us"], dtype=float) * 1e-6
@@ -930,6 +931,16 @@ def fit_family(
     # Features without the categorical entry (older tuples) mean bf16 weights / bf16 KV.
     preferred = "0" if family == "gemm" else "2"
     default = preferred if preferred in counts else max(counts, key=counts.__getitem__)
+    if isinstance(prior_model, SwitchEta):
+        # A variant with no rows (a GEMM format or KV dtype the sweep did not time) takes the prior's model, built
+        # for that variant, rather than a measured variant's: on the shared data, H100 / L40S fp8_block GEMMs priced
+        # by the GPU's own fp8 model miss by 73 / 80 %, by the cross-generation fp8_block model by 60 / 71 %.
+        for key, sub in prior_model.models.items():
+            if key not in models:
+                models[key] = sub
+                eta_max = max(eta_max, prior.eta_max)  # type: ignore[union-attr]
+                report[f"{family}[{key}]"] = {"rows": 0.0, "train_mape": math.nan, "overhead_us": math.nan,
+                                              "uses_prior": 1.0}
     return SwitchEta(SWITCH_INDEX[family], models, default), eta_max, report
 
 
@@ -1035,7 +1046,8 @@ def fit_calibration(
 
     ``prior``: the cross-generation calibration of this GPU (what it would get with no measurements). What the
     tables do not measure comes from it: kernel families with no rows (with their fixed latency and the decode
-    floor) and collective backends with no rows; and small variants take its model where it predicts their rows
+    floor), variants with no rows within a measured family (a GEMM format, a KV dtype) and collective backends
+    with no rows; and small variants take its model where it predicts their rows
     better than their own fit predicts held-out rows (:func:`fit_family`).
     """
     calib = default_calibration(hw.name)
