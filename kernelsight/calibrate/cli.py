@@ -225,7 +225,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     try:
         paths = sweep.run_sweep(
-            args.output, device=args.device, quick=args.quick, families=tuple(args.families.split(","))
+            args.output, device=args.device, quick=args.quick, families=tuple(args.families.split(",")),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except sweep.TorchUnavailableError as exc:
         print(str(exc), file=sys.stderr)

@@ -1,0 +1,114 @@
+"""The microbenchmark sweep's shape draw and timing plumbing (no GPU: torch on CPU where importable)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from kernelsight.calibrate import sweep
+from kernelsight.calibrate.measurements import read_table
+
+
+def test_the_draw_is_fixed_by_the_seed_and_stays_inside_the_space():
+    g = sweep.build_grid(num_gpus=8)
+    assert g == sweep.build_grid(num_gpus=8)
+    assert len(g.gemm) == 2 * sweep.SWEEP_POINTS["gemm"]
+    assert len(g.attn_prefill) == sweep.SWEEP_POINTS["attn_prefill"]
+    assert len(g.attn_decode) == sweep.SWEEP_POINTS["attn_decode"]
+    assert set(g.attn_prefill) <= set(sweep.prefill_space()) and set(g.attn_decode) <= set(sweep.decode_space())
+    for dt in ("bf16", "fp8"):
+        assert {p for p in g.gemm if p[0] == dt} <= set(sweep.gemm_space(dt))
+    other = sweep.build_grid(num_gpus=8, seed=1)
+    assert other.gemm != g.gemm and len(set(other.attn_decode) & set(g.attn_decode)) < len(g.attn_decode)
+    # a drawn set covers each axis of the space, not a corner of it
+    assert {p[1] for p in g.gemm} == set(sweep.GEMM_M)
+    assert {p[2] for p in g.gemm} == set(sweep.GEMM_NK)
+    assert {(p[2], p[3]) for p in g.attn_prefill} == set(sweep.ATTN_HEADS)
+
+
+def test_every_point_respects_the_memory_flop_and_token_limits():
+    for _, m, n, k in sweep.gemm_space("bf16"):
+        assert 2.0 * m * n * k <= sweep.MAX_POINT_FLOPS
+        assert 2.0 * (m * k + n * k + m * n) <= sweep.MAX_POINT_BYTES
+    for b, s, qh, kvh, hd, _, w in sweep.prefill_space(sweep.SWEEP_WINDOWS):
+        assert b * s <= sweep.MAX_PREFILL_TOKENS and qh % kvh == 0 and w < s
+        assert 2.0 * b * s * s * qh * hd <= sweep.MAX_POINT_FLOPS
+    for b, c, _, kvh, hd, _, w in sweep.decode_space(sweep.SWEEP_WINDOWS):
+        assert 4.0 * b * (c + 1) * kvh * hd <= sweep.MAX_POINT_BYTES and w <= c
+
+
+def test_windows_and_formats_are_only_drawn_when_asked_for():
+    plain = sweep.build_grid(gemm_dtypes=("bf16",))
+    assert {p[0] for p in plain.gemm} == {"bf16"}
+    assert {p[6] for p in plain.attn_prefill} == {0} and {p[6] for p in plain.attn_decode} == {0}
+    windowed = sweep.build_grid(windows=sweep.SWEEP_WINDOWS)
+    assert {p[6] for p in windowed.attn_prefill} == set(sweep.SWEEP_WINDOWS)
+    # windows come on top: full attention keeps the very points a sweep without windows draws
+    full = sweep.build_grid()
+    for fam in ("attn_prefill", "attn_decode"):
+        drawn = getattr(windowed, fam)
+        assert [p for p in drawn if p[6] == 0] == list(getattr(full, fam))
+        assert len(drawn) == len(getattr(full, fam)) + int(sweep.SWEEP_POINTS[fam] * sweep.WINDOW_SHARE)
+    whole = sweep.build_grid(points={"gemm": None, "attn_prefill": None, "attn_decode": None})
+    assert len(whole.attn_decode) == len(sweep.decode_space())
+
+
+def test_per_row_kernel_names_are_written(tmp_path):
+    rows = [("bf16", 1, 64, 64, 3.0), ("fp8", 1, 64, 64, 2.5)]
+    p = sweep.write_csv(tmp_path / "gemm.csv", "gemm", rows, kernel=[sweep.GEMM_KERNELS[r[0]] for r in rows])
+    t = read_table(p)
+    assert t["kernel"].tolist() == ["torch.nn.functional.linear", "torch._scaled_mm"]
+    assert t["latency_us"].tolist() == [3.0, 2.5]
+
+
+def test_sdpa_times_grouped_heads_without_windows():
+    torch = pytest.importorskip("torch")
+    points = [(2, 16, 8, 2, 64, "bf16", 0), (1, 64, 4, 1, 64, "bf16", 32)]
+    rows, kernel = sweep._attention_rows(torch, points, False, "cpu", 1, None)
+    assert kernel == "torch_sdpa"
+    assert [r[:7] for r in rows] == [points[0]]   # SDPA has no sliding-window kernel: that point is left out
+    assert rows[0][7] > 0
+    assert sweep.gemm_formats(torch, "cpu") == ("bf16",)
+
+
+def test_flash_attention_gets_varlen_batches_windows_and_its_name(monkeypatch):
+    """The FlashAttention path with a stand-in module: the call the sweep makes (keyword arguments only)."""
+    torch = pytest.importorskip("torch")
+    calls = []
+
+    def varlen(**kw):
+        calls.append(kw)
+        return kw["q"]
+
+    monkeypatch.setitem(sys.modules, "vllm", None)   # no vLLM: the flash_attn package is next
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    flash = sweep.flash_attn_varlen()
+    assert flash is not None and flash[1] == "flash_attn"
+    prefill = [(3, 16, 8, 2, 64, "bf16", 0), (2, 64, 4, 4, 128, "bf16", 32)]
+    rows, kernel = sweep._attention_rows(torch, prefill, False, "cpu", 1, flash)
+    assert kernel == "flash_attn" and [r[:7] for r in rows] == prefill
+    first = calls[0]
+    assert first["q"].shape == (3 * 16, 8, 64) and first["k"].shape == (3 * 16, 2, 64)
+    assert first["cu_seqlens_q"].tolist() == [0, 16, 32, 48] and first["max_seqlen_k"] == 16
+    assert first["window_size"] == (-1, -1) and first["causal"]
+    windowed = next(c for c in calls if c["q"].shape[0] == 2 * 64)
+    assert windowed["window_size"] == (31, 0)
+    calls.clear()
+    rows, _ = sweep._attention_rows(torch, [(4, 127, 8, 1, 64, "bf16", 0)], True, "cpu", 1, flash)
+    dec = calls[0]
+    assert dec["q"].shape == (4, 8, 64) and dec["k"].shape == (4 * 128, 1, 64)
+    assert dec["cu_seqlens_k"].tolist() == [0, 128, 256, 384, 512] and dec["max_seqlen_q"] == 1
+    assert np.isfinite(rows[0][7])
+
+
+def test_a_point_that_fails_is_left_out_not_fatal():
+    pytest.importorskip("torch")
+
+    def broken():
+        raise RuntimeError("CUDA out of memory")
+
+    assert sweep.time_point(broken, "cpu", 1) is None
+    assert sweep.time_point(lambda: (lambda: None), "cpu", 1) >= 0.0
