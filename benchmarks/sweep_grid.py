@@ -7,11 +7,12 @@ table lacks find no row, so the fits here see fewer rows than a real sweep times
 cross-generation tier from the *other* GPUs as its prior, as ``kernelsight calibrate fit`` does) is judged on every
 other row, next to a fit on as many random rows and the cross-generation tier alone. Two sweeps are shown:
 
-* ``torch``: what runs with PyTorch alone (bf16 and per-tensor fp8 GEMMs, attention without windows);
+* ``torch``: what runs with PyTorch alone (bf16 and per-tensor fp8 GEMMs, attention without windows, NCCL
+  collectives);
 * ``flash``: with FlashAttention importable (attention also with sliding windows).
 
-Both GEMM formats draw the same number of points. A comm sweep times every all-reduce row it can (nothing of
-its own variant is left to judge, so ``covered`` is empty there).
+Both GEMM formats draw the same number of points. The sweep times every NCCL collective row of the tables, so
+nothing of its own is left to judge there (``covered`` is empty); the other comm rows are vLLM's custom all-reduce.
 
 Neither times vLLM's block-scaled fp8 GEMMs or an fp8 KV cache: those rows come from the prior, so MAPE is also
 given over the rows of the variants the sweep measures (``covered``).
@@ -87,7 +88,7 @@ def covered(table: Table, family: str, windows: bool) -> np.ndarray:
     if family == "gemm":
         return np.isin(table["dtype"], COVERED_FORMATS)
     if family == "comm":
-        return (table["op"] == "all_reduce") & (table["backend"] == "nccl")
+        return table["backend"] == "nccl"
     ok = table["kv_dtype"] == "bf16"
     return ok if windows else ok & (table["window"] == 0)
 

@@ -138,7 +138,7 @@ def test_sweep_grid_is_fixed_and_schema_complete(tmp_path):
     assert g1 == g2
     assert len(g1.gemm) > 1000 and len(g1.attn_prefill) > 50 and len(g1.attn_decode) > 100
     assert g1.comm == ()  # one GPU: no collectives
-    assert len(sweep.build_grid(num_gpus=8).comm) == 3 * 21
+    assert len(sweep.build_grid(num_gpus=8).comm) == len(sweep.COMM_OPS) * 3 * 21
     q = sweep.build_grid(quick=True)
     assert len(q.gemm) < 20
     p = sweep.write_csv(tmp_path / "gemm.csv", "gemm", [(*row, 12.5) for row in q.gemm], kernel="x")

@@ -112,3 +112,32 @@ def test_a_point_that_fails_is_left_out_not_fatal():
 
     assert sweep.time_point(broken, "cpu", 1) is None
     assert sweep.time_point(lambda: (lambda: None), "cpu", 1) >= 0.0
+
+
+def test_collectives_count_the_whole_buffer_like_the_schema():
+    """all-gather's output, reduce-scatter's input and all-to-all's send buffer are the message (as nccl-tests and
+    the shared tables count it); each rank holds 1/world of it where the op splits it."""
+    torch = pytest.importorskip("torch")
+    seen = []
+
+    class FakeDist:
+        def all_reduce(self, x):
+            seen.append(("all_reduce", x.numel()))
+
+        def all_gather_into_tensor(self, out, inp):
+            seen.append(("all_gather", out.numel(), inp.numel()))
+
+        def reduce_scatter_tensor(self, out, inp):
+            seen.append(("reduce_scatter", out.numel(), inp.numel()))
+
+        def all_to_all_single(self, out, inp):
+            seen.append(("all_to_all", out.numel(), inp.numel()))
+
+    for op in sweep.COMM_OPS:
+        sweep.collective_fn(torch, FakeDist(), op, 4096, 4, "cpu")()
+    assert seen == [("all_reduce", 2048), ("all_gather", 2048, 512), ("reduce_scatter", 512, 2048),
+                    ("all_to_all", 2048, 2048)]
+    with pytest.raises(ValueError, match="broadcast"):
+        sweep.collective_fn(torch, FakeDist(), "broadcast", 4096, 4, "cpu")
+    grid = sweep.build_grid(num_gpus=4)
+    assert {(op, g) for op, _, _, g, _ in grid.comm} == {(op, g) for op in sweep.COMM_OPS for g in (2, 4)}

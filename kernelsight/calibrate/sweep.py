@@ -1,6 +1,6 @@
 """``kernelsight calibrate sweep``: the one microbenchmark sweep a user runs on their own GPU.
 
-A fixed, model-agnostic set of GEMM, attention (prefill and decode) and all-reduce shapes, timed with
+A fixed, model-agnostic set of GEMM, attention (prefill and decode) and collective shapes, timed with
 PyTorch and written in the measurement schema (``gemm.csv``, ``attn_prefill.csv``, ``attn_decode.csv``,
 ``comm.csv``), ready for ``kernelsight calibrate fit``. torch is imported lazily, only here: the core
 never needs it.
@@ -8,12 +8,12 @@ never needs it.
 What runs: GEMMs through ``torch.nn.functional.linear`` (bf16) and ``torch._scaled_mm`` (per-tensor fp8, on
 GPUs with fp8 tensor cores); attention through vLLM's FlashAttention (``vllm.vllm_flash_attn``, else the
 ``flash_attn`` package) when importable — then also with sliding windows — else ``torch`` SDPA with grouped KV
-heads; all-reduce through NCCL. The ``kernel`` column names what ran, so a fit keeps them apart. What the sweep
-cannot time (vLLM's block-scaled fp8 GEMMs, an fp8 KV cache, vLLM's custom all-reduce) the fit takes from the
-cross-generation tier.
+heads; all-reduce, all-gather, reduce-scatter and all-to-all through NCCL. The ``kernel`` column names what ran,
+so a fit keeps them apart. What the sweep cannot time (vLLM's block-scaled fp8 GEMMs, an fp8 KV cache, vLLM's
+custom all-reduce) the fit takes from the cross-generation tier.
 
 The shapes: a fixed-seed draw of :data:`SWEEP_POINTS` points per family from a dense shape space (see
-:func:`build_grid`), plus 3 GPU counts × 21 message sizes of all-reduce. Each point is warmed up and timed over
+:func:`build_grid`), plus 4 collectives × 3 GPU counts × 21 message sizes. Each point is warmed up and timed over
 10 repetitions with CUDA events. ``benchmarks/sweep_grid.py`` estimates the GPU time from the shared H100
 measurements (minutes, within the 15-minute budget) and what a fit on these points achieves.
 """
@@ -74,6 +74,8 @@ DECODE_CACHED: tuple[int, ...] = tuple(2**p - 1 for p in range(1, 18))   # 1 …
 SWEEP_POINTS: dict[str, int] = {"gemm": 8000, "attn_prefill": 6000, "attn_decode": 6000}
 SWEEP_SEED = 0
 COMM_MESSAGE_BYTES: tuple[int, ...] = tuple(2**p for p in range(9, 30))
+#: NCCL collectives timed (vLLM's custom all-reduce needs vLLM's own buffers: the fit takes it from the prior).
+COMM_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: Sliding windows timed when FlashAttention is importable (0 = none): Mistral / Gemma / gpt-oss style widths.
 SWEEP_WINDOWS: tuple[int, ...] = (0, 128, 1024, 4096)
 #: Windowed attention points, as a share of the family's budget, drawn on top of it. Drawing windows from one
@@ -159,7 +161,7 @@ def build_grid(
     if slid:   # a third more points with a window: full attention stays as densely covered as without windows
         prefill += _draw(prefill_space(slid), _share(budget["attn_prefill"], WINDOW_SHARE), rng)
         decode += _draw(decode_space(slid), _share(budget["attn_decode"], WINDOW_SHARE), rng)
-    comm = tuple(("all_reduce", "nccl", "bf16", g, msg) for g in gpus for msg in COMM_MESSAGE_BYTES)
+    comm = tuple((op, "nccl", "bf16", g, msg) for op in COMM_OPS for g in gpus for msg in COMM_MESSAGE_BYTES)
     return Grid(gemm, prefill, decode, comm)
 
 
@@ -358,21 +360,39 @@ def _summary(what: str, timed: int, points: int, seconds: float) -> str:
     return f"{what}: {timed} of {points} points timed ({points - timed} left out or failed) in {seconds:.0f} s"
 
 
+def collective_fn(torch, dist, op: str, message_bytes: int, world: int, device: str) -> Callable[[], object]:  # type: ignore[no-untyped-def]
+    """One NCCL collective of ``message_bytes`` in bf16. The message is the whole buffer, as the schema and
+    nccl-tests count it: all-gather's output, reduce-scatter's input, all-to-all's send buffer."""
+    n = message_bytes // 2
+    full = torch.empty(n, dtype=torch.bfloat16, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    part = torch.empty(n // world, dtype=torch.bfloat16, device=device)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, full)
+    if op == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full)
+    raise ValueError(f"the sweep cannot time collective {op!r}")
+
+
 def _run_comm(out: Path, grid: Grid, reps: int) -> Path:
-    """All-reduce over 2/4/8 local GPUs (one process per GPU, NCCL)."""
+    """The grid's collectives over 2/4/8 local GPUs (one process per GPU, NCCL)."""
     torch = _torch()
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Manager().list()
     for g in sorted({row[3] for row in grid.comm}):
-        sizes = [row[4] for row in grid.comm if row[3] == g]
-        mp.spawn(_comm_worker, args=(g, sizes, reps, results), nprocs=g, join=True)
-    rows = [("all_reduce", "nccl", "bf16", g, msg, lat) for g, msg, lat in results]
+        points = [(row[0], row[4]) for row in grid.comm if row[3] == g]
+        mp.spawn(_comm_worker, args=(g, points, reps, results), nprocs=g, join=True)
+    rows = [(op, "nccl", "bf16", g, msg, lat) for op, g, msg, lat in results]
     del torch
     return write_csv(out / "comm.csv", "comm", rows)
 
 
-def _comm_worker(rank: int, world: int, sizes: list[int], reps: int, results: list) -> None:  # type: ignore[type-arg]
+def _comm_worker(rank: int, world: int, points: list[tuple[str, int]], reps: int, results: list) -> None:  # type: ignore[type-arg]
     import os
 
     torch = _torch()
@@ -382,9 +402,9 @@ def _comm_worker(rank: int, world: int, sizes: list[int], reps: int, results: li
     os.environ.setdefault("MASTER_PORT", str(29500 + world))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
-    for msg in sizes:
-        x = torch.empty(msg // 2, dtype=torch.bfloat16, device=f"cuda:{rank}")
-        lat = time_us(lambda x=x: dist.all_reduce(x), f"cuda:{rank}", reps=reps)
+    device = f"cuda:{rank}"
+    for op, msg in points:
+        lat = time_us(collective_fn(torch, dist, op, msg, world, device), device, reps=reps)
         if rank == 0:
-            results.append((world, msg, lat))
+            results.append((op, world, msg, lat))
     dist.destroy_process_group()
