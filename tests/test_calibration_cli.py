@@ -263,3 +263,17 @@ def test_fit_says_which_variants_the_sweep_did_not_measure(tmp_path, capsys):
     assert not re.search(r"gemm\[0\][^\n]*not measured", text)
     calib = calibration_from_dict(json.loads(out.read_text()))
     assert set(calib.eta["gemm"].models) == {"0", "1", "2"}
+
+
+def test_sweep_points_and_seed_choose_the_draw(capsys):
+    args = _parser().parse_args(["calibrate", "sweep", "-o", "d", "--points", "gemm=40,attn_decode=7", "--seed", "3"])
+    assert args.points == {"gemm": 40, "attn_decode": 7} and args.seed == 3
+    grid = sweep.build_grid(points=args.points, seed=args.seed)
+    assert len(grid.gemm) == 2 * 40 and len(grid.attn_decode) == 7
+    assert len(grid.attn_prefill) == sweep.SWEEP_POINTS["attn_prefill"]
+    for bad, message in (("comm=5", "FAMILY=N with FAMILY one of gemm, attn_prefill, attn_decode"),
+                         ("gemm", "got 'gemm'"), ("gemm=0", "must be at least 1")):
+        with pytest.raises(SystemExit) as exc:
+            _parser().parse_args(["calibrate", "sweep", "-o", "d", "--points", bad])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err

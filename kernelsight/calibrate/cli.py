@@ -37,6 +37,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _sweep_points(text: str) -> dict[str, int]:
+    """``gemm=4000,attn_decode=3000`` → points per family (the families the sweep draws shapes for)."""
+    from kernelsight.calibrate.sweep import SWEEP_POINTS
+
+    out: dict[str, int] = {}
+    for item in filter(None, text.split(",")):
+        fam, sep, value = item.partition("=")
+        if not sep or fam not in SWEEP_POINTS:
+            raise argparse.ArgumentTypeError(f"expected FAMILY=N with FAMILY one of {', '.join(SWEEP_POINTS)}, "
+                                             f"got {item!r}")
+        out[fam] = _positive_int(value)
+    return out
+
+
 def _add_workers(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers",
@@ -91,6 +105,10 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--device", default="cuda", help="torch device (default cuda; 'cpu' for a smoke run)")
     s.add_argument("--quick", action="store_true", help="tiny grid (smoke test, seconds)")
     s.add_argument("--families", default="gemm,attn_prefill,attn_decode,comm")
+    s.add_argument("--points", type=_sweep_points, default={},
+                   help="shapes drawn per family instead of the defaults (gemm=8000 per format, attn_prefill=6000, "
+                   "attn_decode=6000), e.g. gemm=4000,attn_prefill=3000 for a shorter sweep on a slow GPU")
+    s.add_argument("--seed", type=int, default=0, help="seed of the shape draw (default 0: the fixed sweep)")
     s.set_defaults(func=cmd_sweep)
     return p
 
@@ -226,7 +244,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         paths = sweep.run_sweep(
             args.output, device=args.device, quick=args.quick, families=tuple(args.families.split(",")),
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            points=args.points, seed=args.seed, progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except sweep.TorchUnavailableError as exc:
         print(str(exc), file=sys.stderr)

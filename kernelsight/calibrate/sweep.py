@@ -324,17 +324,20 @@ def run_sweep(
     quick: bool = False,
     families: Sequence[str] = ("gemm", "attn_prefill", "attn_decode", "comm"),
     progress: Callable[[str], None] | None = None,
+    points: Mapping[str, int | None] | None = None,
+    seed: int = SWEEP_SEED,
 ) -> list[Path]:
     """Time the grid on ``device`` and write the schema files into ``output``; returns the files written.
-    ``progress`` receives one line per family: points timed, points that failed, seconds."""
+    ``progress`` receives one line per family: points timed, points that failed, seconds. ``points`` and
+    ``seed``: the draw (:func:`build_grid`)."""
     torch = _torch()
     say = progress or (lambda _line: None)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     n_gpus = torch.cuda.device_count() if device.startswith("cuda") else 1
     flash = flash_attn_varlen() if device.startswith("cuda") else None
-    grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device), num_gpus=n_gpus,
-                      windows=SWEEP_WINDOWS if flash is not None else (0,))
+    grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device), num_gpus=n_gpus, points=points,
+                      seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,))
     reps = 3 if quick else 10
     written = []
     with torch.inference_mode():
