@@ -277,3 +277,19 @@ def test_sweep_points_and_seed_choose_the_draw(capsys):
             _parser().parse_args(["calibrate", "sweep", "-o", "d", "--points", bad])
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_sweep_estimate_needs_no_torch_and_adds_up(capsys):
+    assert _run(["calibrate", "sweep", "--estimate", "h100", "--points", "gemm=100,attn_prefill=50,attn_decode=50",
+                 "--num-gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = {f: n for f, n, _ in re.findall(r"^(\w+)\s+(\d+) points\s+([\d.]+) min", out, flags=re.M)}
+    assert int(lines["gemm"]) == 2 * 100 and int(lines["attn_prefill"]) == 50
+    assert int(lines["comm"]) == len(sweep.COMM_OPS) * 21            # 2 GPUs: one GPU count
+    assert "h100-sxm (target-measured calibration" in out
+    parts = [float(re.search(rf"^{f}\s+\d+ points\s+([\d.]+) min", out, flags=re.M).group(1))
+             for f in ("gemm", "attn_prefill", "attn_decode", "comm")]
+    assert float(re.search(r"^total\s+\d+ points\s+([\d.]+) min", out, flags=re.M).group(1)) == pytest.approx(
+        sum(parts), abs=0.25)
+    assert _run(["calibrate", "sweep"]) == 2
+    assert "-o/--output DIR is required" in capsys.readouterr().err

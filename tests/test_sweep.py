@@ -141,3 +141,23 @@ def test_collectives_count_the_whole_buffer_like_the_schema():
         sweep.collective_fn(torch, FakeDist(), "broadcast", 4096, 4, "cpu")
     grid = sweep.build_grid(num_gpus=4)
     assert {(op, g) for op, _, _, g, _ in grid.comm} == {(op, g) for op in sweep.COMM_OPS for g in (2, 4)}
+
+
+def test_the_estimate_prices_every_point_like_predict_does(tmp_path):
+    """estimate_seconds = Σ predicted latency of the grid's points × calls per point, the points going through the
+    same schema columns a measurement file of them would have."""
+    from kernelsight.calibrate.cli import resolve_calibration
+    from kernelsight.calibrate.evaluate import predict_table_s
+    from kernelsight.profiles import load_hardware
+
+    hw = load_hardware("h100-sxm")
+    calib = resolve_calibration(hw)
+    grid = sweep.build_grid(num_gpus=2, points={"gemm": 30, "attn_prefill": 20, "attn_decode": 20})
+    est = sweep.estimate_seconds(grid, hw, calib, calls_per_point=13)
+    assert set(est) == {"gemm", "attn_prefill", "attn_decode", "comm"}
+    for fam in est:
+        p = sweep.write_csv(tmp_path / f"{fam}.csv", fam, [(*row, 1.0) for row in getattr(grid, fam)])
+        expected = 13 * float(np.nansum(predict_table_s(read_table(p), hw, calib)))
+        assert est[fam] == pytest.approx(expected, rel=1e-9) and est[fam] > 0
+    assert sum(sweep.estimate_seconds(grid, hw, calib, calls_per_point=1).values()) == pytest.approx(
+        sum(est.values()) / 13)

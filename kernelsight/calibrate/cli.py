@@ -21,6 +21,21 @@ from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
 
+def _estimate_sweep(args: argparse.Namespace, sweep: Any) -> int:
+    hw = _hardware(args.estimate)
+    calib = resolve_calibration(hw)
+    # what run_sweep would draw on this GPU with torch alone: fp8 where NVIDIA has fp8 tensor cores (sm_89+)
+    fp8 = hw.vendor == "nvidia" and tuple(int(x) for x in hw.compute_capability.split(".")) >= (8, 9)
+    grid = sweep.build_grid(gemm_dtypes=("bf16", "fp8") if fp8 else ("bf16",), num_gpus=args.num_gpus,
+                            points=args.points, seed=args.seed)
+    seconds = sweep.estimate_seconds(grid, hw, calib)
+    for fam, sec in seconds.items():
+        print(f"{fam:<13} {len(getattr(grid, fam)):>6} points  {sec / 60:6.1f} min")
+    print(f"{'total':<13} {sum(len(getattr(grid, f)) for f in seconds):>6} points  {sum(seconds.values()) / 60:6.1f} "
+          f"min of GPU time on {hw.name} ({calib.tier} calibration; allocating each point's tensors adds a little)")
+    return 0
+
+
 def _hardware(name: str) -> HardwareSpec:
     from kernelsight.profiles import load_hardware
 
@@ -101,7 +116,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("sweep", help="run the microbenchmark sweep on this machine's GPU (needs torch)")
-    s.add_argument("-o", "--output", required=True, help="directory to write gemm/attn_*/comm CSVs into")
+    s.add_argument("-o", "--output", help="directory to write gemm/attn_*/comm CSVs into (required to run it)")
     s.add_argument("--device", default="cuda", help="torch device (default cuda; 'cpu' for a smoke run)")
     s.add_argument("--quick", action="store_true", help="tiny grid (smoke test, seconds)")
     s.add_argument("--families", default="gemm,attn_prefill,attn_decode,comm")
@@ -109,6 +124,10 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="shapes drawn per family instead of the defaults (gemm=8000 per format, attn_prefill=6000, "
                    "attn_decode=6000), e.g. gemm=4000,attn_prefill=3000 for a shorter sweep on a slow GPU")
     s.add_argument("--seed", type=int, default=0, help="seed of the shape draw (default 0: the fixed sweep)")
+    s.add_argument("--estimate", metavar="HARDWARE",
+                   help="time nothing: print the points per family and the GPU minutes the sweep would take on this "
+                   "GPU profile, predicted by its bundled calibration (no torch needed; -o is then ignored)")
+    s.add_argument("--num-gpus", type=_positive_int, default=8, help="with --estimate: GPUs for the collectives")
     s.set_defaults(func=cmd_sweep)
     return p
 
@@ -241,6 +260,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from kernelsight.calibrate import sweep
 
+    if args.estimate:
+        return _estimate_sweep(args, sweep)
+    if not args.output:
+        print("kernelsight calibrate sweep: -o/--output DIR is required (or --estimate HARDWARE)", file=sys.stderr)
+        return 2
     try:
         paths = sweep.run_sweep(
             args.output, device=args.device, quick=args.quick, families=tuple(args.families.split(",")),

@@ -14,8 +14,9 @@ custom all-reduce) the fit takes from the cross-generation tier.
 
 The shapes: a fixed-seed draw of :data:`SWEEP_POINTS` points per family from a dense shape space (see
 :func:`build_grid`), plus 4 collectives × 3 GPU counts × 21 message sizes. Each point is warmed up and timed over
-10 repetitions with CUDA events. ``benchmarks/sweep_grid.py`` estimates the GPU time from the shared H100
-measurements (minutes, within the 15-minute budget) and what a fit on these points achieves.
+10 repetitions with CUDA events. ``kernelsight calibrate sweep --estimate GPU`` predicts the GPU time with the
+GPU's calibration (:func:`estimate_seconds`; ~3 minutes on an H100); ``benchmarks/sweep_grid.py`` measures what a
+fit on these points achieves on the shared tables, and the time from their measured latencies.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
+
 from kernelsight.calibrate.measurements import SCHEMA
+from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.hardware import HardwareSpec
 
 T = TypeVar("T")
 
@@ -68,9 +73,9 @@ DECODE_CACHED: tuple[int, ...] = tuple(2**p - 1 for p in range(1, 18))   # 1 …
 #: (``benchmarks/sweep_grid.py``: the points' rows fitted, the other rows of the formats it times judged), the
 #: earlier grid (7-8 values per axis, ~2,000 GEMMs and ~500 attention shapes) gave GEMM / prefill / decode MAPE
 #: of 13 / 22 / 19 % on the A100, 17 / 15 / 11 % on the H100 and 37 / 66 / 20 % on the L40S; this draw 4.4 / 2.5 /
-#: 2.4, 3.8 / 5.1 / 5.0 and 6.4 / 4.4 / 5.2 %. Twice the points gained nothing there. Timing them takes ~2.5
-#: minutes of kernel time on an H100 (from the shared H100 latencies; A100 ~7, L40S ~7), plus a few ms per point
-#: to allocate its tensors.
+#: 2.4, 3.8 / 5.1 / 5.0 and 6.4 / 4.4 / 5.2 %. Twice the points gained nothing there. Timing them takes 2-3
+#: minutes of kernel time on an H100 (2.2 from the shared H100 latencies, 3.1 predicted by ``calibrate sweep
+#: --estimate h100``; A100 / L40S ~7 from their latencies), plus a few ms per point to allocate its tensors.
 SWEEP_POINTS: dict[str, int] = {"gemm": 8000, "attn_prefill": 6000, "attn_decode": 6000}
 SWEEP_SEED = 0
 COMM_MESSAGE_BYTES: tuple[int, ...] = tuple(2**p for p in range(9, 30))
@@ -182,6 +187,34 @@ def write_csv(
     return path
 
 
+def grid_columns(grid: Grid) -> dict[str, dict[str, np.ndarray]]:
+    """The grid's points as schema columns per family (no ``latency_us``): what ``predict`` takes."""
+    names = {f: [c for c in SCHEMA[f]] for f in SCHEMA}
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for fam, points in (("gemm", grid.gemm), ("attn_prefill", grid.attn_prefill),
+                        ("attn_decode", grid.attn_decode), ("comm", grid.comm)):
+        if not points:
+            continue
+        cols = list(zip(*points, strict=True))
+        out[fam] = {c: np.asarray(v, dtype=str if isinstance(v[0], str) else float)
+                    for c, v in zip(names[fam], cols, strict=True)}
+    return out
+
+
+def estimate_seconds(grid: Grid, hw: HardwareSpec, calib: Calibration, calls_per_point: int = 13
+                     ) -> dict[str, float]:
+    """Predicted GPU seconds of timing the grid on ``hw`` (warm-up + timed calls of every point), per family,
+    from a calibration of that GPU: how long a sweep will take before running it."""
+    from kernelsight.calibrate.evaluate import predict_comm_s
+    from kernelsight.simcore.eta_fit import predict_rows_s
+
+    out: dict[str, float] = {}
+    for fam, cols in grid_columns(grid).items():
+        t = predict_comm_s(cols, hw, calib) if fam == "comm" else predict_rows_s(fam, cols, hw, calib)
+        out[fam] = float(np.nansum(t)) * calls_per_point
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------------
 # timing with torch (lazy)
 # ------------------------------------------------------------------------------------------------------------
@@ -232,8 +265,8 @@ GEMM_KERNELS = {"bf16": "torch.nn.functional.linear", "fp8": "torch._scaled_mm"}
 
 def gemm_formats(torch, device: str) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
     """GEMM formats this device can time: bf16 everywhere, per-tensor fp8 on GPUs with fp8 tensor cores (sm_89+)."""
-    cuda = device.startswith("cuda")
-    if cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
+    nvidia = device.startswith("cuda") and getattr(torch.version, "hip", None) is None   # ROCm's fp8 is e4m3fnuz
+    if nvidia and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
         return ("bf16", "fp8")
     return ("bf16",)
 
