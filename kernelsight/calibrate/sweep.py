@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 #: Largest KV / activation footprint a single point may allocate (keeps the sweep within 24 GB cards).
 MAX_POINT_BYTES = 6 * 1024**3
-#: Largest single GEMM / prefill point, in FLOPs (~0.3 s on an H100 in bf16: the slowest points stay short).
+#: Largest single GEMM / prefill point, in FLOPs (~0.4 s on an H100 in bf16: the slowest points stay short).
 MAX_POINT_FLOPS = 2.0**48
 #: Most prompt tokens in one prefill point (a long prompt or a batch of shorter ones).
 MAX_PREFILL_TOKENS = 131072
@@ -83,9 +83,9 @@ COMM_MESSAGE_BYTES: tuple[int, ...] = tuple(2**p for p in range(9, 30))
 COMM_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: Sliding windows timed when FlashAttention is importable (0 = none): Mistral / Gemma / gpt-oss style widths.
 SWEEP_WINDOWS: tuple[int, ...] = (0, 128, 1024, 4096)
-#: Windowed attention points, as a share of the family's budget, drawn on top of it. Drawing windows from one
-#: space with full attention left full attention with a quarter of the points: on the shared tables the H100 /
-#: L40S decode fits then missed the other rows by 8.3 / 15 % (random rows: 4.6 / 8.6 %).
+#: Windowed attention points, as a share of the family's budget, drawn on top of it: one draw over windows and
+#: full attention together would leave full attention (what most models run) a quarter of the points; this way
+#: it gets the very points a sweep without windows draws.
 WINDOW_SHARE = 1 / 3
 
 
@@ -189,7 +189,6 @@ def write_csv(
 
 def grid_columns(grid: Grid) -> dict[str, dict[str, np.ndarray]]:
     """The grid's points as schema columns per family (no ``latency_us``): what ``predict`` takes."""
-    names = {f: [c for c in SCHEMA[f]] for f in SCHEMA}
     out: dict[str, dict[str, np.ndarray]] = {}
     for fam, points in (("gemm", grid.gemm), ("attn_prefill", grid.attn_prefill),
                         ("attn_decode", grid.attn_decode), ("comm", grid.comm)):
@@ -197,7 +196,7 @@ def grid_columns(grid: Grid) -> dict[str, dict[str, np.ndarray]]:
             continue
         cols = list(zip(*points, strict=True))
         out[fam] = {c: np.asarray(v, dtype=str if isinstance(v[0], str) else float)
-                    for c, v in zip(names[fam], cols, strict=True)}
+                    for c, v in zip(SCHEMA[fam], cols, strict=True)}
     return out
 
 
@@ -381,14 +380,16 @@ def run_sweep(
             rows = [r for r in timed if r[-1] is not None]
             written.append(write_csv(out / "gemm.csv", "gemm", rows, kernel=[GEMM_KERNELS[r[0]] for r in rows]))
             say(_summary("gemm", len(rows), len(grid.gemm), time.perf_counter() - t0))
-        for fam, points in (("attn_prefill", grid.attn_prefill), ("attn_decode", grid.attn_decode)):
+        for fam, shapes in (("attn_prefill", grid.attn_prefill), ("attn_decode", grid.attn_decode)):
             if fam in families:
                 t0 = time.perf_counter()
-                rows, kernel = _attention_rows(torch, points, fam == "attn_decode", device, reps, flash)
+                rows, kernel = _attention_rows(torch, shapes, fam == "attn_decode", device, reps, flash)
                 written.append(write_csv(out / f"{fam}.csv", fam, rows, kernel=kernel))
-                say(_summary(f"{fam} ({kernel})", len(rows), len(points), time.perf_counter() - t0))
+                say(_summary(f"{fam} ({kernel})", len(rows), len(shapes), time.perf_counter() - t0))
     if "comm" in families and grid.comm:
+        t0 = time.perf_counter()
         written.append(_run_comm(out, grid, reps))
+        say(_summary("comm (nccl)", len(grid.comm), len(grid.comm), time.perf_counter() - t0))
     return written
 
 
