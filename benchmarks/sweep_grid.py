@@ -1,9 +1,10 @@
 """What a target calibration from ``kernelsight calibrate sweep`` achieves, judged on the shared measurements.
 
 The sweep's points (:func:`kernelsight.calibrate.sweep.build_grid`, its fixed-seed draw) are looked up in each
-GPU's shared tables: every axis value (and sliding window) snapped to the nearest measured value (in log), and the
-table rows at the snapped shapes stand in for what the sweep would time on that GPU (points at head layouts a
-table lacks find no row, so the fits here see fewer rows than a real sweep times). A target fit on those rows (with the
+GPU's shared tables: every axis value (and sliding window; the head layout as a whole) snapped to the nearest
+measured one (in log), and the table rows at the snapped shapes stand in for what the sweep would time on that
+GPU (a point whose batch × length the table did not measure at that layout finds no row, so the fits here see
+fewer rows than a real sweep times). A target fit on those rows (with the
 cross-generation tier from the *other* GPUs as its prior, as ``kernelsight calibrate fit`` does) is judged on every
 other row, next to a fit on as many random rows and the cross-generation tier alone. Two sweeps are shown:
 
@@ -63,6 +64,19 @@ def _snapper(measured: np.ndarray):  # type: ignore[no-untyped-def]
     return lambda v: float(values[np.argmin(np.abs(logs - np.log(v)))])
 
 
+def _layout_snapper(table: Table):  # type: ignore[no-untyped-def]
+    """(q heads, KV heads, head dim) → the nearest layout the table measured (log distance, all three together:
+    snapping each axis alone lands many points on layouts no row has)."""
+    measured = np.unique(np.column_stack([table["num_heads"], table["num_kv_heads"], table["head_dim"]]), axis=0)
+    logs = np.log(measured)
+
+    def nearest(layout: tuple[int, int, int]) -> tuple[float, ...]:
+        d = np.sum((logs - np.log(np.asarray(layout, dtype=float))) ** 2, axis=1)
+        return tuple(float(x) for x in measured[int(np.argmin(d))])
+
+    return nearest
+
+
 def sweep_rows(table: Table, family: str, grid: sweep.Grid) -> np.ndarray:
     """Mask of the table's rows at the grid's points of ``family`` (axis values snapped to measured ones)."""
     if family == "comm":
@@ -77,19 +91,21 @@ def sweep_rows(table: Table, family: str, grid: sweep.Grid) -> np.ndarray:
     else:
         points = grid.attn_prefill if family == "attn_prefill" else grid.attn_decode
         window = _snapper(table["window"]) if np.any(table["window"] > 0) else (lambda w: 0.0)
-        want = {(*(snap[a](v) for a, v in zip(axes, p[:5], strict=True)), p[5], window(p[6]) if p[6] else 0.0)
+        layout = _layout_snapper(table)
+        want = {(snap[axes[0]](p[0]), snap[axes[1]](p[1]), *layout(p[2:5]), p[5], window(p[6]) if p[6] else 0.0)
                 for p in points}
         keys = zip(*(table[a] for a in axes), table["kv_dtype"], table["window"], strict=True)
     return np.array([tuple(k) in want for k in keys], dtype=bool)
 
 
 def covered(table: Table, family: str, windows: bool) -> np.ndarray:
-    """Rows of the variants the sweep times (GEMM formats bf16 / fp8, bf16 KV; windows only with FlashAttention)."""
+    """Rows of the variants the sweep times (GEMM formats bf16 / fp8; bf16 KV at the head dims it draws — the H100's
+    head_dim-512 rows run FA4, which no sweep kernel reaches; windows only with FlashAttention)."""
     if family == "gemm":
         return np.isin(table["dtype"], COVERED_FORMATS)
     if family == "comm":
         return table["backend"] == "nccl"
-    ok = table["kv_dtype"] == "bf16"
+    ok = (table["kv_dtype"] == "bf16") & (table["head_dim"] <= max(sweep.ATTN_HEAD_DIMS))
     return ok if windows else ok & (table["window"] == 0)
 
 

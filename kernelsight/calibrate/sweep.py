@@ -70,13 +70,14 @@ DECODE_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 
 DECODE_CACHED: tuple[int, ...] = tuple(2**p - 1 for p in range(1, 18))   # 1 … 131071 cached tokens
 #: Points timed per family (GEMM: per format), drawn without replacement from the space above by a fixed seed.
 #: Why a draw from a dense space and not a coarse product grid: judged on the shared tables
-#: (``benchmarks/sweep_grid.py``: the points' rows fitted, the other rows of the formats it times judged), the
-#: earlier grid (7-8 values per axis, ~2,000 GEMMs and ~500 attention shapes) gave GEMM / prefill / decode MAPE
-#: of 13 / 22 / 19 % on the A100, 17 / 15 / 11 % on the H100 and 37 / 66 / 20 % on the L40S; this draw 4.4 / 2.5 /
-#: 2.4, 3.8 / 5.1 / 5.0 and 6.4 / 4.4 / 5.2 %. Twice the points gain up to ~1 point (L40S 5.8 / 3.3 / 4.0 %,
-#: H100 3.5 / 4.9 / 5.1 %) for twice the time: ``--points`` buys that where the GPU time allows. Timing them takes 2-3
-#: minutes of kernel time on an H100 (2.2 from the shared H100 latencies, 3.1 predicted by ``calibrate sweep
-#: --estimate h100``; A100 / L40S ~7 from their latencies), plus a few ms per point to allocate its tensors.
+#: (``benchmarks/sweep_grid.py``: the points' rows fitted, the other rows of the variants the sweep times judged),
+#: the earlier grid (7-8 values per axis, ~2,000 GEMMs and ~500 attention shapes) gave GEMM / prefill / decode MAPE
+#: of 13 / 22 / 19 % on the A100, 17 / 14 / 8.6 % on the H100 and 37 / 66 / 20 % on the L40S; this draw 4.4 / 2.5 /
+#: 2.4, 3.8 / 3.6 / 2.2 and 6.4 / 4.0 / 4.5 %, about what as many random rows of the tables give. Twice the points
+#: gain 0.3-1 point (H100 3.5 / 3.0 / 1.8 %, L40S 5.8 / 3.1 / 3.5 %) for twice the time: ``--points`` buys that
+#: where the GPU time allows. Timing them takes 2-3 minutes of kernel time on an H100 (2.4 from the shared H100
+#: latencies, 3.1 predicted by ``calibrate sweep --estimate h100``; A100 / L40S ~7-8 from their latencies), plus a
+#: few ms per point to allocate its tensors.
 SWEEP_POINTS: dict[str, int] = {"gemm": 8000, "attn_prefill": 6000, "attn_decode": 6000}
 SWEEP_SEED = 0
 COMM_MESSAGE_BYTES: tuple[int, ...] = tuple(2**p for p in range(9, 30))
