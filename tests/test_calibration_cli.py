@@ -291,5 +291,9 @@ def test_sweep_estimate_needs_no_torch_and_adds_up(capsys):
              for f in ("gemm", "attn_prefill", "attn_decode", "comm")]
     assert float(re.search(r"^total\s+\d+ points\s+([\d.]+) min", out, flags=re.M).group(1)) == pytest.approx(
         sum(parts), abs=0.25)
+    assert _run(["calibrate", "sweep", "--estimate", "h100", "--points", "attn_prefill=50,attn_decode=50",
+                 "--windows"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^attn_prefill\s+{50 + int(50 * sweep.WINDOW_SHARE)} points", out, flags=re.M)
     assert _run(["calibrate", "sweep"]) == 2
     assert "-o/--output DIR is required" in capsys.readouterr().err

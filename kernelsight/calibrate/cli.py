@@ -27,7 +27,7 @@ def _estimate_sweep(args: argparse.Namespace, sweep: Any) -> int:
     # what run_sweep would draw on this GPU with torch alone: fp8 where NVIDIA has fp8 tensor cores (sm_89+)
     fp8 = hw.vendor == "nvidia" and tuple(int(x) for x in hw.compute_capability.split(".")) >= (8, 9)
     grid = sweep.build_grid(gemm_dtypes=("bf16", "fp8") if fp8 else ("bf16",), num_gpus=args.num_gpus,
-                            points=args.points, seed=args.seed)
+                            points=args.points, seed=args.seed, windows=sweep.SWEEP_WINDOWS if args.windows else (0,))
     seconds = sweep.estimate_seconds(grid, hw, calib)
     for fam, sec in seconds.items():
         print(f"{fam:<13} {len(getattr(grid, fam)):>6} points  {sec / 60:6.1f} min")
@@ -128,6 +128,8 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="time nothing: print the points per family and the GPU minutes the sweep would take on this "
                    "GPU profile, predicted by its bundled calibration (no torch needed; -o is then ignored)")
     s.add_argument("--num-gpus", type=_positive_int, default=8, help="with --estimate: GPUs for the collectives")
+    s.add_argument("--windows", action="store_true",
+                   help="with --estimate: also the sliding-window points a sweep with FlashAttention importable times")
     s.set_defaults(func=cmd_sweep)
     return p
 
