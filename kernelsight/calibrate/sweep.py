@@ -86,7 +86,7 @@ COMM_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_
 #: Sliding windows timed when FlashAttention is importable (0 = none): Mistral / Gemma / gpt-oss style widths.
 #: Contexts shorter than the window are drawn too: a windowed model runs them all the time (Gemma's 4096 window
 #: over short prompts), and the fit learns from such pairs whether the kernel then runs as if unwindowed. Without
-#: them, a fit on the shared H100 table priced its window-128 decode rows with shorter contexts 11-16 % slow
+#: them, a fit on the shared H100 table priced its window-128 decode rows with shorter contexts 11-17 % slow
 #: (MAPE 19-24 %); with them, 1.6-2.1 %.
 SWEEP_WINDOWS: tuple[int, ...] = (0, 128, 1024, 4096)
 #: Windowed attention points, as a share of the family's budget, drawn on top of it: one draw over windows and
