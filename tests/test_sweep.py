@@ -165,3 +165,10 @@ def test_the_estimate_prices_every_point_like_predict_does(tmp_path):
         assert est[fam] == pytest.approx(expected, rel=1e-9) and est[fam] > 0
     assert sum(sweep.estimate_seconds(grid, hw, calib, calls_per_point=1).values()) == pytest.approx(
         sum(est.values()) / 13)
+
+
+def test_fp8_is_timed_only_on_nvidia_gpus_with_fp8_tensor_cores():
+    assert sweep.formats_for("nvidia", (9, 0)) == ("bf16", "fp8")
+    assert sweep.formats_for("nvidia", (8, 9)) == ("bf16", "fp8")
+    assert sweep.formats_for("nvidia", (8, 0)) == ("bf16",)       # A100: _scaled_mm would raise
+    assert sweep.formats_for("amd", (9, 4)) == ("bf16",)          # MI300: e4m3fnuz, not float8_e4m3fn

@@ -24,9 +24,9 @@ from kernelsight.simcore.hardware import HardwareSpec
 def _estimate_sweep(args: argparse.Namespace, sweep: Any) -> int:
     hw = _hardware(args.estimate)
     calib = resolve_calibration(hw)
-    # what run_sweep would draw on this GPU with torch alone: fp8 where NVIDIA has fp8 tensor cores (sm_89+)
-    fp8 = hw.vendor == "nvidia" and tuple(int(x) for x in hw.compute_capability.split(".")) >= (8, 9)
-    grid = sweep.build_grid(gemm_dtypes=("bf16", "fp8") if fp8 else ("bf16",), num_gpus=args.num_gpus,
+    # the formats run_sweep would time on this GPU (its compute capability from the profile, not from torch)
+    cc = tuple(int(x) for x in hw.compute_capability.split(".")) if hw.vendor == "nvidia" else (0,)
+    grid = sweep.build_grid(gemm_dtypes=sweep.formats_for(hw.vendor, cc), num_gpus=args.num_gpus,
                             points=args.points, seed=args.seed, windows=sweep.SWEEP_WINDOWS if args.windows else (0,))
     seconds = sweep.estimate_seconds(grid, hw, calib)
     for fam, sec in seconds.items():

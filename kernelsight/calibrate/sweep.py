@@ -271,12 +271,18 @@ def time_point(make: Callable[[], Callable[[], object]], device: str, reps: int)
 GEMM_KERNELS = {"bf16": "torch.nn.functional.linear", "fp8": "torch._scaled_mm"}
 
 
+def formats_for(vendor: str, capability: tuple[int, ...]) -> tuple[str, ...]:
+    """GEMM formats the sweep times on a GPU: bf16 everywhere, per-tensor fp8 on NVIDIA GPUs with fp8 tensor cores
+    (sm_89+; ROCm's fp8 is e4m3fnuz, which ``torch.float8_e4m3fn`` is not)."""
+    return ("bf16", "fp8") if vendor == "nvidia" and tuple(capability) >= (8, 9) else ("bf16",)
+
+
 def gemm_formats(torch, device: str) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
-    """GEMM formats this device can time: bf16 everywhere, per-tensor fp8 on GPUs with fp8 tensor cores (sm_89+)."""
-    nvidia = device.startswith("cuda") and getattr(torch.version, "hip", None) is None   # ROCm's fp8 is e4m3fnuz
-    if nvidia and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
-        return ("bf16", "fp8")
-    return ("bf16",)
+    """:func:`formats_for` this torch device (CPU: bf16 only)."""
+    if not device.startswith("cuda") or not hasattr(torch, "_scaled_mm"):
+        return ("bf16",)
+    vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
+    return formats_for(vendor, torch.cuda.get_device_capability(device))
 
 
 def _gemm_fn(torch, dtype: str, m: int, n: int, k: int, device: str) -> Callable[[], object]:  # type: ignore[no-untyped-def]
