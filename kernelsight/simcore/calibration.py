@@ -15,7 +15,7 @@ import base64
 import bisect
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -1099,6 +1099,13 @@ def comm_bus_factor(op: str, num_gpus: int) -> float:
     return (2.0 if op == "all_reduce" else 1.0) * (t - 1) / t
 
 
+def nearest_gpu_count(counts: Iterable[int], num_gpus: int) -> int:
+    """The measured GPU count closest to ``num_gpus`` in ratio (ties: the larger), for what a count borrows from
+    another (a collective's curve, shape or α)."""
+    t = max(int(num_gpus), 1)
+    return min(counts, key=lambda c: (abs(math.log(c / t)), -c))
+
+
 def comm_curve_key(op: str, dtype_class: str, num_gpus: int) -> str:
     return f"{op}/{dtype_class}/{int(num_gpus)}"
 
@@ -1167,9 +1174,8 @@ class CommModel:
             return None
         same = [(int(p[2]), c) for p, c in found if p[1] == cls] or [
             (int(p[2]), c) for p, c in found if p[1] == "16"] or [(int(p[2]), c) for p, c in found]
-        t = max(int(num_gpus), 1)
-        g, curve = min(same, key=lambda gc: (abs(math.log(gc[0] / t)), -gc[0]))
-        return curve, g
+        g = nearest_gpu_count([gc[0] for gc in same], num_gpus)
+        return next(c for gc, c in same if gc == g), g
 
     def time_s(self, op: str, message_bytes: float, num_gpus: int, link_bytes_per_s: float,
                dtype: str = "bf16") -> float:

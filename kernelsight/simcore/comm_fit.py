@@ -55,6 +55,7 @@ from kernelsight.simcore.calibration import (
     comm_bus_factor,
     comm_curve_key,
     comm_dtype_class,
+    nearest_gpu_count,
 )
 from kernelsight.simcore.comm import has_fast_interconnect
 from kernelsight.simcore.hardware import HardwareSpec
@@ -194,7 +195,7 @@ def fit_comm_curves(
         if len(b) < MIN_SIZES:
             near = [k for k, v in shapes.items() if k[:2] == (be, o) and k[2] != g and len(v[0]) >= MIN_SIZES]
             if near:  # borrow the nearest GPU count's shape, scaled to this group's own points
-                n = min(near, key=lambda k: (abs(math.log(k[2] / g)), -k[2]))
+                n = (be, o, nearest_gpu_count([k[2] for k in near], g))
                 b, y, _ = _rescaled_shape(shapes[n][0], shapes[n][1], size[idx], lat[idx],
                                           comm_bus_factor(o, n[2]) / link)
             elif prior_curve is not None:  # else the prior's shape of the same collective, fitted the same way

@@ -64,6 +64,7 @@ from kernelsight.simcore.calibration import (
     decode_serial_floor_s,
     default_calibration,
     knot_coordinates,
+    nearest_gpu_count,
     quadratic_design,
     residual_coordinates,
     switch_key,
@@ -999,7 +1000,7 @@ def _fit_line(msg: np.ndarray, gpus: np.ndarray, lat: np.ndarray, link_bytes_per
     else:
         for g in g_vals:
             if g not in free:
-                near = min(free, key=lambda f: (abs(math.log(f / g)), -f))
+                near = nearest_gpu_count(free, g)
                 cols[free.index(near)] = cols[free.index(near)] + (gpus == g)
     A = np.column_stack([*cols, bus_s])
     coef, *_ = np.linalg.lstsq(A * w[:, None], (lat - fixed) * w, rcond=None)
@@ -1011,12 +1012,7 @@ def _fit_line(msg: np.ndarray, gpus: np.ndarray, lat: np.ndarray, link_bytes_per
         alphas = {str(g): max(float(np.median((lat - bus_s)[gpus == g])), 1e-6) for g in g_vals}
         return CommModel(float(np.median(list(alphas.values()))), 1.0, alphas)
     alpha_of = {f: float(coef[j]) for j, f in enumerate(free)}
-    alphas = {}
-    for g in g_vals:
-        if not free:
-            alphas[str(g)] = float(lat.min())
-        else:
-            alphas[str(g)] = alpha_of[min(free, key=lambda f: (abs(math.log(f / g)), -f))]
+    alphas = {str(g): alpha_of[nearest_gpu_count(free, g)] if free else float(lat.min()) for g in g_vals}
     return CommModel(float(np.median(list(alphas.values()))), float(1.0 / coef[-1]), alphas)
 
 
