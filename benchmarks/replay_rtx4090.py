@@ -42,7 +42,6 @@ from kernelsight.runtime import create_engine_config  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 
 RUN = SHARED_DATA / "e2e" / "llmservingsim_rtx4090_llama31_8b"
-TRACE = SHARED_DATA / "e2e" / "sharegpt-llama-3.1-8b-300-sps10.jsonl.gz"
 STATS = (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),
          ("p99", lambda a: np.percentile(a, 99)))
 
@@ -127,12 +126,12 @@ def run_hardware(meta: dict) -> str:
 
 
 def run_workload(run: Path, meta: dict) -> Path:
-    """The trace meta.json names, beside the run (plain or gzip), else the shared ShareGPT trace."""
+    """The trace meta.json names, beside the run (plain or gzip). Not found: an error, not another run's trace."""
     name = Path(meta.get("dataset_path", "")).name
     for cand in (run.parent / name, run.parent / f"{name}.gz"):
         if name and cand.is_file():
             return cand
-    return TRACE
+    raise SystemExit(f"{run}: the workload meta.json names ({name or 'none'}) is not beside the run: pass --workload")
 
 
 def simulated_metrics(calibration: str | None, run: Path = RUN, workload: Path | None = None,
