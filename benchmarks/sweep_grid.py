@@ -18,8 +18,9 @@ nothing of its own is left to judge there (``covered`` is empty); the other comm
 Neither times vLLM's block-scaled fp8 GEMMs or an fp8 KV cache: those rows come from the prior, so MAPE is also
 given over the rows of the variants the sweep measures (``covered``).
 
-GPU time: the measured latencies of the matched rows × 13 calls per point (3 warm-up + 10 timed), per GPU — the
-kernels alone; allocating each point's tensors adds roughly a millisecond per point.
+GPU time: the measured latencies of the matched rows × 14 calls per point (3 warm-up, 1 that sets the head start,
+10 timed) plus each point's head start (:func:`kernelsight.calibrate.sweep.time_us`, at the assumed issue time),
+per GPU; allocating each point's tensors adds roughly a millisecond per point.
 
     python benchmarks/sweep_grid.py [--data ../shared/data/kernels]
 
@@ -51,7 +52,6 @@ from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
 from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
 
-CALLS_PER_POINT = 13
 SHAPE_AXES = {"gemm": ("m", "n", "k"),
               "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim"),
               "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim")}
@@ -120,6 +120,7 @@ def evaluate(data: Path, sweeps: dict[str, sweep.Grid], workers: int) -> dict:
         for g in gpus:
             hw, tabs = hws[g], tables[g]
             prior = cross_generation_calibration(hw, [(full[o], hws[o]) for o in gpus if o != g])
+            head_start_s = sweep.head_start_cycles(sweep.ASSUMED_ISSUE_S, sweep.TIMED_CALLS) / hw.boost_clock_hz
             on = {f: sweep_rows(t, f, grid) for f, t in tabs.items()}
             cov_all = {f: covered(t, f, name == "flash") for f, t in tabs.items()}
             rng = np.random.default_rng(0)
@@ -141,7 +142,8 @@ def evaluate(data: Path, sweeps: dict[str, sweep.Grid], workers: int) -> dict:
                    "cross": mape_table(tabs, hw, prior, rest)}
             out[name][g] = {
                 f: {"points": len(getattr(grid, f)), "rows": int(on[f].sum()),
-                    "gpu_s": float(np.sum(t["latency_us"][on[f]]) * 1e-6 * CALLS_PER_POINT) if f != "comm" else None,
+                    "gpu_s": float(np.sum(t["latency_us"][on[f]]) * 1e-6 * sweep.CALLS_PER_POINT
+                                   + head_start_s * on[f].sum()) if f != "comm" else None,
                     **{k: 100 * r[f]["mape"] for k, r in res.items()}}
                 for f, t in tabs.items()
             }
@@ -173,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                 for g, fams in per_gpu.items() for f, r in fams.items() if f not in ("fit_s", "sweep_gpu_s")]
         print(f"\n== sweep '{name}': target fit on the sweep's points, MAPE % on every other row "
               "(covered: those of the variants the sweep times; random: a fit on as many random rows; cross: the "
-              "cross-generation tier alone); gpu_s: kernel seconds to time the matched rows on that GPU")
+              "cross-generation tier alone); gpu_s: GPU seconds to time the matched rows on that GPU (calls and "
+              "head starts)")
         print(format_table(rows, cols, float_fmt=".1f"))
-        print("kernel seconds of the whole sweep (each family's gpu_s scaled from its matched rows to all its "
+        print("GPU seconds of the whole sweep (each family's gpu_s scaled from its matched rows to all its "
               "points): " + ", ".join(f"{g} {fams['sweep_gpu_s']:.0f} s" for g, fams in per_gpu.items()))
     path = write_result("sweep_grid", {"results": results, "points": dict(sweep.SWEEP_POINTS, **points),
-                                       "calls_per_point": CALLS_PER_POINT})
+                                       "calls_per_point": sweep.CALLS_PER_POINT})
     print(f"\nwrote {path}")
     return 0
 

@@ -108,6 +108,75 @@ def test_flash_attention_gets_varlen_batches_windows_and_its_name(monkeypatch):
     assert np.isfinite(rows[0][7])
 
 
+def test_gemm_weight_copies_cover_twice_the_l2_and_no_more():
+    assert sweep.weight_copies(32 * 2**20, 0) == 1   # no L2 size known (CPU): one weight
+    for weight in (2048, 1e6, 8 * 2**20, 32 * 2**20, 50 * 2**20, 3 * 2**30):
+        for l2 in (40 * 2**20, 50 * 2**20, 96 * 2**20):
+            n = sweep.weight_copies(weight, l2)
+            # between two reads of a byte the rotation reads ≥ 2 × L2, and one copy fewer would not
+            assert n * weight >= sweep.COLD_L2_FACTOR * l2 and (n == 1 or (n - 1) * weight < sweep.COLD_L2_FACTOR * l2)
+            assert n * weight < 2 * sweep.COLD_L2_FACTOR * l2 or n == 1   # memory: under 4 × L2, or one weight
+    assert sweep.weight_copies(3 * 2**30, 50 * 2**20) == 1   # larger than L2 many times over: runs alone
+
+
+def test_each_gemm_call_reads_the_next_weight_copy_in_the_order_they_were_made(monkeypatch):
+    torch = pytest.importorskip("torch")
+    seen = []
+    linear = torch.nn.functional.linear
+
+    def recording_linear(x, w):
+        seen.append(w.data_ptr())
+        return linear(x, w)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
+    weight_bytes = 2 * 16 * 32   # bf16, n = 16, k = 32
+    fn = sweep._gemm_fn(torch, "bf16", 4, 16, 32, "cpu", l2_bytes=2 * weight_bytes)
+    for _ in range(12):
+        assert fn().shape == (4, 16)
+    copies = sweep.weight_copies(weight_bytes, 2 * weight_bytes)
+    assert copies == 4
+    assert [p - seen[0] for p in seen] == [(i % copies) * weight_bytes for i in range(12)]
+    one = sweep._gemm_fn(torch, "bf16", 4, 16, 32, "cpu")   # no L2 size: the same weight every call
+    seen.clear()
+    one(), one()
+    assert seen[0] == seen[1]
+    with pytest.raises(ValueError, match="int4"):
+        sweep._gemm_fn(torch, "int4", 4, 16, 32, "cpu")
+
+
+def test_timed_calls_are_queued_behind_a_gpu_sleep(monkeypatch):
+    """A stand-in torch.cuda: the order of what reaches the stream, and the mean over the timed calls."""
+    log = []
+    names = iter(("start", "end"))
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.name = next(names)
+
+        def record(self):
+            log.append(f"record {self.name}")
+
+        def elapsed_time(self, other):
+            return 0.5   # ms
+
+    cuda = types.SimpleNamespace(Event=Event, synchronize=lambda: log.append("sync"),
+                                 _sleep=lambda cycles: log.append(("sleep", cycles)))
+    monkeypatch.setattr(sweep, "_torch", lambda: types.SimpleNamespace(cuda=cuda))
+    latency = sweep.time_us(lambda: log.append("call"), "cuda:0", warmup=3, reps=10)
+    assert latency == pytest.approx(50.0)   # 0.5 ms over 10 calls
+    sleep = next(i for i, x in enumerate(log) if isinstance(x, tuple))
+    assert log[:4] == ["call"] * 4   # warm-up, and one more call whose CPU time sets the sleep
+    assert log[sleep - 1] == "sync" and log[sleep + 1] == "record start"
+    assert log[sleep + 2:] == ["call"] * 10 + ["record end", "sync"]
+    assert log[sleep][1] >= sweep.MIN_HEAD_START_S * sweep.SLEEP_CYCLES_PER_S
+    assert sweep.head_start_cycles(20e-6, 10) == int(400e-6 * sweep.SLEEP_CYCLES_PER_S)   # 2 × 10 calls × 20 µs
+    for fixed_s, sleeps in ((0.0, []), (sweep.COMM_HEAD_START_S, [("sleep", 3_000_000)])):   # none; collectives'
+        log.clear()
+        names = iter(("start", "end"))
+        sweep.time_us(lambda: log.append("call"), "cuda:0", warmup=1, reps=2, head_start_s=fixed_s)
+        assert [x for x in log if isinstance(x, tuple)] == sleeps
+
+
 def test_a_point_that_fails_is_left_out_not_fatal():
     pytest.importorskip("torch")
 
@@ -157,14 +226,18 @@ def test_the_estimate_prices_every_point_like_predict_does(tmp_path):
     hw = load_hardware("h100-sxm")
     calib = resolve_calibration(hw)
     grid = sweep.build_grid(num_gpus=2, points={"gemm": 30, "attn_prefill": 20, "attn_decode": 20})
-    est = sweep.estimate_seconds(grid, hw, calib, calls_per_point=13)
+    est = sweep.estimate_seconds(grid, hw, calib, calls_per_point=13, head_start_s=0.0)
     assert set(est) == {"gemm", "attn_prefill", "attn_decode", "comm"}
     for fam in est:
         p = sweep.write_csv(tmp_path / f"{fam}.csv", fam, [(*row, 1.0) for row in getattr(grid, fam)])
-        expected = 13 * float(np.nansum(predict_table_s(read_table(p), hw, calib)))
+        comm_sleep_s = sweep.COMM_HEAD_START_S * len(grid.comm) if fam == "comm" else 0.0   # fixed for collectives
+        expected = 13 * float(np.nansum(predict_table_s(read_table(p), hw, calib))) + comm_sleep_s
         assert est[fam] == pytest.approx(expected, rel=1e-9) and est[fam] > 0
-    assert sum(sweep.estimate_seconds(grid, hw, calib, calls_per_point=1).values()) == pytest.approx(
-        sum(est.values()) / 13)
+        # by default: the calls every point makes, plus its head start
+        sleep_s = comm_sleep_s or sweep.head_start_cycles(sweep.ASSUMED_ISSUE_S, sweep.TIMED_CALLS) / \
+            hw.boost_clock_hz * len(getattr(grid, fam))
+        assert sweep.estimate_seconds(grid, hw, calib)[fam] == pytest.approx(
+            (est[fam] - comm_sleep_s) / 13 * sweep.CALLS_PER_POINT + sleep_s, rel=1e-9)
 
 
 def test_fp8_is_timed_only_on_nvidia_gpus_with_fp8_tensor_cores():

@@ -14,8 +14,22 @@ custom all-reduce) the fit takes from the cross-generation tier.
 
 The shapes: a fixed-seed draw of :data:`SWEEP_POINTS` points per family from a dense shape space (see
 :func:`build_grid`), plus 4 collectives × 3 GPU counts × 21 message sizes. Each point is warmed up and timed over
-10 repetitions with CUDA events. ``kernelsight calibrate sweep --estimate GPU`` predicts the GPU time with the
-GPU's calibration (:func:`estimate_seconds`; ~3 minutes on an H100); ``benchmarks/sweep_grid.py`` measures what a
+10 back-to-back repetitions with CUDA events, measured the way vLLM runs kernels in a forward pass:
+
+* the GPU sleeps while Python queues the repetitions (:func:`time_us`), so it runs them without waiting on the
+  interpreter, as vLLM's CUDA graphs do: a 3 µs GEMM is timed, not the time Python takes to issue a call;
+* each GEMM repetition reads its own copy of the weight, the copies together ≥ 2× the L2 cache
+  (:func:`weight_copies`): every layer of a forward pass reads its own weights from DRAM, and so do the shared
+  tables' GEMMs (a 32 MB weight on the L40S, a third of its 96 MB L2, streams at 0.78 of DRAM bandwidth), while
+  one weight called ten times would come from L2 (``calibrate fit`` would then price decode GEMMs with weights
+  under the L2 size too fast). Activations stay one tensor: in a forward pass the previous kernel just wrote them.
+  The copies of a weight total under 4× the L2 size (one weight of 2× L2 or more runs alone);
+* attention reuses its tensors between repetitions, as the shared tables' attention does (their decode rows with
+  a KV cache under the L2 size run faster than DRAM bandwidth allows), so a sweep's fit prices attention the way
+  the bundled calibrations do; collectives sleep the same fixed time on every rank (:data:`COMM_HEAD_START_S`).
+
+``kernelsight calibrate sweep --estimate GPU`` predicts the GPU time with the
+GPU's calibration (:func:`estimate_seconds`; ~3.5 minutes on an H100); ``benchmarks/sweep_grid.py`` measures what a
 fit on these points achieves on the shared tables, and the time from their measured latencies.
 """
 
@@ -24,6 +38,7 @@ from __future__ import annotations
 import csv
 import importlib
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -75,9 +90,9 @@ DECODE_CACHED: tuple[int, ...] = tuple(2**p - 1 for p in range(1, 18))   # 1 …
 #: of 13 / 22 / 19 % on the A100, 17 / 14 / 8.6 % on the H100 and 37 / 66 / 20 % on the L40S; this draw 4.4 / 2.5 /
 #: 2.4, 3.8 / 3.6 / 2.2 and 6.4 / 4.0 / 4.5 %, about what as many random rows of the tables give. Twice the points
 #: gain 0.3-1 point (H100 3.5 / 3.0 / 1.8 %, L40S 5.8 / 3.1 / 3.5 %) for twice the time: ``--points`` buys that
-#: where the GPU time allows. Timing them takes 2-3 minutes of kernel time on an H100 (2.4 from the shared H100
-#: latencies, 3.1 predicted by ``calibrate sweep --estimate h100``; A100 / L40S ~7-8 from their latencies), plus a
-#: few ms per point to allocate its tensors.
+#: where the GPU time allows. Timing them takes about 3 minutes of GPU time on an H100, head starts included (2.8
+#: from the shared H100 latencies, 3.6 predicted by ``calibrate sweep --estimate h100``; A100 / L40S 7.5 / 8.5
+#: from their latencies), plus a few ms per point to allocate its tensors.
 SWEEP_POINTS: dict[str, int] = {"gemm": 8000, "attn_prefill": 6000, "attn_decode": 6000}
 SWEEP_SEED = 0
 COMM_MESSAGE_BYTES: tuple[int, ...] = tuple(2**p for p in range(9, 30))
@@ -209,17 +224,26 @@ def grid_columns(grid: Grid) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-def estimate_seconds(grid: Grid, hw: HardwareSpec, calib: Calibration, calls_per_point: int = 13
-                     ) -> dict[str, float]:
-    """Predicted GPU seconds of timing the grid on ``hw`` (warm-up + timed calls of every point), per family,
-    from a calibration of that GPU: how long a sweep will take before running it."""
+#: CPU time to issue one timed call, assumed by :func:`estimate_seconds` for the head start (Python → ATen → launch).
+ASSUMED_ISSUE_S = 20e-6
+
+
+def estimate_seconds(grid: Grid, hw: HardwareSpec, calib: Calibration, calls_per_point: int | None = None,
+                     head_start_s: float | None = None) -> dict[str, float]:
+    """Predicted GPU seconds of timing the grid on ``hw``, per family, from a calibration of that GPU: how long a
+    sweep will take before running it. Per point: its predicted latency × the calls it makes
+    (:data:`CALLS_PER_POINT`) plus the head start slept before its timed calls (``head_start_s``, default: the
+    sleep for :data:`ASSUMED_ISSUE_S` per call at the boost clock; collectives: :data:`COMM_HEAD_START_S`)."""
     from kernelsight.calibrate.evaluate import predict_comm_s
     from kernelsight.simcore.eta_fit import predict_rows_s
 
+    calls = CALLS_PER_POINT if calls_per_point is None else calls_per_point
+    if head_start_s is None:
+        head_start_s = head_start_cycles(ASSUMED_ISSUE_S, TIMED_CALLS) / hw.boost_clock_hz
     out: dict[str, float] = {}
     for fam, cols in grid_columns(grid).items():
         t = predict_comm_s(cols, hw, calib) if fam == "comm" else predict_rows_s(fam, cols, hw, calib)
-        out[fam] = float(np.nansum(t)) * calls_per_point
+        out[fam] = float(np.nansum(t)) * calls + (COMM_HEAD_START_S if fam == "comm" else head_start_s) * len(t)
     return out
 
 
@@ -236,14 +260,48 @@ def _torch():  # type: ignore[no-untyped-def]
     return torch
 
 
-def time_us(fn: Callable[[], object], device: str, warmup: int = 3, reps: int = 10) -> float:
-    """Mean latency of ``fn`` in µs over ``reps`` calls after ``warmup``: CUDA events on GPUs, wall clock on CPU."""
+WARMUP_CALLS = 3
+TIMED_CALLS = 10
+#: GPU calls a point makes: the warm-up, the call whose CPU time sets the head start, the timed ones.
+CALLS_PER_POINT = WARMUP_CALLS + 1 + TIMED_CALLS
+#: ``torch.cuda._sleep`` counts SM clock cycles; no GPU clocks faster than this, so a sleep lasts at least as asked.
+SLEEP_CYCLES_PER_S = 3.0e9
+#: The GPU's head start: this many times the CPU time to issue the timed calls (one call's issue time, measured on
+#: the last warm-up call, × the calls), at least :data:`MIN_HEAD_START_S`.
+HEAD_START_MARGIN = 2.0
+MIN_HEAD_START_S = 50e-6
+#: A collective's head start, the same on every rank: the first collective waits for the last rank to reach it, so
+#: sleeps of different lengths (each rank's own issue time) would be timed. Issuing a collective from Python takes
+#: tens of µs, ten of them well under this.
+COMM_HEAD_START_S = 1e-3
+
+
+def head_start_cycles(issue_s: float, reps: int) -> int:
+    """Cycles of GPU sleep queued ahead of ``reps`` timed calls that each take ``issue_s`` of CPU time to issue."""
+    return int(max(HEAD_START_MARGIN * reps * issue_s, MIN_HEAD_START_S) * SLEEP_CYCLES_PER_S)
+
+
+def time_us(fn: Callable[[], object], device: str, warmup: int = WARMUP_CALLS, reps: int = TIMED_CALLS,
+            head_start_s: float | None = None) -> float:
+    """Mean latency of ``fn`` in µs over ``reps`` calls after ``warmup``: CUDA events on GPUs, wall clock on CPU.
+
+    On a GPU the timed calls are queued behind a sleep kernel: the GPU then runs them back to back instead of
+    idling while Python issues the next one, which would time the interpreter for kernels shorter than a call's
+    issue time. The sleep lasts ``head_start_s`` (0: none), by default :func:`head_start_cycles` of this call's
+    issue time."""
     torch = _torch()
     for _ in range(warmup):
         fn()
     if device.startswith("cuda"):
+        t0 = time.perf_counter()
+        fn()   # one more warm-up call, whose CPU time is what issuing one call costs
+        issue_s = time.perf_counter() - t0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        cycles = head_start_cycles(issue_s, reps) if head_start_s is None else int(head_start_s * SLEEP_CYCLES_PER_S)
+        sleep = getattr(torch.cuda, "_sleep", None)
+        if cycles > 0 and sleep is not None:
+            sleep(cycles)
         start.record()
         for _ in range(reps):
             fn()
@@ -285,21 +343,46 @@ def gemm_formats(torch, device: str) -> tuple[str, ...]:  # type: ignore[no-unty
     return formats_for(vendor, torch.cuda.get_device_capability(device))
 
 
-def _gemm_fn(torch, dtype: str, m: int, n: int, k: int, device: str) -> Callable[[], object]:  # type: ignore[no-untyped-def]
+#: GEMM weight copies rotated over cover at least this many times the L2 size (:func:`weight_copies`).
+COLD_L2_FACTOR = 2.0
+GEMM_WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
+
+
+def weight_copies(weight_bytes: float, l2_bytes: int) -> int:
+    """Copies of a GEMM weight to rotate over, used in the order they were made: between two reads of a byte the
+    rotation reads all copies once, ≥ :data:`COLD_L2_FACTOR` × the L2 size, so every read comes from DRAM. A weight
+    that large runs alone (a stream longer than the cache evicts itself); 1 without an L2 size."""
+    if l2_bytes <= 0:
+        return 1
+    return max(1, math.ceil(COLD_L2_FACTOR * l2_bytes / max(weight_bytes, 1.0)))
+
+
+def l2_cache_bytes(torch, device: str) -> int:  # type: ignore[no-untyped-def]
+    """The GPU's L2 size from torch (0 on CPU or where torch does not report it)."""
+    if not device.startswith("cuda"):
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+
+
+def _gemm_fn(torch, dtype: str, m: int, n: int, k: int, device: str, l2_bytes: int = 0  # type: ignore[no-untyped-def]
+             ) -> Callable[[], object]:
+    """One GEMM call per call of the result, each on the next of :func:`weight_copies` weights (cold in L2)."""
+    if dtype not in GEMM_WEIGHT_BYTES:
+        raise ValueError(f"the sweep cannot time {dtype!r} GEMMs")
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    copies = weight_copies(GEMM_WEIGHT_BYTES[dtype] * n * k, l2_bytes)
+    turn = itertools.cycle(range(copies))
     if dtype == "bf16":
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        return lambda: torch.nn.functional.linear(x, w)
-    if dtype == "fp8":
-        w8 = torch.randn(n, k, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)   # no fp32 copy
-        one = torch.ones((), device=device)
+        w = torch.randn(copies, n, k, device=device, dtype=torch.bfloat16)   # one allocation for all copies
+        return lambda: torch.nn.functional.linear(x, w[next(turn)])
+    w8 = torch.randn(copies, n, k, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)   # no fp32 copy
+    one = torch.ones((), device=device)
 
-        def run() -> object:  # per-tensor W8A8: quantize the activation, then the scaled GEMM
-            x8 = x.to(torch.float8_e4m3fn)
-            return torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    def run() -> object:  # per-tensor W8A8: quantize the activation, then the scaled GEMM
+        x8 = x.to(torch.float8_e4m3fn)
+        return torch._scaled_mm(x8, w8[next(turn)].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
-        return run
-    raise ValueError(f"the sweep cannot time {dtype!r} GEMMs")
+    return run
 
 
 def flash_attn_varlen() -> tuple[Callable[..., object], str] | None:
@@ -385,12 +468,13 @@ def run_sweep(
     flash = flash_attn_varlen() if device.startswith("cuda") else None
     grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device), num_gpus=n_gpus, points=points,
                       seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,))
-    reps = 3 if quick else 10
+    reps = 3 if quick else TIMED_CALLS
     written = []
     with torch.inference_mode():
         if "gemm" in families:
             t0 = time.perf_counter()
-            timed = [(dt, m, n, k, time_point(partial(_gemm_fn, torch, dt, m, n, k, device), device, reps))
+            l2_bytes = l2_cache_bytes(torch, device)
+            timed = [(dt, m, n, k, time_point(partial(_gemm_fn, torch, dt, m, n, k, device, l2_bytes), device, reps))
                      for dt, m, n, k in grid.gemm]
             rows = [r for r in timed if r[-1] is not None]
             written.append(write_csv(out / "gemm.csv", "gemm", rows, kernel=[GEMM_KERNELS[r[0]] for r in rows]))
@@ -456,7 +540,8 @@ def _comm_worker(rank: int, world: int, points: list[tuple[str, int]], reps: int
     dist.init_process_group("nccl", rank=rank, world_size=world)
     device = f"cuda:{rank}"
     for op, msg in points:
-        lat = time_us(collective_fn(torch, dist, op, msg, world, device), device, reps=reps)
+        fn = collective_fn(torch, dist, op, msg, world, device)
+        lat = time_us(fn, device, reps=reps, head_start_s=COMM_HEAD_START_S)
         if rank == 0:
             results.append((op, world, msg, lat))
     dist.destroy_process_group()
