@@ -11,8 +11,11 @@ output length give two closed-loop equations per configuration: over one request
 D = (osl − 1)·TPOT the other C − 1 clients send N = (C − 1)·D / (TTFT + D) prompts, each stalling the
 shared decode batch by s, so D = (osl − 1)·d + N·s. Solving for the plain decode step d and the prefill
 stall s (measured and simulated alike) shows how much of the measured TTFT is GPU work that holds up the
-batch (≈ s) and how much is spent outside it (TTFT − s: API server, client, queueing before the engine).
+batch (≈ s) and how much is spent outside it (TTFT − s: API server, client, queueing before the engine), and the
+prefill chunk c that would explain that gap if the prompt ran c tokens per step beside the decode batch
+(TTFT ≈ s + (isl / c)·d).
 Usage: python benchmarks/silicon_h100.py [--calibration FILE] [--rounds R] [--limit N] [--table FILE]
+       [--max-num-batched-tokens N] [--long-prefill-token-threshold N]   (the deployment's engine args, if known)
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 TABLE = SHARED_DATA / "e2e" / "aic_silicon_vllm_h100.csv"
 
 
-def simulate_row(row: dict, calibration: str | None, rounds: int, seed: int) -> tuple[float, float]:
+def simulate_row(row: dict, calibration: str | None, rounds: int, seed: int, **engine_args: int
+                 ) -> tuple[float, float]:
     isl, osl, conc, tp = int(row["isl"]), int(row["osl"]), int(row["concurrency"]), int(row["tp"])
     args = EngineArgs(model=row["model"], hardware=row.get("system") or "h100", tensor_parallel_size=tp,
                       quantization="fp8" if row["precision"] == "fp8" else None,
                       max_model_len=isl + osl + 16, seed=seed, calibration=calibration,
                       # vLLM 0.12 (these runs) scheduled synchronously; async scheduling became the default later
-                      async_scheduling=False)
+                      async_scheduling=False, **engine_args)
     cfg = create_engine_config(args)
     # Identical closed-loop clients that all start at t=0 stay in lockstep forever (they finish together and
     # resend together); the measured TTFTs (a few hundred ms at 128 clients) show the real clients were
@@ -100,7 +104,10 @@ def prefill_stalls(rows: list[dict], max_conc: int = 16) -> list[dict]:
         out.append({"model": model, "prec": prec, "tp": tp, "isl": isl, "conc": conc,
                     "stall_ms": real[1], "sim_stall_ms": sim[1], "ttft_ms": ttft,
                     "sim_ttft_ms": float(np.mean([r["sim_ttft_ms"] for r in (lo, hi)])),
-                    "outside_batch_ms": ttft - real[1]})
+                    "outside_batch_ms": ttft - real[1], "decode_step_ms": real[0],
+                    # a prompt prefilled c tokens per step beside the decode batch waits isl/c decode steps on top
+                    # of its own GPU work: TTFT ≈ s + (isl / c)·d, so the chunk that would explain the gap is
+                    "implied_chunk_tokens": isl * real[0] / (ttft - real[1]) if ttft > real[1] else float("inf")})
     return out
 
 
@@ -113,12 +120,19 @@ def main() -> int:
     ap.add_argument("--table", type=Path, default=TABLE,
                     help="closed-loop runs in this file's schema; `system` names the GPU profile (default: the "
                          "shared H100 table)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="engine arg of the measured deployment, when known (default: vLLM's)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                    help="engine arg of the measured deployment, when known (default: vLLM's, 0)")
     ns = ap.parse_args()
+    engine_args = {k: v for k, v in (("max_num_batched_tokens", ns.max_num_batched_tokens),
+                                     ("long_prefill_token_threshold", ns.long_prefill_token_threshold))
+                   if v is not None}
     with open(ns.table) as f:
         rows = list(csv.DictReader(f))[: ns.limit]
     out = []
     for row in rows:
-        ttft, tpot = simulate_row(row, ns.calibration, ns.rounds, ns.seed)
+        ttft, tpot = simulate_row(row, ns.calibration, ns.rounds, ns.seed, **engine_args)
         real_ttft, real_tpot = float(row["ttft_ms"]), float(row["tpot_ms"])
         out.append({"model": row["model"].split("/")[-1], "prec": row["precision"], "tp": int(row["tp"]),
                     "isl": int(row["isl"]), "osl": int(row["osl"]), "conc": int(row["concurrency"]),
@@ -135,9 +149,10 @@ def main() -> int:
         print("\nprefill stall of the shared decode batch, solved from rows that differ only in osl (ms):")
         print(format_table(stalls, list(stalls[0])))
     name = "silicon_h100" if ns.table == TABLE else f"silicon_{ns.table.stem}"
+    name += "".join(f"_{k}{v}" for k, v in engine_args.items())   # a what-if run does not overwrite the default
     path = write_result(name, {"rows": out, "median_abs_ttft_err_pct": med_ttft,
                                "median_abs_tpot_err_pct": med_tpot, "rounds": ns.rounds,
-                               "prefill_stalls": stalls})
+                               "prefill_stalls": stalls, "engine_args": engine_args})
     print(f"wrote {path}")
     return 0
 
