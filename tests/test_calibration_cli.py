@@ -148,13 +148,44 @@ def test_sweep_grid_is_fixed_and_schema_complete(tmp_path):
     assert set(read_measurements(tmp_path)) == {"gemm", "attn_decode"}
 
 
-def test_sweep_runs_on_cpu_end_to_end(tmp_path):
+def test_sweep_runs_on_cpu_end_to_end(tmp_path, capsys):
     pytest.importorskip("torch")
     assert _run(["calibrate", "sweep", "-o", str(tmp_path), "--device", "cpu", "--quick"]) == 0
     m = read_measurements(tmp_path)
     assert {"gemm", "attn_prefill", "attn_decode"} <= set(m)
     for t in m.values():
         assert len(t) > 0 and np.all(t["latency_us"] > 0)
+    info = json.loads((tmp_path / "sweep.json").read_text())   # what ran, beside what it measured
+    grid = sweep.build_grid(quick=True, gemm_dtypes=("bf16",))   # no fp8 on a CPU
+    assert info["device_name"] == "cpu" and info["attention"] == "torch_sdpa" and info["timed_calls"] == 3
+    assert info["points"] == {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")}
+    assert info["gemm_kernels"] == {"bf16": "torch.nn.functional.linear"} and info["families"][-1] == "attn_decode"
+    capsys.readouterr()
+    # a CPU sweep names no GPU profile: fitting it needs --hardware, and says so
+    assert main(["calibrate", "fit", "--measurements", str(tmp_path), "-o", str(tmp_path / "c.json")]) == 2
+    assert "measured on 'cpu', which no bundled GPU profile names: pass --hardware" in capsys.readouterr().err
+
+
+@needs_data
+def test_fit_finds_the_gpu_a_sweep_ran_on_and_records_the_sweep(tmp_path, capsys):
+    d = tmp_path / "sweep"
+    d.mkdir()
+    _write_subset(DATA / "h100_sxm" / "gemm.csv.gz", d / "gemm.csv", 400)
+    out = tmp_path / "c.json"
+    # no sweep.json: nothing names the GPU
+    assert main(["calibrate", "fit", "--measurements", str(d), "-o", str(out)]) == 2
+    assert "--hardware is required" in capsys.readouterr().err
+    (d / "sweep.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.9.0",
+                                              "attention": "vllm_flash_attn", "seed": 0}))
+    assert main(["calibrate", "fit", "--measurements", str(d), "-o", str(out)]) == 0
+    calib = json.loads(out.read_text())
+    assert calib["hardware"] == "h100-sxm"
+    assert calib["source"].startswith("kernelsight calibrate sweep on NVIDIA H100 80GB HBM3 (torch 2.9.0")
+    assert "measured on" not in capsys.readouterr().err
+    # told another GPU: fitted as told, with a note
+    assert main(["calibrate", "fit", "--measurements", str(d), "--hardware", "a100", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["hardware"] == "a100-sxm"
+    assert "was measured on NVIDIA H100 80GB HBM3, fitted here as a100-sxm" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, message", [("0", "must be at least 1, got 0"), ("two", "expected a whole number")])

@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 
 from kernelsight.calibrate import evaluate as ev
-from kernelsight.calibrate.measurements import Table, read_measurements, read_table, write_table
+from kernelsight.calibrate.measurements import (
+    SWEEP_INFO_FILE,
+    Table,
+    read_measurements,
+    read_sweep_info,
+    read_table,
+    write_table,
+)
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -83,7 +90,8 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="fit a target-measured calibration from a measurement directory")
     f.add_argument("--measurements", required=True, help="directory (or file) in the measurement schema")
     f.add_argument(
-        "--hardware", required=True, help="GPU name (kernelsight profiles) the data was measured on"
+        "--hardware", help="GPU name (kernelsight profiles) the data was measured on (default: the GPU a "
+        "`calibrate sweep` directory names in its sweep.json)"
     )
     f.add_argument("-o", "--output", required=True, help="calibration JSON to write")
     f.add_argument(
@@ -102,7 +110,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="MAPE per family for roofline / cross-generation / target tiers")
     e.add_argument("--measurements", required=True)
-    e.add_argument("--hardware", required=True)
+    e.add_argument("--hardware", help="GPU profile (default: the one a sweep directory's sweep.json names)")
     e.add_argument(
         "--train-fraction",
         type=float,
@@ -211,14 +219,47 @@ def _prior(hw: HardwareSpec) -> Calibration | None:
         return None
 
 
+def measured_hardware(measurements: str | Path, hardware: str | None) -> tuple[HardwareSpec, str]:
+    """The GPU profile measurements belong to, and a provenance line: ``hardware`` when given (with a warning on
+    stderr if the sweep that wrote them ran on another GPU), else the GPU the sweep's ``sweep.json`` names."""
+    info = read_sweep_info(measurements) if Path(measurements).is_dir() else None
+    ran_on = str(info.get("device_name", "")) if info else ""
+    what = f"measurements {measurements}"
+    if info:
+        what = (f"kernelsight calibrate sweep on {ran_on} (torch {info.get('torch')}, attention "
+                f"{info.get('attention')}, seed {info.get('seed')}) in {measurements}")
+    if hardware:
+        hw = _hardware(hardware)
+        if ran_on and not ran_on.startswith("cpu") and _profile_of(ran_on) not in (None, hw.name):
+            print(f"note: {measurements} was measured on {ran_on}, fitted here as {hw.name}", file=sys.stderr)
+        return hw, what
+    if not ran_on:
+        raise ValueError(f"--hardware is required: {measurements} has no {SWEEP_INFO_FILE} naming the GPU")
+    name = _profile_of(ran_on)
+    if name is None:
+        raise ValueError(f"{measurements} was measured on {ran_on!r}, which no bundled GPU profile names: pass "
+                         "--hardware NAME or a profile JSON")
+    return _hardware(name), what
+
+
+def _profile_of(device_name: str) -> str | None:
+    """The bundled profile whose name or alias is this device name (None: none)."""
+    from kernelsight.profiles import UnknownHardwareError
+
+    try:
+        return _hardware(device_name).name
+    except UnknownHardwareError:
+        return None
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
-    hw = _hardware(args.hardware)
+    hw, what = measured_hardware(args.measurements, args.hardware)
     t0 = time.perf_counter()
     tables = read_measurements(args.measurements)
     calib, report = ev.fit_target(
         tables,
         hw,
-        source=args.source or f"measurements {args.measurements}",
+        source=args.source or what,
         licence=args.licence,
         residual_grid=not args.no_residual_grid,
         workers=args.workers,
@@ -240,7 +281,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    hw = _hardware(args.hardware)
+    hw, _ = measured_hardware(args.measurements, args.hardware)
     tables = read_measurements(args.measurements)
     target = ev.load_calibration_file(args.calibration) if args.calibration else None
     results = ev.evaluate_tiers(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,3 +191,19 @@ def _fmt(x: object) -> str:
     if isinstance(x, float | np.floating):
         return f"{float(x):.6g}" if np.isfinite(x) else ""
     return str(x)
+
+
+#: What ``kernelsight calibrate sweep`` writes beside its measurement files: the GPU it ran on and how it timed.
+SWEEP_INFO_FILE = "sweep.json"
+
+
+def read_sweep_info(path: str | Path) -> dict | None:
+    """The description a sweep left in a measurement directory (None: not a sweep's directory, or a single file)."""
+    f = Path(path) / SWEEP_INFO_FILE
+    if not f.is_file():
+        return None
+    try:
+        info = json.loads(f.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{f}: not JSON ({exc})") from None
+    return info if isinstance(info, dict) else None

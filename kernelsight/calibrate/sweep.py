@@ -38,6 +38,7 @@ from __future__ import annotations
 import csv
 import importlib
 import itertools
+import json
 import math
 import random
 import time
@@ -49,7 +50,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kernelsight.calibrate.measurements import SCHEMA
+from kernelsight.calibrate.measurements import SCHEMA, SWEEP_INFO_FILE
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -469,7 +470,9 @@ def run_sweep(
     grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device), num_gpus=n_gpus, points=points,
                       seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,))
     reps = 3 if quick else TIMED_CALLS
-    written = []
+    info = sweep_info(torch, device, grid, families, reps, seed, flash[1] if flash is not None else "torch_sdpa")
+    written = [out / SWEEP_INFO_FILE]
+    written[0].write_text(json.dumps(info, indent=1) + "\n")
     with torch.inference_mode():
         if "gemm" in families:
             t0 = time.perf_counter()
@@ -490,6 +493,29 @@ def run_sweep(
         written.append(_run_comm(out, grid, reps))
         say(_summary("comm (nccl)", len(grid.comm), len(grid.comm), time.perf_counter() - t0))
     return written
+
+
+def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: int, seed: int,  # type: ignore[no-untyped-def]
+               attention: str) -> dict[str, object]:
+    """What :data:`~kernelsight.calibrate.measurements.SWEEP_INFO_FILE` records: the GPU (its CUDA device name is
+    how ``calibrate fit`` finds its profile without ``--hardware``), the software, the draw and the timing method."""
+    info: dict[str, object] = {
+        "tool": "kernelsight calibrate sweep", "device": device, "device_name": device,
+        "torch": str(torch.__version__), "cuda": getattr(torch.version, "cuda", None),
+        "hip": getattr(torch.version, "hip", None), "seed": seed,
+        "families": [f for f in families if f != "comm" or grid.comm],
+        "points": {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")},
+        "gemm_kernels": {dt: GEMM_KERNELS[dt] for dt in sorted({row[0] for row in grid.gemm})},
+        "attention": attention, "warmup_calls": WARMUP_CALLS, "timed_calls": reps,
+        "gemm_weights": f"rotated over >= {COLD_L2_FACTOR:g}x L2 (read from DRAM)",
+        "head_start": "GPU sleep before the timed calls" if device.startswith("cuda") else None,
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, compute_capability=f"{props.major}.{props.minor}",
+                    num_sms=props.multi_processor_count, memory_bytes=props.total_memory,
+                    l2_bytes=l2_cache_bytes(torch, device), num_gpus=torch.cuda.device_count())
+    return info
 
 
 def _summary(what: str, timed: int, points: int, seconds: float) -> str:
