@@ -166,6 +166,36 @@ def test_sweep_runs_on_cpu_end_to_end(tmp_path, capsys):
     assert "measured on 'cpu', which no bundled GPU profile names: pass --hardware" in capsys.readouterr().err
 
 
+def test_a_stopped_sweep_resumes_with_only_the_points_it_had_not_written(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    argv = ["calibrate", "sweep", "-o", str(tmp_path), "--device", "cpu", "--quick", "--families", "gemm,attn_decode"]
+    assert _run(argv) == 0
+    full = {f: (tmp_path / f"{f}.csv").read_text().splitlines() for f in ("gemm", "attn_decode")}
+    # stopped during the GEMMs: two rows written, a third cut off mid-line, no attention file yet
+    (tmp_path / "gemm.csv").write_text("\n".join(full["gemm"][:3]) + "\n" + full["gemm"][3][:6])
+    (tmp_path / "attn_decode.csv").unlink()
+    timed = []
+    time_point = sweep.time_point
+    monkeypatch.setattr(sweep, "time_point",
+                        lambda make, device, reps: timed.append(1) or time_point(make, device, reps))
+    monkeypatch.setattr(sweep, "PROGRESS_EVERY_S", 0.0)
+    capsys.readouterr()
+    assert _run([*argv, "--resume"]) == 0
+    err = capsys.readouterr().err
+    grid = sweep.build_grid(quick=True, gemm_dtypes=("bf16",))
+    assert len(timed) == len(grid.gemm) - 2 + len(grid.attn_decode)   # the two complete rows were kept
+    gemm = (tmp_path / "gemm.csv").read_text().splitlines()
+    assert gemm[:3] == full["gemm"][:3] and len(gemm) == len(full["gemm"])   # kept rows as measured, cut row redone
+    assert [r.split(",")[:4] for r in gemm] == [r.split(",")[:4] for r in full["gemm"]]
+    assert len(read_measurements(tmp_path)["attn_decode"]) == len(grid.attn_decode)
+    assert f"gemm: {len(grid.gemm)} of {len(grid.gemm)} points timed" in err and "2 kept from the earlier run" in err
+    assert re.search(r"gemm: \d+ of \d+ points, \d+ s", err)   # progress while a family runs
+    # another draw into the same directory: refused, the rows stay
+    assert main([*argv, "--resume", "--seed", "1"]) == 2
+    assert "holds another sweep (seed 0; this one: 1)" in capsys.readouterr().err
+    assert (tmp_path / "gemm.csv").read_text().splitlines() == gemm
+
+
 @needs_data
 def test_fit_finds_the_gpu_a_sweep_ran_on_and_records_the_sweep(tmp_path, capsys):
     d = tmp_path / "sweep"

@@ -132,6 +132,9 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="shapes drawn per family instead of the defaults (gemm=8000 per format, attn_prefill=6000, "
                    "attn_decode=6000), e.g. gemm=4000,attn_prefill=3000 for a shorter sweep on a slow GPU")
     s.add_argument("--seed", type=int, default=0, help="seed of the shape draw (default 0: the fixed sweep)")
+    s.add_argument("--resume", action="store_true",
+                   help="keep the rows a stopped sweep already wrote to -o (same GPU, draw and kernels) and time "
+                   "only the rest")
     s.add_argument("--estimate", metavar="HARDWARE",
                    help="time nothing: print the points per family and the GPU minutes the sweep would take on this "
                    "GPU profile, predicted by its bundled calibration (no torch needed; -o is then ignored)")
@@ -311,7 +314,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         paths = sweep.run_sweep(
             args.output, device=args.device, quick=args.quick, families=tuple(args.families.split(",")),
-            points=args.points, seed=args.seed, progress=lambda line: print(line, file=sys.stderr, flush=True),
+            points=args.points, seed=args.seed, resume=args.resume,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except sweep.TorchUnavailableError as exc:
         print(str(exc), file=sys.stderr)

@@ -28,6 +28,9 @@ The shapes: a fixed-seed draw of :data:`SWEEP_POINTS` points per family from a d
   a KV cache under the L2 size run faster than DRAM bandwidth allows), so a sweep's fit prices attention the way
   the bundled calibrations do; collectives sleep the same fixed time on every rank (:data:`COMM_HEAD_START_S`).
 
+Rows are written as they are timed, with a progress line every half minute; ``--resume`` continues a stopped sweep
+(same GPU, draw and kernels), timing only the points its files lack.
+
 ``kernelsight calibrate sweep --estimate GPU`` predicts the GPU time with the
 GPU's calibration (:func:`estimate_seconds`; ~3.5 minutes on an H100); ``benchmarks/sweep_grid.py`` measures what a
 fit on these points achieves on the shared tables, and the time from their measured latencies.
@@ -42,7 +45,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -429,12 +432,17 @@ def _sdpa_fn(
         return lambda: sdpa(q, kk, vv, is_causal=causal)
 
 
-def _attention_rows(
-    torch, points: Sequence[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
+def attention_kernel(flash: tuple[Callable[..., object], str] | None) -> str:
+    """The ``kernel`` name attention rows are written with."""
+    return flash[1] if flash is not None else "torch_sdpa"
+
+
+def _timed_attention(
+    torch, points: Iterable[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
     flash: tuple[Callable[..., object], str] | None,
-) -> tuple[list[tuple[object, ...]], str]:  # type: ignore[no-untyped-def]
-    """Time attention points (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after ``cached``)."""
-    rows: list[tuple[object, ...]] = []
+) -> Iterator[tuple[object, ...]]:  # type: ignore[no-untyped-def]
+    """Time attention points (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after ``cached``),
+    yielding each timed point's row as soon as it is timed."""
     for b, s, qh, kvh, hd, kvd, w in points:
         q_len, kv_len = (1, s + 1) if decode else (s, s)
         if flash is None and w:
@@ -445,8 +453,71 @@ def _attention_rows(
             make = partial(_sdpa_fn, torch, b, q_len, kv_len, qh, kvh, hd, device, causal=not decode)
         lat = time_point(make, device, reps)
         if lat is not None:
-            rows.append((b, s, qh, kvh, hd, kvd, w, lat))
-    return rows, flash[1] if flash is not None else "torch_sdpa"
+            yield (b, s, qh, kvh, hd, kvd, w, lat)
+
+
+def _attention_rows(
+    torch, points: Sequence[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
+    flash: tuple[Callable[..., object], str] | None,
+) -> tuple[list[tuple[object, ...]], str]:  # type: ignore[no-untyped-def]
+    """All of :func:`_timed_attention`'s rows, and the kernel name."""
+    return list(_timed_attention(torch, points, decode, device, reps, flash)), attention_kernel(flash)
+
+
+#: Seconds between progress lines while a family is being timed.
+PROGRESS_EVERY_S = 30.0
+
+
+class _FamilyFile:
+    """One family's CSV, a row appended (and flushed) as each point is timed: a sweep stopped part-way keeps what it
+    measured, and ``resume`` skips the points already in the file."""
+
+    def __init__(self, path: Path, family: str, resume: bool) -> None:
+        self.path, self.family = path, family
+        self.cols = [*SCHEMA[family], "kernel", "latency_us"]
+        rows: list[list[str]] = []
+        if resume and path.is_file():
+            with open(path, newline="", encoding="utf-8") as fh:
+                rows = list(csv.reader(fh))
+            if rows and rows[0] != self.cols:
+                raise ValueError(f"{path}: columns {rows[0]} are not this sweep's {self.cols}: cannot resume into it")
+            rows = [r for r in rows[1:] if len(r) == len(self.cols)]   # not a row the stop cut off
+        self.kept = {tuple(r[: len(SCHEMA[family])]) for r in rows}
+        self._fh = open(path, "w", newline="", encoding="utf-8")   # closed by close()
+        self._w = csv.writer(self._fh)
+        self._w.writerows([self.cols, *rows])
+        self._fh.flush()
+
+    def has(self, key: Sequence[object]) -> bool:
+        return tuple(str(x) for x in key) in self.kept
+
+    def add(self, key: Sequence[object], kernel: str, latency_us: float) -> None:
+        self._w.writerow([*key, kernel, f"{float(latency_us):.4f}"])
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class _Progress:
+    """A progress line every :data:`PROGRESS_EVERY_S` while a family is timed, and its summary at the end."""
+
+    def __init__(self, say: Callable[[str], None], what: str, total: int, kept: int) -> None:
+        self.say, self.what, self.total, self.kept = say, what, total, kept
+        self.timed = self.seen = 0
+        self.t0 = self.last = time.perf_counter()
+
+    def tick(self, timed: bool) -> None:
+        self.seen += 1
+        self.timed += timed
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            self.say(f"{self.what}: {self.kept + self.seen} of {self.total} points, {now - self.t0:.0f} s")
+
+    def done(self) -> None:
+        kept = f", {self.kept} kept from the earlier run" if self.kept else ""
+        self.say(_summary(self.what, self.kept + self.timed, self.total, time.perf_counter() - self.t0) + kept)
 
 
 def run_sweep(
@@ -457,10 +528,13 @@ def run_sweep(
     progress: Callable[[str], None] | None = None,
     points: Mapping[str, int | None] | None = None,
     seed: int = SWEEP_SEED,
+    resume: bool = False,
 ) -> list[Path]:
     """Time the grid on ``device`` and write the schema files into ``output``; returns the files written.
-    ``progress`` receives one line per family: points timed, points that failed, seconds. ``points`` and
-    ``seed``: the draw (:func:`build_grid`)."""
+    ``progress`` receives a line per family (points timed, points that failed, seconds) and one every
+    :data:`PROGRESS_EVERY_S` while a family runs. ``points`` and ``seed``: the draw (:func:`build_grid`).
+    Rows are written as they are timed; ``resume`` keeps the rows already in ``output`` (of the same sweep: same
+    GPU, draw and kernels, else ValueError) and times only the rest."""
     torch = _torch()
     say = progress or (lambda _line: None)
     out = Path(output)
@@ -470,29 +544,59 @@ def run_sweep(
     grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device), num_gpus=n_gpus, points=points,
                       seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,))
     reps = 3 if quick else TIMED_CALLS
-    info = sweep_info(torch, device, grid, families, reps, seed, flash[1] if flash is not None else "torch_sdpa")
-    written = [out / SWEEP_INFO_FILE]
-    written[0].write_text(json.dumps(info, indent=1) + "\n")
+    info = sweep_info(torch, device, grid, families, reps, seed, attention_kernel(flash))
+    info_path = out / SWEEP_INFO_FILE
+    if resume:
+        _check_same_sweep(info_path, info)
+    info_path.write_text(json.dumps(info, indent=1) + "\n")
+    written = [info_path]
     with torch.inference_mode():
         if "gemm" in families:
-            t0 = time.perf_counter()
+            f = _FamilyFile(out / "gemm.csv", "gemm", resume)
+            todo = [p for p in grid.gemm if not f.has(p)]
+            bar = _Progress(say, "gemm", len(grid.gemm), len(grid.gemm) - len(todo))
             l2_bytes = l2_cache_bytes(torch, device)
-            timed = [(dt, m, n, k, time_point(partial(_gemm_fn, torch, dt, m, n, k, device, l2_bytes), device, reps))
-                     for dt, m, n, k in grid.gemm]
-            rows = [r for r in timed if r[-1] is not None]
-            written.append(write_csv(out / "gemm.csv", "gemm", rows, kernel=[GEMM_KERNELS[r[0]] for r in rows]))
-            say(_summary("gemm", len(rows), len(grid.gemm), time.perf_counter() - t0))
+            for dt, m, n, k in todo:
+                lat = time_point(partial(_gemm_fn, torch, dt, m, n, k, device, l2_bytes), device, reps)
+                if lat is not None:
+                    f.add((dt, m, n, k), GEMM_KERNELS[dt], lat)
+                bar.tick(lat is not None)
+            f.close()
+            bar.done()
+            written.append(f.path)
         for fam, shapes in (("attn_prefill", grid.attn_prefill), ("attn_decode", grid.attn_decode)):
             if fam in families:
-                t0 = time.perf_counter()
-                rows, kernel = _attention_rows(torch, shapes, fam == "attn_decode", device, reps, flash)
-                written.append(write_csv(out / f"{fam}.csv", fam, rows, kernel=kernel))
-                say(_summary(f"{fam} ({kernel})", len(rows), len(shapes), time.perf_counter() - t0))
+                kernel = attention_kernel(flash)
+                f = _FamilyFile(out / f"{fam}.csv", fam, resume)
+                todo = [p for p in shapes if not f.has(p)]
+                bar = _Progress(say, f"{fam} ({kernel})", len(shapes), len(shapes) - len(todo))
+                for row in _timed_attention(torch, todo, fam == "attn_decode", device, reps, flash):
+                    f.add(row[:-1], kernel, float(row[-1]))   # type: ignore[arg-type]
+                    bar.tick(True)
+                f.close()
+                bar.done()
+                written.append(f.path)
     if "comm" in families and grid.comm:
         t0 = time.perf_counter()
         written.append(_run_comm(out, grid, reps))
         say(_summary("comm (nccl)", len(grid.comm), len(grid.comm), time.perf_counter() - t0))
     return written
+
+
+#: What must match for ``--resume`` to add to a directory: the same GPU, draw and kernels.
+RESUME_KEYS = ("device_name", "seed", "points", "gemm_kernels", "attention", "timed_calls")
+
+
+def _check_same_sweep(info_path: Path, info: Mapping[str, object]) -> None:
+    if not info_path.is_file():
+        return
+    before = json.loads(info_path.read_text())
+    differ = [k for k in RESUME_KEYS if before.get(k) != info.get(k)]
+    if differ:
+        was = ", ".join(f"{k} {before.get(k)!r}" for k in differ)
+        now = ", ".join(repr(info.get(k)) for k in differ)
+        raise ValueError(f"{info_path.parent} holds another sweep ({was}; this one: {now}): resume needs the same "
+                         "GPU, draw and kernels — write to another directory, or leave out --resume to start over")
 
 
 def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: int, seed: int,  # type: ignore[no-untyped-def]
