@@ -196,6 +196,26 @@ def test_a_stopped_sweep_resumes_with_only_the_points_it_had_not_written(tmp_pat
     assert (tmp_path / "gemm.csv").read_text().splitlines() == gemm
 
 
+def test_resume_keeps_complete_collectives_and_reruns_incomplete_ones(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    grid = sweep.Grid(gemm=(), attn_prefill=(), attn_decode=(),
+                      comm=(("all_reduce", "nccl", "bf16", 2, 512), ("all_reduce", "nccl", "bf16", 2, 1024)))
+    monkeypatch.setattr(sweep, "build_grid", lambda **kw: grid)
+    runs = []
+
+    def fake_comm(out, g, reps):
+        runs.append(1)
+        return sweep.write_csv(out / "comm.csv", "comm", [(*row, 9.0) for row in g.comm[: 1 if len(runs) == 1 else 2]])
+
+    monkeypatch.setattr(sweep, "_run_comm", fake_comm)
+    argv = dict(device="cpu", families=("comm",), resume=True)
+    sweep.run_sweep(tmp_path, **argv)          # stopped after one collective: one row
+    sweep.run_sweep(tmp_path, **argv)          # incomplete: all of them again
+    assert len(runs) == 2 and len(read_measurements(tmp_path)["comm"]) == 2
+    sweep.run_sweep(tmp_path, **argv)          # complete: kept
+    assert len(runs) == 2
+
+
 @needs_data
 def test_fit_finds_the_gpu_a_sweep_ran_on_and_records_the_sweep(tmp_path, capsys):
     d = tmp_path / "sweep"

@@ -488,6 +488,14 @@ class _FamilyFile:
         self._w.writerows([self.cols, *rows])
         self._fh.flush()
 
+    @staticmethod
+    def keys_in(path: Path, family: str) -> set[tuple[str, ...]]:
+        """The points of the complete rows in a family's CSV."""
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh))
+        n_cols = len(rows[0]) if rows else 0
+        return {tuple(r[: len(SCHEMA[family])]) for r in rows[1:] if len(r) == n_cols}
+
     def has(self, key: Sequence[object]) -> bool:
         return tuple(str(x) for x in key) in self.kept
 
@@ -577,9 +585,15 @@ def run_sweep(
                 bar.done()
                 written.append(f.path)
     if "comm" in families and grid.comm:
-        t0 = time.perf_counter()
-        written.append(_run_comm(out, grid, reps))
-        say(_summary("comm (nccl)", len(grid.comm), len(grid.comm), time.perf_counter() - t0))
+        comm_path = out / "comm.csv"
+        if resume and comm_path.is_file() and _FamilyFile.keys_in(comm_path, "comm") >= {
+                tuple(str(x) for x in p) for p in grid.comm}:
+            say(f"comm (nccl): all {len(grid.comm)} points kept from the earlier run")
+        else:   # the collectives run in one process per GPU: all of them again
+            t0 = time.perf_counter()
+            _run_comm(out, grid, reps)
+            say(_summary("comm (nccl)", len(grid.comm), len(grid.comm), time.perf_counter() - t0))
+        written.append(comm_path)
     return written
 
 
