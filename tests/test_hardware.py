@@ -17,7 +17,7 @@ NUMERIC_FIELDS = (
     "intra_node_bytes_per_s", "pcie_bytes_per_s", "gpus_per_node",
 )
 REQUIRED_GPUS = ("a100-sxm", "h100-sxm", "h200-sxm", "b200-sxm", "l40s", "l4", "rtx-4090", "rtx-pro-6000",
-                 "mi300x", "h100-pcie", "a100-pcie", "a30")
+                 "mi300x", "h100-pcie", "a100-pcie", "a30", "gb200", "b300-sxm", "gb300")
 
 
 def test_required_gpus_are_bundled_and_sorted() -> None:
@@ -41,7 +41,8 @@ def test_every_bundled_profile_is_complete(name: str) -> None:
     # Dense, not sparse: low precision may be faster than bf16 but never by more than the 2x/4x steps.
     assert hw.fp16_flops_per_s == pytest.approx(hw.bf16_flops_per_s)
     assert hw.peak_flops_per_s("fp8") <= 2.05 * hw.bf16_flops_per_s  # L40S datasheet: 733 vs 362.05
-    assert hw.peak_flops_per_s("fp4") <= 4.05 * hw.bf16_flops_per_s
+    # Blackwell Ultra (sm 10.3) has ~1.5x Blackwell's NVFP4 rate: 6-6.2x its bf16 one (shared b300 / gb300 yaml)
+    assert hw.peak_flops_per_s("fp4") <= (6.25 if hw.compute_capability == "10.3" else 4.05) * hw.bf16_flops_per_s
     for field in NUMERIC_FIELDS:   # every number (or its absence) must say where it came from
         assert hw.sources.get(field, "").strip(), f"{name}: no source for {field}"
 
@@ -49,7 +50,8 @@ def test_every_bundled_profile_is_complete(name: str) -> None:
 @pytest.mark.parametrize(("name", "shared_yaml"), [
     ("a100-sxm", "a100_sxm"), ("a100-pcie", "a100_pcie"), ("a30", "a30"), ("h100-sxm", "h100_sxm"),
     ("h100-pcie", "h100_pcie"), ("h200-sxm", "h200_sxm"), ("b200-sxm", "b200_sxm"), ("l40s", "l40s"),
-    ("l4", "l4"), ("rtx-pro-6000", "rtx_pro_6000_server"),
+    ("l4", "l4"), ("rtx-pro-6000", "rtx_pro_6000_server"), ("gb200", "gb200"), ("b300-sxm", "b300_sxm"),
+    ("gb300", "gb300"),
 ])
 def test_matches_shared_yaml_datasheet_fields(name: str, shared_yaml: str, shared_data) -> None:
     """Bandwidth, capacity and bf16 peak come from shared/data/hardware (not its empirical factors)."""
