@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    gpus = measured_gpu_dirs(args.data)   # every GPU folder of the schema whose name is a bundled profile
+    skipped: list[str] = []
+    gpus = measured_gpu_dirs(args.data, skipped)   # every GPU folder of the schema whose name is a bundled profile
+    for name in skipped:
+        print(f"skipped {args.data / name}: no bundled GPU profile is named {name!r} (kernelsight profiles lists "
+              "them)", file=sys.stderr)
     if len(gpus) < 2:
         raise SystemExit(f"{args.data}: leave-one-GPU-out needs measurements of at least two bundled GPUs")
     tables = {g: read_measurements(args.data / g) for g in gpus}

@@ -73,9 +73,10 @@ def cross_generation_for(hw: HardwareSpec, sources: Sequence[Calibration] | None
     return cross_generation_calibration(hw, [(c, h) for c, h in pairs if h.name != hw.name])
 
 
-def measured_gpu_dirs(kernels_dir: str | Path) -> dict[str, str]:
+def measured_gpu_dirs(kernels_dir: str | Path, skipped: list[str] | None = None) -> dict[str, str]:
     """Sub-directories of ``kernels_dir`` holding measurement files, by folder name → bundled GPU profile name
-    (folders are matched like ``--hardware``: ``h100_sxm`` is ``h100-sxm``); folders of unknown GPUs are skipped."""
+    (folders are matched like ``--hardware``: ``h100_sxm`` is ``h100-sxm``); folders of unknown GPUs are skipped,
+    their names appended to ``skipped`` when given."""
     from kernelsight.profiles import UnknownHardwareError
 
     out: dict[str, str] = {}
@@ -85,7 +86,8 @@ def measured_gpu_dirs(kernels_dir: str | Path) -> dict[str, str]:
         try:
             out[d.name] = _load_hardware(d.name).name
         except UnknownHardwareError:
-            continue
+            if skipped is not None:
+                skipped.append(d.name)
     return out
 
 
