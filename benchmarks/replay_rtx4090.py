@@ -17,7 +17,8 @@ durations, so a gap can be placed in the step model (same gap in decode steps) o
 Any run in the same schema (``meta.json`` with ``engine_kwargs`` / ``kv_cache`` / ``hardware``, ``requests.jsonl``,
 ``timeseries.csv``) replays with ``--run``: the workload defaults to the file ``meta.json``'s ``dataset_path``
 names (beside the run, with or without .gz), the GPU to the profile whose name or alias is the run's CUDA device
-name, and the engine args to the run's (model, TP, quantization, KV dtype, batch limits, block size, caching).
+name, and the engine args to the run's (:func:`kernelsight.loadgen.vllm_run.engine_args_from_run`: what vLLM
+resolved them to when ``meta.json`` has ``resolved_config``, else the flags given).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from _common import SHARED_DATA, pct_error, write_result  # noqa: E402
 from kernelsight.loadgen.datasets import trace_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
+from kernelsight.loadgen.vllm_run import engine_args_from_run  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
 from kernelsight.runtime import create_engine_config  # noqa: E402
-from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 
 RUN = SHARED_DATA / "e2e" / "llmservingsim_rtx4090_llama31_8b"
 STATS = (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),
@@ -137,23 +138,16 @@ def run_workload(run: Path, meta: dict) -> Path:
 def simulated_metrics(calibration: str | None, run: Path = RUN, workload: Path | None = None,
                       hardware: str | None = None) -> tuple[dict[str, np.ndarray], dict]:
     meta = json.loads((run / "meta.json").read_text())
-    ek = meta["engine_kwargs"]
-    kv = meta["kv_cache"]
-    args = EngineArgs(model=ek["model"], hardware=hardware or run_hardware(meta),
-                      tensor_parallel_size=ek.get("tensor_parallel_size", 1),
-                      quantization=ek.get("quantization"), kv_cache_dtype=ek.get("kv_cache_dtype") or "auto",
-                      max_num_seqs=ek["max_num_seqs"], max_num_batched_tokens=ek["max_num_batched_tokens"],
-                      max_model_len=ek["max_model_len"], gpu_memory_utilization=kv["gpu_memory_utilization"],
-                      block_size=kv["block_size"], enable_prefix_caching=kv["enable_prefix_caching"],
-                      seed=ek.get("seed", 0), calibration=calibration)
-    cfg = create_engine_config(args)
+    kv = meta.get("kv_cache") or {}
+    cfg = create_engine_config(engine_args_from_run(meta, hardware=hardware or run_hardware(meta),
+                                                    calibration=calibration))
     samples = trace_dataset(workload or run_workload(run, meta))
     res = run_fast_forward(cfg, samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos=True,
                            record_timeline=True)
     ok = [r for r in res.records if r.success]
     out = {"ttft": np.array([r.ttft_s for r in ok]), "e2el": np.array([r.latency_s for r in ok]),
            "tpot": np.array([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1])}
-    info = {"config": cfg.summary(), "measured_num_gpu_blocks": kv["num_gpu_blocks"],
+    info = {"config": cfg.summary(), "measured_num_gpu_blocks": kv.get("num_gpu_blocks"),
             "simulator": res.simulator_stats(),
             "composition": composition_rows(res.timeline or [], res.duration_s, startup_burst_s(
                 np.array([r.start_s + r.ttft_s for r in res.records]), np.array([r.start_s for r in res.records])),
