@@ -45,7 +45,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -437,35 +437,43 @@ def attention_kernel(flash: tuple[Callable[..., object], str] | None) -> str:
     return flash[1] if flash is not None else "torch_sdpa"
 
 
-def _timed_attention(
-    torch, points: Iterable[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
+def _attention_call(
+    torch, point: tuple[int, int, int, int, int, str, int], decode: bool, device: str,  # type: ignore[no-untyped-def]
     flash: tuple[Callable[..., object], str] | None,
-) -> Iterator[tuple[object, ...]]:  # type: ignore[no-untyped-def]
-    """Time attention points (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after ``cached``),
-    yielding each timed point's row as soon as it is timed."""
-    for b, s, qh, kvh, hd, kvd, w in points:
-        q_len, kv_len = (1, s + 1) if decode else (s, s)
-        if flash is None and w:
-            continue   # SDPA has no sliding-window kernel: a masked call would time a different path
-        if flash is not None:
-            make = partial(_flash_fn, torch, flash[0], b, q_len, kv_len, qh, kvh, hd, w, device)
-        else:
-            make = partial(_sdpa_fn, torch, b, q_len, kv_len, qh, kvh, hd, device, causal=not decode)
-        lat = time_point(make, device, reps)
-        if lat is not None:
-            yield (b, s, qh, kvh, hd, kvd, w, lat)
+) -> Callable[[], Callable[[], object]] | None:
+    """What builds one attention point's call (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after
+    ``cached``); None for a sliding window without FlashAttention (SDPA has no such kernel: a masked call would time
+    a different path)."""
+    b, s, qh, kvh, hd, _kvd, w = point
+    q_len, kv_len = (1, s + 1) if decode else (s, s)
+    if flash is None:
+        return None if w else partial(_sdpa_fn, torch, b, q_len, kv_len, qh, kvh, hd, device, causal=not decode)
+    return partial(_flash_fn, torch, flash[0], b, q_len, kv_len, qh, kvh, hd, w, device)
 
 
 def _attention_rows(
     torch, points: Sequence[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
     flash: tuple[Callable[..., object], str] | None,
 ) -> tuple[list[tuple[object, ...]], str]:  # type: ignore[no-untyped-def]
-    """All of :func:`_timed_attention`'s rows, and the kernel name."""
-    return list(_timed_attention(torch, points, decode, device, reps, flash)), attention_kernel(flash)
+    """The timed points' rows (``latency_us`` last; points left out or failing are not there), and the kernel."""
+    rows = []
+    for point in points:
+        make = _attention_call(torch, point, decode, device, flash)
+        lat = time_point(make, device, reps) if make is not None else None
+        if lat is not None:
+            rows.append((*point, lat))
+    return rows, attention_kernel(flash)
 
 
 #: Seconds between progress lines while a family is being timed.
 PROGRESS_EVERY_S = 30.0
+
+
+def _complete_rows(path: Path) -> list[list[str]]:
+    """A CSV's header and the rows with as many cells (not one a stop cut off)."""
+    with open(path, newline="", encoding="utf-8") as fh:
+        rows = list(csv.reader(fh))
+    return rows[:1] + [r for r in rows[1:] if len(r) == len(rows[0])]
 
 
 class _FamilyFile:
@@ -473,28 +481,16 @@ class _FamilyFile:
     measured, and ``resume`` skips the points already in the file."""
 
     def __init__(self, path: Path, family: str, resume: bool) -> None:
-        self.path, self.family = path, family
-        self.cols = [*SCHEMA[family], "kernel", "latency_us"]
-        rows: list[list[str]] = []
-        if resume and path.is_file():
-            with open(path, newline="", encoding="utf-8") as fh:
-                rows = list(csv.reader(fh))
-            if rows and rows[0] != self.cols:
-                raise ValueError(f"{path}: columns {rows[0]} are not this sweep's {self.cols}: cannot resume into it")
-            rows = [r for r in rows[1:] if len(r) == len(self.cols)]   # not a row the stop cut off
-        self.kept = {tuple(r[: len(SCHEMA[family])]) for r in rows}
+        self.path = path
+        cols = [*SCHEMA[family], "kernel", "latency_us"]
+        rows = _complete_rows(path) if resume and path.is_file() else [cols]
+        if rows[0] != cols:
+            raise ValueError(f"{path}: columns {rows[0]} are not this sweep's {cols}: cannot resume into it")
+        self.kept = {tuple(r[: len(SCHEMA[family])]) for r in rows[1:]}
         self._fh = open(path, "w", newline="", encoding="utf-8")   # closed by close()
         self._w = csv.writer(self._fh)
-        self._w.writerows([self.cols, *rows])
+        self._w.writerows(rows)
         self._fh.flush()
-
-    @staticmethod
-    def keys_in(path: Path, family: str) -> set[tuple[str, ...]]:
-        """The points of the complete rows in a family's CSV."""
-        with open(path, newline="", encoding="utf-8") as fh:
-            rows = list(csv.reader(fh))
-        n_cols = len(rows[0]) if rows else 0
-        return {tuple(r[: len(SCHEMA[family])]) for r in rows[1:] if len(r) == n_cols}
 
     def has(self, key: Sequence[object]) -> bool:
         return tuple(str(x) for x in key) in self.kept
@@ -560,34 +556,22 @@ def run_sweep(
     written = [info_path]
     with torch.inference_mode():
         if "gemm" in families:
-            f = _FamilyFile(out / "gemm.csv", "gemm", resume)
-            todo = [p for p in grid.gemm if not f.has(p)]
-            bar = _Progress(say, "gemm", len(grid.gemm), len(grid.gemm) - len(todo))
             l2_bytes = l2_cache_bytes(torch, device)
-            for dt, m, n, k in todo:
-                lat = time_point(partial(_gemm_fn, torch, dt, m, n, k, device, l2_bytes), device, reps)
-                if lat is not None:
-                    f.add((dt, m, n, k), GEMM_KERNELS[dt], lat)
-                bar.tick(lat is not None)
-            f.close()
-            bar.done()
-            written.append(f.path)
+            written.append(_time_family(
+                out, "gemm", grid.gemm, lambda p: partial(_gemm_fn, torch, *p, device, l2_bytes),
+                lambda p: GEMM_KERNELS[p[0]], "gemm", device, reps, resume, say))
         for fam, shapes in (("attn_prefill", grid.attn_prefill), ("attn_decode", grid.attn_decode)):
             if fam in families:
                 kernel = attention_kernel(flash)
-                f = _FamilyFile(out / f"{fam}.csv", fam, resume)
-                todo = [p for p in shapes if not f.has(p)]
-                bar = _Progress(say, f"{fam} ({kernel})", len(shapes), len(shapes) - len(todo))
-                for row in _timed_attention(torch, todo, fam == "attn_decode", device, reps, flash):
-                    f.add(row[:-1], kernel, float(row[-1]))   # type: ignore[arg-type]
-                    bar.tick(True)
-                f.close()
-                bar.done()
-                written.append(f.path)
+                written.append(_time_family(
+                    out, fam, shapes,
+                    lambda p, decode=fam == "attn_decode": _attention_call(torch, p, decode, device, flash),
+                    lambda p, name=kernel: name, f"{fam} ({kernel})", device, reps, resume, say))
     if "comm" in families and grid.comm:
         comm_path = out / "comm.csv"
-        if resume and comm_path.is_file() and _FamilyFile.keys_in(comm_path, "comm") >= {
-                tuple(str(x) for x in p) for p in grid.comm}:
+        kept = {tuple(r[: len(SCHEMA["comm"])]) for r in _complete_rows(comm_path)[1:]} \
+            if resume and comm_path.is_file() else set()
+        if kept >= {tuple(str(x) for x in p) for p in grid.comm}:
             say(f"comm (nccl): all {len(grid.comm)} points kept from the earlier run")
         else:   # the collectives run in one process per GPU: all of them again
             t0 = time.perf_counter()
@@ -595,6 +579,26 @@ def run_sweep(
             say(_summary("comm (nccl)", len(grid.comm), len(grid.comm), time.perf_counter() - t0))
         written.append(comm_path)
     return written
+
+
+def _time_family(
+    out: Path, family: str, points: Sequence[tuple], make: Callable[[tuple], Callable[[], Callable[[], object]] | None],
+    kernel: Callable[[tuple], str], what: str, device: str, reps: int, resume: bool, say: Callable[[str], None],
+) -> Path:
+    """Time a family's points into ``out/<family>.csv`` (``make``: what builds a point's call, None to leave the
+    point out; ``kernel``: the name its row records), skipping those kept from an earlier run when ``resume``."""
+    f = _FamilyFile(out / f"{family}.csv", family, resume)
+    todo = [p for p in points if not f.has(p)]
+    bar = _Progress(say, what, len(points), len(points) - len(todo))
+    for point in todo:
+        call = make(point)
+        lat = time_point(call, device, reps) if call is not None else None
+        if lat is not None:
+            f.add(point, kernel(point), lat)
+        bar.tick(lat is not None)
+    f.close()
+    bar.done()
+    return f.path
 
 
 #: What must match for ``--resume`` to add to a directory: the same GPU, draw and kernels.
