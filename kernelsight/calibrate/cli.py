@@ -225,7 +225,7 @@ def _prior(hw: HardwareSpec) -> Calibration | None:
 def measured_hardware(measurements: str | Path, hardware: str | None) -> tuple[HardwareSpec, str]:
     """The GPU profile measurements belong to, and a provenance line: ``hardware`` when given (with a warning on
     stderr if the sweep that wrote them ran on another GPU), else the GPU the sweep's ``sweep.json`` names."""
-    info = read_sweep_info(measurements) if Path(measurements).is_dir() else None
+    info = read_sweep_info(measurements)   # None for a single file or a directory no sweep wrote
     ran_on = str(info.get("device_name", "")) if info else ""
     what = f"measurements {measurements}"
     if info:
