@@ -520,8 +520,13 @@ class _Progress:
             self.say(f"{self.what}: {self.kept + self.seen} of {self.total} points, {now - self.t0:.0f} s")
 
     def done(self) -> None:
-        kept = f", {self.kept} kept from the earlier run" if self.kept else ""
-        self.say(_summary(self.what, self.kept + self.timed, self.total, time.perf_counter() - self.t0) + kept)
+        seconds = time.perf_counter() - self.t0
+        if not self.kept:
+            self.say(_summary(self.what, self.timed, self.total, seconds))
+            return
+        self.say(f"{self.what}: {self.kept + self.timed} of {self.total} points ({self.kept} kept from the earlier "
+                 f"run, {self.timed} timed now, {self.total - self.kept - self.timed} left out or failed) in "
+                 f"{seconds:.0f} s")
 
 
 def run_sweep(
@@ -629,10 +634,10 @@ def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: in
         "points": {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")},
         "gemm_kernels": {dt: GEMM_KERNELS[dt] for dt in sorted({row[0] for row in grid.gemm})},
         "attention": attention, "warmup_calls": WARMUP_CALLS, "timed_calls": reps,
-        "gemm_weights": f"rotated over >= {COLD_L2_FACTOR:g}x L2 (read from DRAM)",
-        "head_start": "GPU sleep before the timed calls" if device.startswith("cuda") else None,
     }
     if device.startswith("cuda"):
+        info.update(gemm_weights=f"rotated over >= {COLD_L2_FACTOR:g}x L2 (read from DRAM)",
+                    head_start="GPU sleep before the timed calls")
         props = torch.cuda.get_device_properties(device)
         info.update(device_name=props.name, compute_capability=f"{props.major}.{props.minor}",
                     num_sms=props.multi_processor_count, memory_bytes=props.total_memory,
