@@ -139,8 +139,11 @@ def simulated_metrics(calibration: str | None, run: Path = RUN, workload: Path |
                       hardware: str | None = None) -> tuple[dict[str, np.ndarray], dict]:
     meta = json.loads((run / "meta.json").read_text())
     kv = meta.get("kv_cache") or {}
-    cfg = create_engine_config(engine_args_from_run(meta, hardware=hardware or run_hardware(meta),
-                                                    calibration=calibration))
+    try:
+        cfg = create_engine_config(engine_args_from_run(meta, hardware=hardware or run_hardware(meta),
+                                                        calibration=calibration))
+    except ValueError as exc:   # a model or engine setting the simulator does not have
+        raise SystemExit(f"{run}: {exc}") from None
     samples = trace_dataset(workload or run_workload(run, meta))
     res = run_fast_forward(cfg, samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos=True,
                            record_timeline=True)
