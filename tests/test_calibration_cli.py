@@ -251,6 +251,18 @@ def test_workers_must_be_a_positive_whole_number(value, message, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_sweep_families_are_checked_when_parsed(capsys):
+    args = _parser().parse_args(["calibrate", "sweep", "-o", "d", "--families", "gemm,attn_decode"])
+    assert args.families == ("gemm", "attn_decode")
+    assert _parser().parse_args(["calibrate", "sweep", "-o", "d"]).families == (
+        "gemm", "attn_prefill", "attn_decode", "comm")
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["calibrate", "sweep", "-o", "d", "--families", "gemm,atn_decode"])
+    assert exc.value.code == 2
+    assert "expected families among gemm, attn_prefill, attn_decode, comm, got 'gemm,atn_decode'" in \
+        capsys.readouterr().err
+
+
 def test_fit_fills_unmeasured_families_from_the_cross_generation_tier_unless_told_not_to(tmp_path, capsys):
     """A GEMM-only sweep: by default attention comes from the cross-generation tier (bundled calibrations of the
     other GPUs); ``--no-prior`` leaves it at the uncalibrated default."""

@@ -73,6 +73,17 @@ def _sweep_points(text: str) -> dict[str, int]:
     return out
 
 
+def _sweep_families(text: str) -> tuple[str, ...]:
+    """``gemm,attn_decode`` → the families the sweep times (a misspelt one is an error, not a family skipped)."""
+    from kernelsight.calibrate.sweep import SWEEP_FAMILIES
+
+    out = tuple(filter(None, text.split(",")))
+    unknown = [f for f in out if f not in SWEEP_FAMILIES]
+    if unknown or not out:
+        raise argparse.ArgumentTypeError(f"expected families among {', '.join(SWEEP_FAMILIES)}, got {text!r}")
+    return out
+
+
 def _add_workers(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers",
@@ -84,6 +95,8 @@ def _add_workers(p: argparse.ArgumentParser) -> None:
 
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kernelsight.calibrate.sweep import SWEEP_FAMILIES
+
     p = subparsers.add_parser("calibrate", help="fit, evaluate or measure kernel calibrations")
     sub = p.add_subparsers(dest="calibrate_command", required=True)
 
@@ -127,7 +140,8 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", help="directory to write gemm/attn_*/comm CSVs into (required to run it)")
     s.add_argument("--device", default="cuda", help="torch device (default cuda; 'cpu' for a smoke run)")
     s.add_argument("--quick", action="store_true", help="tiny grid (smoke test, seconds)")
-    s.add_argument("--families", default="gemm,attn_prefill,attn_decode,comm")
+    s.add_argument("--families", type=_sweep_families, default=",".join(SWEEP_FAMILIES),
+                   help="families to time, comma-separated (default: %(default)s)")
     s.add_argument("--points", type=_sweep_points, default={},
                    help="shapes drawn per family instead of the defaults (gemm=8000 per format, attn_prefill=6000, "
                    "attn_decode=6000), e.g. gemm=4000,attn_prefill=3000 for a shorter sweep on a slow GPU")
@@ -313,7 +327,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     try:
         paths = sweep.run_sweep(
-            args.output, device=args.device, quick=args.quick, families=tuple(args.families.split(",")),
+            args.output, device=args.device, quick=args.quick, families=args.families,
             points=args.points, seed=args.seed, resume=args.resume,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )

@@ -99,6 +99,8 @@ DECODE_CACHED: tuple[int, ...] = tuple(2**p - 1 for p in range(1, 18))   # 1 …
 #: from their latencies), plus a few ms per point to allocate its tensors.
 SWEEP_POINTS: dict[str, int] = {"gemm": 8000, "attn_prefill": 6000, "attn_decode": 6000}
 SWEEP_SEED = 0
+#: The kernel families the sweep times (``--families`` picks among them).
+SWEEP_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "comm")
 COMM_MESSAGE_BYTES: tuple[int, ...] = tuple(2**p for p in range(9, 30))
 #: NCCL collectives timed (vLLM's custom all-reduce needs vLLM's own buffers: the fit takes it from the prior).
 COMM_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -533,7 +535,7 @@ def run_sweep(
     output: str | Path,
     device: str = "cuda",
     quick: bool = False,
-    families: Sequence[str] = ("gemm", "attn_prefill", "attn_decode", "comm"),
+    families: Sequence[str] = SWEEP_FAMILIES,
     progress: Callable[[str], None] | None = None,
     points: Mapping[str, int | None] | None = None,
     seed: int = SWEEP_SEED,
