@@ -14,7 +14,7 @@ from kernelsight.simcore.memory import weight_bytes_per_rank
 from kernelsight.simcore.roofline import kernel_roofline_s, roofline_s, wave_utilization
 
 MODELS = ["meta-llama/Llama-3.1-8B", "Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen3-0.6B"]
-HARDWARE = ["h100", "a100", "l40s", "4090", "b200", "mi300x"]
+HARDWARE = ["h100", "a100", "l40s", "4090", "b200", "gb200", "b300", "mi300x"]
 BATCHES = [
     BatchShape((), 1, 100),
     BatchShape((), 64, 64 * 2000),
