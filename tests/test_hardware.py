@@ -71,6 +71,15 @@ def test_matches_shared_yaml_datasheet_fields(name: str, shared_yaml: str, share
     assert "aiconfigurator" in hw.sources["mem_bytes_per_s"]
 
 
+def test_every_system_of_the_shared_hardware_list_has_a_profile(shared_data) -> None:
+    """Kernel folders and --hardware names spelt like the shared yamls (b300_sxm, rtx_pro_6000_server) resolve."""
+    stems = sorted(p.stem for p in (shared_data / "hardware").glob("*.yaml"))
+    assert len(stems) >= 13
+    resolved = {stem: load_hardware(stem).name for stem in stems}
+    assert resolved["b300_sxm"] == "b300-sxm" and resolved["rtx_pro_6000_server"] == "rtx-pro-6000"
+    assert len(set(resolved.values())) == len(stems)   # one profile per system
+
+
 @pytest.mark.parametrize(("alias", "canonical"), [
     ("h100", "h100-sxm"), ("H100", "h100-sxm"), ("h100_sxm", "h100-sxm"), ("H100-SXM", "h100-sxm"),
     ("a100", "a100-sxm"), ("A100_SXM", "a100-sxm"), ("a100_pcie", "a100-pcie"),
