@@ -170,6 +170,7 @@ def test_timed_calls_are_queued_behind_a_gpu_sleep(monkeypatch):
     assert log[sleep + 2:] == ["call"] * 10 + ["record end", "sync"]
     assert log[sleep][1] >= sweep.MIN_HEAD_START_S * sweep.SLEEP_CYCLES_PER_S
     assert sweep.head_start_cycles(20e-6, 10) == int(400e-6 * sweep.SLEEP_CYCLES_PER_S)   # 2 × 10 calls × 20 µs
+    assert sweep.head_start_cycles(1.0, 10) == int(sweep.MAX_HEAD_START_S * sweep.SLEEP_CYCLES_PER_S)   # capped
     for fixed_s, sleeps in ((0.0, []), (sweep.COMM_HEAD_START_S, [("sleep", 3_000_000)])):   # none; collectives'
         log.clear()
         names = iter(("start", "end"))

@@ -276,6 +276,9 @@ SLEEP_CYCLES_PER_S = 3.0e9
 #: the last warm-up call, × the calls), at least :data:`MIN_HEAD_START_S`.
 HEAD_START_MARGIN = 2.0
 MIN_HEAD_START_S = 50e-6
+#: ... and at most this: a call that waits for the GPU (its CPU time then holds GPU time) gains nothing from a
+#: longer sleep, and ten such calls of a long kernel would otherwise sleep seconds per point.
+MAX_HEAD_START_S = 20e-3
 #: A collective's head start, the same on every rank: the first collective waits for the last rank to reach it, so
 #: sleeps of different lengths (each rank's own issue time) would be timed. Issuing a collective from Python takes
 #: tens of µs, ten of them well under this.
@@ -284,7 +287,8 @@ COMM_HEAD_START_S = 1e-3
 
 def head_start_cycles(issue_s: float, reps: int) -> int:
     """Cycles of GPU sleep queued ahead of ``reps`` timed calls that each take ``issue_s`` of CPU time to issue."""
-    return int(max(HEAD_START_MARGIN * reps * issue_s, MIN_HEAD_START_S) * SLEEP_CYCLES_PER_S)
+    seconds = min(max(HEAD_START_MARGIN * reps * issue_s, MIN_HEAD_START_S), MAX_HEAD_START_S)
+    return int(seconds * SLEEP_CYCLES_PER_S)
 
 
 def time_us(fn: Callable[[], object], device: str, warmup: int = WARMUP_CALLS, reps: int = TIMED_CALLS,
