@@ -223,9 +223,14 @@ def test_fit_finds_the_gpu_a_sweep_ran_on_and_records_the_sweep(tmp_path, capsys
     d.mkdir()
     _write_subset(DATA / "h100_sxm" / "gemm.csv.gz", d / "gemm.csv", 400)
     out = tmp_path / "c.json"
-    # no sweep.json: nothing names the GPU
+    # no sweep.json, and a directory named for no GPU: nothing names the GPU
     assert main(["calibrate", "fit", "--measurements", str(d), "-o", str(out)]) == 2
     assert "--hardware is required" in capsys.readouterr().err
+    named = tmp_path / "h200_sxm"   # the shared layout: a folder named for its GPU
+    named.mkdir()
+    (named / "gemm.csv").write_text((d / "gemm.csv").read_text())
+    assert main(["calibrate", "fit", "--measurements", str(named), "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["hardware"] == "h200-sxm"
     (d / "sweep.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.9.0",
                                               "attention": "vllm_flash_attn", "seed": 0}))
     assert main(["calibrate", "fit", "--measurements", str(d), "-o", str(out)]) == 0

@@ -104,7 +104,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument("--measurements", required=True, help="directory (or file) in the measurement schema")
     f.add_argument(
         "--hardware", help="GPU name (kernelsight profiles) the data was measured on (default: the GPU a "
-        "`calibrate sweep` directory names in its sweep.json)"
+        "`calibrate sweep` directory names in its sweep.json, else the profile the directory is named for)"
     )
     f.add_argument("-o", "--output", required=True, help="calibration JSON to write")
     f.add_argument(
@@ -123,7 +123,8 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="MAPE per family for roofline / cross-generation / target tiers")
     e.add_argument("--measurements", required=True)
-    e.add_argument("--hardware", help="GPU profile (default: the one a sweep directory's sweep.json names)")
+    e.add_argument("--hardware", help="GPU profile (default: the one a sweep directory's sweep.json names, else "
+                   "the one the directory is named for)")
     e.add_argument(
         "--train-fraction",
         type=float,
@@ -238,7 +239,8 @@ def _prior(hw: HardwareSpec) -> Calibration | None:
 
 def measured_hardware(measurements: str | Path, hardware: str | None) -> tuple[HardwareSpec, str]:
     """The GPU profile measurements belong to, and a provenance line: ``hardware`` when given (with a warning on
-    stderr if the sweep that wrote them ran on another GPU), else the GPU the sweep's ``sweep.json`` names."""
+    stderr if the sweep that wrote them ran on another GPU), else the GPU the sweep's ``sweep.json`` names, else
+    the profile the directory is named for (the shared layout: ``kernels/h100_sxm``)."""
     info = read_sweep_info(measurements)   # None for a single file or a directory no sweep wrote
     ran_on = str(info.get("device_name", "")) if info else ""
     what = f"measurements {measurements}"
@@ -250,8 +252,13 @@ def measured_hardware(measurements: str | Path, hardware: str | None) -> tuple[H
         if ran_on and not ran_on.startswith("cpu") and _profile_of(ran_on) not in (None, hw.name):
             print(f"note: {measurements} was measured on {ran_on}, fitted here as {hw.name}", file=sys.stderr)
         return hw, what
-    if not ran_on:
-        raise ValueError(f"--hardware is required: {measurements} has no {SWEEP_INFO_FILE} naming the GPU")
+    if not ran_on:   # a folder of the shared layout is named for its GPU (kernels/h100_sxm)
+        folder = Path(measurements)
+        name = _profile_of(folder.name) if folder.is_dir() else None
+        if name is None:
+            raise ValueError(f"--hardware is required: {measurements} has no {SWEEP_INFO_FILE} naming the GPU, "
+                             "and its name is no GPU profile's")
+        return _hardware(name), what
     name = _profile_of(ran_on)
     if name is None:
         raise ValueError(f"{measurements} was measured on {ran_on!r}, which no bundled GPU profile names: pass "
