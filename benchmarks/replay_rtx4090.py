@@ -39,7 +39,7 @@ from kernelsight.loadgen.datasets import trace_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.loadgen.vllm_run import engine_args_from_run  # noqa: E402
-from kernelsight.profiles import load_hardware  # noqa: E402
+from kernelsight.profiles import bundled_hardware_name  # noqa: E402
 from kernelsight.runtime import create_engine_config  # noqa: E402
 
 RUN = SHARED_DATA / "e2e" / "llmservingsim_rtx4090_llama31_8b"
@@ -120,10 +120,10 @@ def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float,
 def run_hardware(meta: dict) -> str:
     """The bundled profile of the run's GPU: its CUDA device name is a profile alias."""
     device = meta.get("hardware", {}).get("device_name", "")
-    try:
-        return load_hardware(device).name
-    except ValueError:
-        raise SystemExit(f"no bundled profile for the run's device {device!r}: pass --hardware") from None
+    name = bundled_hardware_name(device)
+    if name is None:
+        raise SystemExit(f"no bundled profile for the run's device {device!r}: pass --hardware")
+    return name
 
 
 def run_workload(run: Path, meta: dict) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelsight.profiles import UnknownHardwareError, list_hardware, load_hardware
+from kernelsight.profiles import UnknownHardwareError, bundled_hardware_name, list_hardware, load_hardware
 from kernelsight.simcore.hardware import HardwareSpec, hardware_spec_from_dict
 
 NUMERIC_FIELDS = (
@@ -78,6 +78,8 @@ def test_every_system_of_the_shared_hardware_list_has_a_profile(shared_data) -> 
     resolved = {stem: load_hardware(stem).name for stem in stems}
     assert resolved["b300_sxm"] == "b300-sxm" and resolved["rtx_pro_6000_server"] == "rtx-pro-6000"
     assert len(set(resolved.values())) == len(stems)   # one profile per system
+    assert {stem: bundled_hardware_name(stem) for stem in stems} == resolved
+    assert bundled_hardware_name("NVIDIA H100 80GB HBM3") == "h100-sxm" and bundled_hardware_name("h20") is None
 
 
 @pytest.mark.parametrize(("alias", "canonical"), [

@@ -24,6 +24,7 @@ from kernelsight.calibrate.measurements import (
     read_table,
     write_table,
 )
+from kernelsight.profiles import bundled_hardware_name
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -249,31 +250,21 @@ def measured_hardware(measurements: str | Path, hardware: str | None) -> tuple[H
                 f"{info.get('attention')}, seed {info.get('seed')}) in {measurements}")
     if hardware:
         hw = _hardware(hardware)
-        if ran_on and not ran_on.startswith("cpu") and _profile_of(ran_on) not in (None, hw.name):
+        if ran_on and not ran_on.startswith("cpu") and bundled_hardware_name(ran_on) not in (None, hw.name):
             print(f"note: {measurements} was measured on {ran_on}, fitted here as {hw.name}", file=sys.stderr)
         return hw, what
     if not ran_on:   # a folder of the shared layout is named for its GPU (kernels/h100_sxm)
         folder = Path(measurements)
-        name = _profile_of(folder.name) if folder.is_dir() else None
+        name = bundled_hardware_name(folder.name) if folder.is_dir() else None
         if name is None:
             raise ValueError(f"--hardware is required: {measurements} has no {SWEEP_INFO_FILE} naming the GPU, "
                              "and its name is no GPU profile's")
         return _hardware(name), what
-    name = _profile_of(ran_on)
+    name = bundled_hardware_name(ran_on)
     if name is None:
         raise ValueError(f"{measurements} was measured on {ran_on!r}, which no bundled GPU profile names: pass "
                          "--hardware NAME or a profile JSON")
     return _hardware(name), what
-
-
-def _profile_of(device_name: str) -> str | None:
-    """The bundled profile whose name or alias is this device name (None: none)."""
-    from kernelsight.profiles import UnknownHardwareError
-
-    try:
-        return _hardware(device_name).name
-    except UnknownHardwareError:
-        return None
 
 
 def cmd_fit(args: argparse.Namespace) -> int:

@@ -77,17 +77,17 @@ def measured_gpu_dirs(kernels_dir: str | Path, skipped: list[str] | None = None)
     """Sub-directories of ``kernels_dir`` holding measurement files, by folder name → bundled GPU profile name
     (folders are matched like ``--hardware``: ``h100_sxm`` is ``h100-sxm``); folders of unknown GPUs are skipped,
     their names appended to ``skipped`` when given."""
-    from kernelsight.profiles import UnknownHardwareError
+    from kernelsight.profiles import bundled_hardware_name
 
     out: dict[str, str] = {}
     for d in sorted(Path(kernels_dir).iterdir()):
         if not d.is_dir() or not any(d.glob("*.csv*")):
             continue
-        try:
-            out[d.name] = _load_hardware(d.name).name
-        except UnknownHardwareError:
-            if skipped is not None:
-                skipped.append(d.name)
+        name = bundled_hardware_name(d.name)
+        if name is not None:
+            out[d.name] = name
+        elif skipped is not None:
+            skipped.append(d.name)
     return out
 
 

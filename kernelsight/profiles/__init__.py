@@ -90,9 +90,15 @@ def list_hardware() -> list[str]:
     return sorted(_bundled_hardware())
 
 
+def bundled_hardware_name(name: str) -> str | None:
+    """The canonical name of the bundled profile a name, alias or CUDA device name (``NVIDIA H100 80GB HBM3``) or
+    folder name (``h100_sxm``) stands for; None when no bundled profile has it."""
+    return _hardware_lookup().get(_hw_key(name))
+
+
 def load_hardware(name_or_path: str) -> HardwareSpec:
     """Load a bundled GPU profile by name/alias (case-, '-'/'_'-insensitive) or a JSON file path."""
-    canonical = _hardware_lookup().get(_hw_key(name_or_path))
+    canonical = bundled_hardware_name(name_or_path)
     if canonical is not None:
         return hardware_spec_from_dict(_bundled_hardware()[canonical])
     path = Path(name_or_path).expanduser()
