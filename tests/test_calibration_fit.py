@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernelsight.calibrate.evaluate import mape_table, roofline_calibration
+from kernelsight.calibrate.evaluate import format_results, mape_table, roofline_calibration
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore import eta_fit
@@ -128,6 +128,23 @@ def test_fit_beats_roofline_on_unseen_rows(small_fit, h100, h100_tables):
     for fam in ("gemm", "attn_prefill", "attn_decode"):
         assert fitted[fam]["mape"] < 0.2, (fam, fitted[fam])
         assert fitted[fam]["mape"] < 0.5 * roof[fam]["mape"]
+
+
+def test_mape_splits_by_variant(h100, h100_tables):
+    """Each family's MAPE is also given per variant (format / KV dtype / backend and the kernel that ran): the
+    variants partition the judged rows, so their row-weighted mean is the family's MAPE."""
+    test = _subset(h100_tables, 3000, seed=7)
+    res = mape_table(test, h100, roofline_calibration(h100))
+    gemm = res["gemm"]["variants"]
+    assert "bf16 torch.nn.functional.linear" in gemm and any(v.startswith("fp8_block ") for v in gemm)
+    assert "custom" not in res["comm"]["variants"] and "vllm_custom_graph" in res["comm"]["variants"]
+    for fam, r in res.items():
+        v = r["variants"]
+        assert sum(x["rows"] for x in v.values()) == r["rows"]
+        assert math.isclose(sum(x["mape"] * x["rows"] for x in v.values()) / r["rows"], r["mape"], rel_tol=1e-9)
+        assert len({round(x["mape"], 6) for x in v.values()}) > 1, fam   # not one number copied
+    text = format_results({"roofline": res})
+    assert "  fp8 CutlassFP8ScaledMMLinearKernel" in text and "  bf16 vllm_flash_attn_fa3" in text
 
 
 def test_scalar_and_vector_paths_agree(small_fit, h100):

@@ -192,7 +192,29 @@ def mape_table(
             "mape_large": _mean(ape[ok & ~small]),
             "rows": float(ok.sum()),
         }
+        labels = variant_labels(sub)
+        if len(set(labels[ok].tolist())) > 1:
+            out[fam]["variants"] = {
+                str(v): {"mape": _mean(ape[ok & (labels == v)]), "rows": float((ok & (labels == v)).sum())}
+                for v in sorted(set(labels[ok].tolist()))
+            }
     return out
+
+
+#: Per family, the columns that tell its variants apart (format, KV-cache dtype, collective library); the
+#: ``kernel`` column (the vLLM kernel that ran) is appended when present.
+VARIANT_COLUMNS = {"gemm": ("dtype",), "attn_prefill": ("kv_dtype",), "attn_decode": ("kv_dtype",),
+                   "comm": ("backend",)}
+
+
+def variant_labels(table: Table) -> np.ndarray:
+    """Per row, the variant it belongs to (e.g. ``fp8_block DeepGemmFp8BlockScaledMMKernel``): an error that
+    sits in one kernel implementation shows apart from the family's other rows."""
+    cols = [c for c in (*VARIANT_COLUMNS.get(table.family, ()), "kernel") if c in table.columns]
+    if not cols:
+        return np.full(len(table), "", dtype=object)
+    parts = [np.asarray(table[c]).astype(str) for c in cols]
+    return np.array([" ".join(p) for p in zip(*parts, strict=True)], dtype=object)
 
 
 def _mean(x: np.ndarray) -> float:
@@ -252,6 +274,14 @@ def format_results(results: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
                 v = results[t].get(fam, {}).get(key, float("nan"))
                 cells.append(f"{100 * v:>17.1f}%" if np.isfinite(v) else f"{'-':>18}")
             lines.append(f"{fam if label == 'all' else '':<14}{label:<8}" + "".join(cells))
+        variants = sorted({v for t in tiers for v in results[t].get(fam, {}).get("variants", {})})
+        for v in variants:   # every row of the family once more, split by variant (all shapes)
+            cells = []
+            for t in tiers:
+                x = results[t].get(fam, {}).get("variants", {}).get(v, {}).get("mape", float("nan"))
+                cells.append(f"{100 * x:>17.1f}%" if np.isfinite(x) else f"{'-':>18}")
+            lines.append(f"  {v}")
+            lines.append(f"{'':<14}{'':<8}" + "".join(cells))
     return "\n".join(lines)
 
 
