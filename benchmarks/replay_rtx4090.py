@@ -10,7 +10,9 @@ error and writes benchmarks/results/replay_rtx4090.json.
 Composition check (step = kernels + comm + host): the measured per-second time series gives the pure-decode
 step time (running ÷ generation tokens/s in seconds without prompt tokens, KV cache > 90% full); the simulated
 timeline gives the same for its decode-only steps. Both are printed by number of running requests, with the run
-durations, so a gap can be placed in the step model (same gap in decode steps) or in the scheduling dynamics.
+durations, so a gap can be placed in the step model (same gap in decode steps) or in the scheduling dynamics. The
+start-up burst (requests of the first seconds, prefilled before the KV cache fills) gives the prefill side: its
+length and its prompt tokens per second, counted alike on both sides.
 
     python benchmarks/replay_rtx4090.py [--calibration FILE] [--run DIR] [--workload FILE] [--hardware NAME]
 
@@ -83,20 +85,33 @@ def startup_burst_s(first_token_s: np.ndarray, arrival_s: np.ndarray) -> float:
     return float(first_token_s[arrival_s - t0 < STARTUP_S].max() - t0)
 
 
-def measured_startup(run: Path = RUN) -> tuple[float, int, int]:
-    """(start-up burst seconds, requests, prompt tokens) of the measured run."""
+def burst_prefill_tokens_per_s(first_token_s: np.ndarray, arrival_s: np.ndarray, prompt_toks: np.ndarray
+                               ) -> float:
+    """Prompt tokens per second over the start-up burst: the prompts whose first token came after the earliest
+    first token and by the burst's last one, over that span. Counted the same way on both sides, so a gap is the
+    prefill rate's (an upper estimate of it: a prompt begun before the span counts whole)."""
+    t0 = float(arrival_s.min())
+    end = float(first_token_s[arrival_s - t0 < STARTUP_S].max())
+    start = float(first_token_s.min())
+    sel = (first_token_s > start) & (first_token_s <= end)
+    return float(prompt_toks[sel].sum()) / (end - start) if end > start else float("nan")
+
+
+def measured_startup(run: Path = RUN) -> tuple[float, int, int, float]:
+    """(start-up burst seconds, requests, prompt tokens, prefill tokens/s) of the measured run."""
     with open(run / "requests.jsonl") as f:
         reqs = [json.loads(line) for line in f]
     q = np.array([r["queued_ts"] for r in reqs])
     sel = q - q.min() < STARTUP_S
     ft = np.array([r["first_token_ts"] for r in reqs])
-    tokens = int(np.array([r["input_toks"] for r in reqs])[sel].sum())
-    return startup_burst_s(ft, q), int(sel.sum()), tokens
+    prompt = np.array([r["input_toks"] for r in reqs])
+    return startup_burst_s(ft, q), int(sel.sum()), int(prompt[sel].sum()), burst_prefill_tokens_per_s(ft, q, prompt)
 
 
-def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float, run: Path = RUN) -> list[dict]:
-    """Median pure-decode step time, measured vs simulated, by running requests; the start-up burst (prefill);
-    the run durations."""
+def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float, startup_tokens_per_s: float,
+                     run: Path = RUN) -> list[dict]:
+    """Median pure-decode step time, measured vs simulated, by running requests; the start-up burst (prefill) and
+    its prefill rate; the run durations."""
     tl = np.asarray(timeline, dtype=float)  # time_s, running, waiting, kv_cache_usage, scheduled_tokens, step_s
     sim_pure = (tl[:, 4] == tl[:, 1]) & (tl[:, 3] > 0.9)
     run_m, step_m, dur_m = measured_decode_steps(run)
@@ -109,9 +124,11 @@ def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float,
             label = "all" if hi > 10**5 else f"{lo}-{hi - 1}"
             out.append({"what": f"decode step, running {label}", "measured": r, "simulated": s,
                         "error_pct": pct_error(s, r), "samples": f"{int(a.sum())} s / {int(b.sum())} steps"})
-    burst_m, n, tokens = measured_startup(run)
+    burst_m, n, tokens, rate_m = measured_startup(run)
     out.append({"what": "start-up burst s (prefill)", "measured": burst_m, "simulated": startup_s,
                 "error_pct": pct_error(startup_s, burst_m), "samples": f"{n} requests, {tokens} prompt tokens"})
+    out.append({"what": "burst prefill tokens/s", "measured": rate_m, "simulated": startup_tokens_per_s,
+                "error_pct": pct_error(startup_tokens_per_s, rate_m), "samples": "first to last first token"})
     out.append({"what": "run duration s", "measured": dur_m, "simulated": duration_s,
                 "error_pct": pct_error(duration_s, dur_m), "samples": ""})
     return out
@@ -150,11 +167,14 @@ def simulated_metrics(calibration: str | None, run: Path = RUN, workload: Path |
     ok = [r for r in res.records if r.success]
     out = {"ttft": np.array([r.ttft_s for r in ok]), "e2el": np.array([r.latency_s for r in ok]),
            "tpot": np.array([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1])}
+    first_token_s = np.array([r.start_s + r.ttft_s for r in res.records])
+    arrival_s = np.array([r.start_s for r in res.records])
+    prompt = np.array([r.prompt_len for r in res.records])
     info = {"config": cfg.summary(), "measured_num_gpu_blocks": kv.get("num_gpu_blocks"),
             "simulator": res.simulator_stats(),
-            "composition": composition_rows(res.timeline or [], res.duration_s, startup_burst_s(
-                np.array([r.start_s + r.ttft_s for r in res.records]), np.array([r.start_s for r in res.records])),
-                run)}
+            "composition": composition_rows(res.timeline or [], res.duration_s,
+                                            startup_burst_s(first_token_s, arrival_s),
+                                            burst_prefill_tokens_per_s(first_token_s, arrival_s, prompt), run)}
     return out, info
 
 
