@@ -144,6 +144,26 @@ def test_each_gemm_call_reads_the_next_weight_copy_in_the_order_they_were_made(m
         sweep._gemm_fn(torch, "int4", 4, 16, 32, "cpu")
 
 
+def test_a_flash_attention_that_fails_its_test_call_gives_way_to_sdpa():
+    """An importable FlashAttention whose signature or build does not fit is found out by one small call before
+    the sweep, not by every attention point failing (or a TypeError ending the sweep after the GEMMs)."""
+    torch = pytest.importorskip("torch")
+    said = []
+
+    def old_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):   # no window_size
+        return q
+
+    def no_kernel_image(**kw):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    for fn in (old_signature, no_kernel_image):
+        assert sweep.working_flash(torch, (fn, "vllm_flash_attn"), "cpu", said.append) is None
+    assert len(said) == 2 and "TypeError" in said[0] and "SDPA" in said[1]
+    fine = (lambda **kw: kw["q"], "vllm_flash_attn")
+    assert sweep.working_flash(torch, fine, "cpu", said.append) is fine and len(said) == 2
+    assert sweep.working_flash(torch, None, "cpu", said.append) is None and len(said) == 2
+
+
 def test_timed_calls_are_queued_behind_a_gpu_sleep(monkeypatch):
     """A stand-in torch.cuda: the order of what reaches the stream, and the mean over the timed calls."""
     log = []
@@ -239,6 +259,29 @@ def test_the_estimate_prices_every_point_like_predict_does(tmp_path):
             hw.boost_clock_hz * len(getattr(grid, fam))
         assert sweep.estimate_seconds(grid, hw, calib)[fam] == pytest.approx(
             (est[fam] - comm_sleep_s) / 13 * sweep.CALLS_PER_POINT + sleep_s, rel=1e-9)
+
+
+def test_fp8_is_dropped_when_a_test_fp8_gemm_fails_on_the_gpu():
+    """A stand-in CUDA torch (real CPU tensors): an sm_90 GPU times fp8 when a small _scaled_mm runs, and bf16 alone
+    (with a line saying why) when it raises."""
+    real = pytest.importorskip("torch")
+    said: list[str] = []
+
+    def fake_torch(scaled_mm):
+        ns = types.SimpleNamespace(
+            randn=lambda *shape, device=None, dtype=None: real.randn(*shape, dtype=dtype),
+            ones=lambda *shape, device=None: real.ones(*shape), bfloat16=real.bfloat16,
+            float8_e4m3fn=real.float8_e4m3fn, _scaled_mm=scaled_mm, version=types.SimpleNamespace(hip=None),
+            cuda=types.SimpleNamespace(get_device_capability=lambda device: (9, 0), synchronize=lambda: None))
+        return ns
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("_scaled_mm is not supported on this device")
+
+    assert sweep.gemm_formats(fake_torch(lambda a, b, **kw: a), "cuda:0", said.append) == ("bf16", "fp8")
+    assert said == []
+    assert sweep.gemm_formats(fake_torch(unsupported), "cuda:0", said.append) == ("bf16",)
+    assert len(said) == 1 and "RuntimeError" in said[0] and "bf16 only" in said[0]
 
 
 def test_fp8_is_timed_only_on_nvidia_gpus_with_fp8_tensor_cores():

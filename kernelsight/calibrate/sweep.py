@@ -345,12 +345,22 @@ def formats_for(vendor: str, capability: tuple[int, ...]) -> tuple[str, ...]:
     return ("bf16", "fp8") if vendor == "nvidia" and tuple(capability) >= (8, 9) else ("bf16",)
 
 
-def gemm_formats(torch, device: str) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
-    """:func:`formats_for` this torch device (CPU: bf16 only)."""
+def gemm_formats(torch, device: str, say: Callable[[str], None] = lambda _line: None  # type: ignore[no-untyped-def]
+                 ) -> tuple[str, ...]:
+    """:func:`formats_for` this torch device (CPU: bf16 only), less fp8 when one small fp8 GEMM fails here (a torch
+    build without this GPU's fp8 kernels would otherwise fail every fp8 point)."""
     if not device.startswith("cuda") or not hasattr(torch, "_scaled_mm"):
         return ("bf16",)
     vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
-    return formats_for(vendor, torch.cuda.get_device_capability(device))
+    formats = formats_for(vendor, torch.cuda.get_device_capability(device))
+    if "fp8" in formats:
+        try:
+            _gemm_fn(torch, "fp8", 16, 16, 16, device)()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 — whatever the build raises, the bf16 GEMMs still run
+            say(f"a test fp8 GEMM failed ({type(exc).__name__}: {exc}); GEMMs are timed in bf16 only")
+            formats = tuple(f for f in formats if f != "fp8")
+    return formats
 
 
 #: GEMM weight copies rotated over cover at least this many times the L2 size (:func:`weight_copies`).
@@ -403,6 +413,23 @@ def flash_attn_varlen() -> tuple[Callable[..., object], str] | None:
         except (ImportError, AttributeError):
             continue
     return None
+
+
+def working_flash(torch, flash: tuple[Callable[..., object], str] | None, device: str,  # type: ignore[no-untyped-def]
+                  say: Callable[[str], None]) -> tuple[Callable[..., object], str] | None:
+    """``flash`` if one small call of it runs here, else None (attention is then timed with SDPA): an importable
+    FlashAttention whose arguments or build do not match this GPU would otherwise fail every attention point."""
+    if flash is None:
+        return None
+    try:
+        _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device)()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 — whatever the build raises, SDPA still measures attention
+        say(f"{flash[1]} is importable but a test call failed ({type(exc).__name__}: {exc}); "
+            "attention is timed with torch SDPA instead")
+        return None
+    return flash
 
 
 def _flash_fn(
@@ -555,8 +582,8 @@ def run_sweep(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     n_gpus = torch.cuda.device_count() if device.startswith("cuda") else 1
-    flash = flash_attn_varlen() if device.startswith("cuda") else None
-    grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device), num_gpus=n_gpus, points=points,
+    flash = working_flash(torch, flash_attn_varlen(), device, say) if device.startswith("cuda") else None
+    grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device, say), num_gpus=n_gpus, points=points,
                       seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,))
     reps = 3 if quick else TIMED_CALLS
     info = sweep_info(torch, device, grid, families, reps, seed, attention_kernel(flash))
