@@ -26,8 +26,8 @@ from silicon_h100 import TABLE  # noqa: E402
 from kernelsight.loadgen.datasets import random_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.runtime import create_engine_config  # noqa: E402
-from kernelsight.simcore.calibration import HostModel  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
+from kernelsight.simcore.overheads import HostModel  # noqa: E402
 
 
 def gpu_only_tpot_ms(row: dict, rounds: int) -> tuple[float, float]:

@@ -12,14 +12,8 @@ from kernelsight.calibrate.evaluate import predict_comm_s
 from kernelsight.calibrate.measurements import read_table
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import (
-    CommCurve,
-    CommModel,
-    calibration_from_dict,
-    comm_bus_factor,
-    default_calibration,
-)
-from kernelsight.simcore.comm import allreduce_s, collective_s
+from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
+from kernelsight.simcore.comm import CommCurve, CommModel, allreduce_s, collective_s, comm_bus_factor
 from kernelsight.simcore.eta_transfer import cross_generation_calibration
 
 GPUS = {"a100_sxm": "a100-sxm", "h100_sxm": "h100-sxm", "l40s": "l40s"}

@@ -18,7 +18,8 @@ import numpy as np
 
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import COMM_OPS, Calibration, ConstantEta, calibration_from_dict
+from kernelsight.simcore.calibration import Calibration, ConstantEta, calibration_from_dict
+from kernelsight.simcore.comm import COMM_OPS
 from kernelsight.simcore.eta_transfer import cross_generation_calibration
 from kernelsight.simcore.hardware import HardwareSpec
 

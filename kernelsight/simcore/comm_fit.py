@@ -49,15 +49,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kernelsight.simcore.calibration import (
-    Calibration,
+from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.comm import (
     CommCurve,
     comm_bus_factor,
     comm_curve_key,
     comm_dtype_class,
+    has_fast_interconnect,
     nearest_gpu_count,
 )
-from kernelsight.simcore.comm import has_fast_interconnect
 from kernelsight.simcore.hardware import HardwareSpec
 
 #: measured backend name → calibration backend name

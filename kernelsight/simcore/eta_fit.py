@@ -51,7 +51,6 @@ from kernelsight.simcore.calibration import (
     RESIDUAL_COORDS,
     WINDOW_COLUMNS,
     Calibration,
-    CommModel,
     ConstantEta,
     DispatchEta,
     DispatchRule,
@@ -64,12 +63,12 @@ from kernelsight.simcore.calibration import (
     decode_serial_floor_s,
     default_calibration,
     knot_coordinates,
-    nearest_gpu_count,
     quadratic_design,
     residual_coordinates,
     switch_key,
     window_binds,
 )
+from kernelsight.simcore.comm import CommModel, nearest_gpu_count
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.residual_trees import fit_residual_trees
 from kernelsight.simcore.roofline import roofline_s

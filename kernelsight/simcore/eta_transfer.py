@@ -60,7 +60,6 @@ from dataclasses import replace
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import (
     Calibration,
-    CommModel,
     DispatchEta,
     EnsembleEta,
     EtaModel,
@@ -69,6 +68,7 @@ from kernelsight.simcore.calibration import (
     default_calibration,
     switch_key,
 )
+from kernelsight.simcore.comm import CommModel
 from kernelsight.simcore.hardware import HardwareSpec
 
 #: Temperature of the similarity weights (units of the log-spec distance).
