@@ -11,9 +11,9 @@ import pytest
 from kernelsight.calibrate.evaluate import predict_comm_s
 from kernelsight.calibrate.measurements import read_table
 from kernelsight.profiles import load_hardware
-from kernelsight.simcore import eta_fit
 from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
 from kernelsight.simcore.comm import CommCurve, CommModel, allreduce_s, collective_s, comm_bus_factor
+from kernelsight.simcore.comm_fit import fit_comm
 from kernelsight.simcore.eta_transfer import cross_generation_calibration
 
 GPUS = {"a100_sxm": "a100-sxm", "h100_sxm": "h100-sxm", "l40s": "l40s"}
@@ -23,7 +23,7 @@ SIZES = np.unique(np.round(np.logspace(np.log10(64), np.log10(2**31), 400)))
 def _comm_only_calibration(hw_name: str, cols) -> object:
     calib = default_calibration(hw_name)
     calib.tier = "target-measured"
-    calib.comm.update(eta_fit.fit_comm(cols, load_hardware(hw_name)))
+    calib.comm.update(fit_comm(cols, load_hardware(hw_name)))
     return calib
 
 
@@ -218,9 +218,9 @@ def test_an_all_reduce_sweep_prices_the_other_collectives_from_the_prior(tables)
     train = t.subset(ar & (np.random.default_rng(0).random(len(t)) < 0.33))
     others = t.subset(nccl & ~ar)
     alone = default_calibration("h100-sxm")
-    alone.comm.update(eta_fit.fit_comm(train.columns, hw))
+    alone.comm.update(fit_comm(train.columns, hw))
     with_prior = default_calibration("h100-sxm")
-    with_prior.comm.update(eta_fit.fit_comm(train.columns, hw, prior.comm))
+    with_prior.comm.update(fit_comm(train.columns, hw, prior.comm))
     kept = [k for k in with_prior.comm["nccl"].curves if not k.startswith("all_reduce/")]
     assert kept and all(with_prior.comm["nccl"].curves[k] is prior.comm["nccl"].curves[k] for k in kept)
     everything = np.ones(len(others), dtype=bool)
@@ -253,7 +253,7 @@ def test_the_all_reduce_line_needs_two_sizes_at_a_gpu_count_to_place_its_latency
     cols = {"op": np.array(["all_reduce"] * 3), "backend": np.array(["nccl"] * 3), "dtype": np.array(["half"] * 3),
             "num_gpus": np.array([2.0, 4.0, 8.0]), "message_bytes": np.array([512.0, 524288.0, 134217728.0]),
             "latency_us": np.array([7.74, 181.4, 162481.0])}
-    line = eta_fit.fit_comm(cols, hw)["nccl"]
+    line = fit_comm(cols, hw)["nccl"]
     assert line.bus_bytes_per_s_fraction <= 1.0
     assert all(a == pytest.approx(7.74e-6) for a in line.alpha_s_by_gpus.values())
 

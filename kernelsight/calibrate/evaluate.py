@@ -20,13 +20,13 @@ from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.simcore import eta_fit
 from kernelsight.simcore.calibration import Calibration, ConstantEta, calibration_from_dict
 from kernelsight.simcore.comm import COMM_OPS
+from kernelsight.simcore.comm_fit import COMM_BACKENDS
 from kernelsight.simcore.eta_transfer import cross_generation_calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
 TIERS = ("roofline", "cross-generation", "target")
 #: A shape is "small" when its roofline time is below this: fixed latency dominates it.
 SMALL_ROOFLINE_S = 10e-6
-COMM_BACKENDS = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
 SHARED_DATA_LICENCE = "Apache-2.0 (ai-dynamo/aiconfigurator, Copyright NVIDIA Corporation & Affiliates)"
 
 

@@ -28,6 +28,9 @@ its own to borrow from takes the prior curve's shape (and asymptote), scaled to 
 curve of a measured backend that the rows do not cover is kept, so a sweep of all-reduce alone still prices
 all-gather from the prior rather than from the all-reduce α–β line.
 
+:func:`fit_comm` makes a backend's :class:`~kernelsight.simcore.comm.CommModel` of these curves and the single
+all-reduce α–β line anything they do not cover falls back to.
+
 Cross-generation (:func:`transfer_comm_curves`): each source curve is split into a bandwidth part
 bus_bytes / B (B = its asymptotic bandwidth) and a latency/protocol remainder L(s) ≥ 0, then
 
@@ -52,11 +55,13 @@ import numpy as np
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import (
     CommCurve,
+    CommModel,
     comm_bus_factor,
     comm_curve_key,
     comm_dtype_class,
     has_fast_interconnect,
     nearest_gpu_count,
+    ring_bus_bytes,
 )
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -245,6 +250,73 @@ def fit_comm_curves(
     return dict(out)
 
 
+def fit_comm(cols: Mapping[str, np.ndarray], hw: HardwareSpec, prior: Mapping[str, CommModel] | None = None
+             ) -> dict[str, CommModel]:
+    """Collective models per backend (``nccl``; vLLM custom all-reduce: ``custom`` = in-graph, ``custom_eager``).
+
+    Measured piecewise α–β curves per (op, dtype class, GPU count) (:func:`fit_comm_curves`), plus
+    the single all-reduce α–β line they fall back to elsewhere: least squares on relative error of
+    t = α_T + ring_bytes / (link_bw · f), with α per GPU count T. ``prior`` (the cross-generation tier's models):
+    shapes for thinly measured collectives, curves for unmeasured ones, and a line where the rows cannot place one.
+    """
+    op = np.asarray(cols["op"])
+    backend = np.asarray(cols["backend"])
+    gpus = np.asarray(cols["num_gpus"], dtype=float)
+    msg = np.asarray(cols["message_bytes"], dtype=float)
+    lat = np.asarray(cols["latency_us"], dtype=float) * 1e-6
+    out: dict[str, CommModel] = {}
+    for src, name in COMM_BACKENDS.items():
+        sel = (op == "all_reduce") & (backend == src) & np.isfinite(lat) & (lat > 0)
+        if sel.sum() < 3:
+            continue
+        line = _fit_line(msg[sel], gpus[sel].astype(int), lat[sel], hw.intra_node_bytes_per_s)
+        if line is None and prior is not None and name in prior:
+            line = prior[name]
+        out[name] = line or _fit_line(msg[sel], gpus[sel].astype(int), lat[sel], hw.intra_node_bytes_per_s,
+                                      force=True)
+    prior_curves = {b: m.curves for b, m in (prior or {}).items()}
+    for name, curves in fit_comm_curves(cols, hw, prior_curves).items():
+        # no all-reduce line of its own: the prior's, else a default line for the other ops
+        line = out.get(name) or (prior or {}).get(name) or CommModel(1.5e-5, 0.7)
+        out[name] = CommModel(line.alpha_s, line.bus_bytes_per_s_fraction, dict(line.alpha_s_by_gpus), curves)
+    return out
+
+
+def _fit_line(msg: np.ndarray, gpus: np.ndarray, lat: np.ndarray, link_bytes_per_s: float,
+              force: bool = False) -> CommModel | None:
+    """All-reduce α–β line t = α_T + ring_bytes / (link · f), least squares on relative error.
+
+    α_T is fitted where T was measured at ≥ 2 sizes (else α and bandwidth cannot be told apart there): elsewhere it
+    is the nearest such T's, or with none at all the fastest measured all-reduce. A fit faster than the link (too
+    few sizes) is None unless ``force``: then f = 1 and α_T is what the link leaves of each row (median per T).
+    """
+    bus_s = ring_bus_bytes(msg, gpus) / link_bytes_per_s
+    g_vals = sorted(set(gpus.tolist()))
+    free = [g for g in g_vals if len(np.unique(msg[gpus == g])) >= 2]
+    w = 1.0 / lat
+    cols = [(gpus == g).astype(float) for g in free]
+    fixed = np.zeros(len(lat))
+    if not free:
+        fixed[:] = float(lat.min())
+    else:
+        for g in g_vals:
+            if g not in free:
+                near = nearest_gpu_count(free, g)
+                cols[free.index(near)] = cols[free.index(near)] + (gpus == g)
+    A = np.column_stack([*cols, bus_s])
+    coef, *_ = np.linalg.lstsq(A * w[:, None], (lat - fixed) * w, rcond=None)
+    coef = np.maximum(coef, 1e-9)
+    if coef[-1] < 1.0:
+        if not force:
+            return None
+        coef[-1] = 1.0
+        alphas = {str(g): max(float(np.median((lat - bus_s)[gpus == g])), 1e-6) for g in g_vals}
+        return CommModel(float(np.median(list(alphas.values()))), 1.0, alphas)
+    alpha_of = {f: float(coef[j]) for j, f in enumerate(free)}
+    alphas = {str(g): alpha_of[nearest_gpu_count(free, g)] if free else float(lat.min()) for g in g_vals}
+    return CommModel(float(np.median(list(alphas.values()))), float(1.0 / coef[-1]), alphas)
+
+
 def _rescaled_shape(b: np.ndarray, log_t: np.ndarray, own_size: np.ndarray, own_lat: np.ndarray, tail: float
                     ) -> tuple[np.ndarray, np.ndarray, float]:
     """A borrowed knot curve fitted to a thin group's own points, part by part: the curve is split into a bandwidth
@@ -326,4 +398,4 @@ def transfer_comm_curves(
     return dict(out)
 
 
-__all__ = ["COMM_BACKENDS", "fit_comm_curves", "transfer_comm_curves"]
+__all__ = ["COMM_BACKENDS", "fit_comm", "fit_comm_curves", "transfer_comm_curves"]

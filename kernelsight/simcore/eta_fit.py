@@ -68,7 +68,8 @@ from kernelsight.simcore.calibration import (
     switch_key,
     window_binds,
 )
-from kernelsight.simcore.comm import CommModel, nearest_gpu_count
+from kernelsight.simcore.comm import CommModel
+from kernelsight.simcore.comm_fit import fit_comm
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.residual_trees import fit_residual_trees
 from kernelsight.simcore.roofline import roofline_s
@@ -944,77 +945,6 @@ def fit_family(
     return SwitchEta(SWITCH_INDEX[family], models, default), eta_max, report
 
 
-def fit_comm(cols: Columns, hw: HardwareSpec, prior: Mapping[str, CommModel] | None = None) -> dict[str, CommModel]:
-    """Collective models per backend (``nccl``; vLLM custom all-reduce: ``custom`` = in-graph, ``custom_eager``).
-
-    Measured piecewise α–β curves per (op, dtype class, GPU count) (:func:`comm_fit.fit_comm_curves`), plus
-    the single all-reduce α–β line they fall back to elsewhere: least squares on relative error of
-    t = α_T + ring_bytes / (link_bw · f), with α per GPU count T. ``prior`` (the cross-generation tier's models):
-    shapes for thinly measured collectives, curves for unmeasured ones, and a line where the rows cannot place one.
-    """
-    from kernelsight.simcore.comm_fit import fit_comm_curves
-
-    names = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
-    op = np.asarray(cols["op"])
-    backend = np.asarray(cols["backend"])
-    gpus = np.asarray(cols["num_gpus"], dtype=float)
-    msg = np.asarray(cols["message_bytes"], dtype=float)
-    lat = np.asarray(cols["latency_us"], dtype=float) * 1e-6
-    out: dict[str, CommModel] = {}
-    for src, name in names.items():
-        sel = (op == "all_reduce") & (backend == src) & np.isfinite(lat) & (lat > 0)
-        if sel.sum() < 3:
-            continue
-        line = _fit_line(msg[sel], gpus[sel].astype(int), lat[sel], hw.intra_node_bytes_per_s)
-        if line is None and prior is not None and name in prior:
-            line = prior[name]
-        out[name] = line or _fit_line(msg[sel], gpus[sel].astype(int), lat[sel], hw.intra_node_bytes_per_s,
-                                      force=True)
-    prior_curves = {b: m.curves for b, m in (prior or {}).items()}
-    for name, curves in fit_comm_curves(cols, hw, prior_curves).items():
-        # no all-reduce line of its own: the prior's, else a default line for the other ops
-        line = out.get(name) or (prior or {}).get(name) or CommModel(1.5e-5, 0.7)
-        out[name] = CommModel(line.alpha_s, line.bus_bytes_per_s_fraction, dict(line.alpha_s_by_gpus), curves)
-    return out
-
-
-def _fit_line(msg: np.ndarray, gpus: np.ndarray, lat: np.ndarray, link_bytes_per_s: float,
-              force: bool = False) -> CommModel | None:
-    """All-reduce α–β line t = α_T + ring_bytes / (link · f), least squares on relative error.
-
-    α_T is fitted where T was measured at ≥ 2 sizes (else α and bandwidth cannot be told apart there): elsewhere it
-    is the nearest such T's, or with none at all the fastest measured all-reduce. A fit faster than the link (too
-    few sizes) is None unless ``force``: then f = 1 and α_T is what the link leaves of each row (median per T).
-    """
-    from kernelsight.simcore.comm import ring_bus_bytes
-
-    bus_s = ring_bus_bytes(msg, gpus) / link_bytes_per_s
-    g_vals = sorted(set(gpus.tolist()))
-    free = [g for g in g_vals if len(np.unique(msg[gpus == g])) >= 2]
-    w = 1.0 / lat
-    cols = [(gpus == g).astype(float) for g in free]
-    fixed = np.zeros(len(lat))
-    if not free:
-        fixed[:] = float(lat.min())
-    else:
-        for g in g_vals:
-            if g not in free:
-                near = nearest_gpu_count(free, g)
-                cols[free.index(near)] = cols[free.index(near)] + (gpus == g)
-    A = np.column_stack([*cols, bus_s])
-    coef, *_ = np.linalg.lstsq(A * w[:, None], (lat - fixed) * w, rcond=None)
-    coef = np.maximum(coef, 1e-9)
-    if coef[-1] < 1.0:
-        if not force:
-            return None
-        coef[-1] = 1.0
-        alphas = {str(g): max(float(np.median((lat - bus_s)[gpus == g])), 1e-6) for g in g_vals}
-        return CommModel(float(np.median(list(alphas.values()))), 1.0, alphas)
-    alpha_of = {f: float(coef[j]) for j, f in enumerate(free)}
-    alphas = {str(g): alpha_of[nearest_gpu_count(free, g)] if free else float(lat.min()) for g in g_vals}
-    return CommModel(float(np.median(list(alphas.values()))), float(1.0 / coef[-1]), alphas)
-
-
 FamilyFit = tuple[EtaModel, float, dict[str, dict[str, float]]]
 
 
@@ -1219,7 +1149,6 @@ __all__ = [
     "element_bytes",
     "eta_and_overhead",
     "fit_calibration",
-    "fit_comm",
     "fit_decode_floor",
     "fit_dispatch_rule",
     "fit_family",
