@@ -157,6 +157,15 @@ def main() -> int:
     med_tpot = float(np.median([abs(r["tpot_err_pct"]) for r in out]))
     print(f"median |error|: TTFT {med_ttft:.1f}% (target ≤ 15%), TPOT {med_tpot:.1f}% (target ≤ 8%) "
           f"over {len(out)} rows")
+    by_config = []   # the table's models ran with different vLLM versions and setups: their errors differ in kind
+    for model, prec in sorted({(r["model"], r["prec"]) for r in out}):
+        sub = [r for r in out if (r["model"], r["prec"]) == (model, prec)]
+        by_config.append({"model": model, "prec": prec, "rows": len(sub),
+                          **{f"median_{k}": float(np.median([r[k] for r in sub])) for k in ("ttft_err_pct",
+                                                                                          "tpot_err_pct")},
+                          **{f"median_abs_{k}": float(np.median([abs(r[k]) for r in sub]))
+                             for k in ("ttft_err_pct", "tpot_err_pct")}})
+    print(format_table(by_config, list(by_config[0])))
     stalls = prefill_stalls(out)
     if stalls:
         print("\nprefill stall of the shared decode batch, solved from rows that differ only in osl (ms):")
@@ -164,7 +173,7 @@ def main() -> int:
     name = "silicon_h100" if ns.table == TABLE else f"silicon_{ns.table.stem}"
     name += "".join(f"_{k}{v}" for k, v in engine_args.items())   # a what-if run does not overwrite the default
     path = write_result(name, {"rows": out, "median_abs_ttft_err_pct": med_ttft,
-                               "median_abs_tpot_err_pct": med_tpot, "rounds": ns.rounds,
+                               "median_abs_tpot_err_pct": med_tpot, "by_model": by_config, "rounds": ns.rounds,
                                "prefill_stalls": stalls, "engine_args": engine_args})
     print(f"wrote {path}")
     return 0
