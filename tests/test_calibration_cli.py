@@ -334,6 +334,18 @@ def test_predict_says_which_rows_it_could_not_price(tmp_path, capsys):
     assert float(rows[0]["predicted_us"]) > 0 and rows[1]["predicted_us"] == rows[2]["predicted_us"] == ""
 
 
+def test_predict_to_standard_output_keeps_the_csv_clean(tmp_path, capsys):
+    """``-o -`` writes the CSV to stdout and the summary line to stderr, so the rows can be piped on."""
+    src = tmp_path / "gemm.csv"
+    src.write_text("dtype,m,n,k\nbf16,1,4096,4096\n")
+    assert main(["predict", "--hardware", "l4", "--input", str(src), "-o", "-"]) == 0
+    out, err = capsys.readouterr()
+    rows = list(csv.DictReader(out.splitlines()))
+    assert len(rows) == 1 and float(rows[0]["predicted_us"]) > 0 and rows[0]["m"] == "1"
+    assert "wrote 1 row to standard output (cross-generation calibration of l4)" in err
+    assert not (tmp_path / "-").exists() and not Path("-").exists()
+
+
 def test_measured_gpu_folders_are_found_by_profile_name(tmp_path):
     """The benchmarks take every GPU folder of a kernels directory whose name is a bundled profile, so a GPU
     added to the data (e.g. ``h200_sxm``) is fitted and held out without code changes."""

@@ -173,7 +173,8 @@ def add_predict_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(the bundled target-measured calibration of this GPU)",
     )
     p.add_argument("--input", required=True, help="file in the measurement schema (latency_us optional)")
-    p.add_argument("-o", "--output", required=True, help="CSV to write: the input rows plus predicted_us")
+    p.add_argument("-o", "--output", required=True,
+                   help="CSV to write: the input rows plus predicted_us (- for standard output)")
     p.set_defaults(func=cmd_predict)
     return p
 
@@ -226,7 +227,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ops = sorted(set(table["op"][empty].tolist())) if "op" in table.columns else []
         note = f"; {int(empty.sum())} rows without a model" + (f" (op {', '.join(map(repr, ops))})" if ops else "")
         note += ": predicted_us left empty"
-    print(f"wrote {len(table)} rows to {args.output} ({calib.tier} calibration of {calib.hardware}{note})")
+    where = "standard output" if args.output == "-" else args.output
+    rows = f"{len(table)} row{'' if len(table) == 1 else 's'}"
+    # with the rows on standard output, the summary goes to stderr so the CSV can be piped on
+    print(f"wrote {rows} to {where} ({calib.tier} calibration of {calib.hardware}{note})",
+          file=sys.stderr if args.output == "-" else sys.stdout)
     return 0
 
 

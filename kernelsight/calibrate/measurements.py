@@ -11,8 +11,10 @@ import csv
 import gzip
 import io
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -175,16 +177,25 @@ def concat_tables(a: Table, b: Table) -> Table:
 
 
 def write_table(table: Table, path: str | Path, extra: dict[str, np.ndarray] | None = None) -> None:
-    """Write the rows back unchanged, plus ``extra`` columns (e.g. ``predicted_us``); gzip if ``.gz``."""
-    path = Path(path)
+    """Write the rows back unchanged, plus ``extra`` columns (e.g. ``predicted_us``); gzip if ``.gz``; ``-`` is
+    standard output."""
     extra = extra or {}
+    if str(path) == "-":
+        _write_rows(sys.stdout, table, extra)
+        sys.stdout.flush()
+        return
+    path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt", encoding="utf-8", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(list(table.header) + list(extra))
-        extra_cols = [np.asarray(v) for v in extra.values()]
-        for i, row in enumerate(table.raw):
-            w.writerow(row + [_fmt(c[i]) for c in extra_cols])
+        _write_rows(fh, table, extra)
+
+
+def _write_rows(fh: TextIO, table: Table, extra: dict[str, np.ndarray]) -> None:
+    w = csv.writer(fh)
+    w.writerow(list(table.header) + list(extra))
+    extra_cols = [np.asarray(v) for v in extra.values()]
+    for i, row in enumerate(table.raw):
+        w.writerow(row + [_fmt(c[i]) for c in extra_cols])
 
 
 def _fmt(x: object) -> str:
