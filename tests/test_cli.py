@@ -60,6 +60,25 @@ def test_bad_values_get_one_line_errors(argv):
     assert "error" in lines[0]
 
 
+def test_a_file_that_is_no_calibration_gets_a_one_line_error(tmp_path):
+    """--calibration with a missing file, a file that is not JSON, or JSON that is not a calibration: one line
+    naming the file, exit 2, no traceback (a JSON object without the keys used to end in a KeyError)."""
+    not_json = tmp_path / "gemm.csv"
+    not_json.write_text("dtype,m,n,k\nbf16,1,64,64\n")
+    other_json = tmp_path / "meta.json"
+    other_json.write_text('{"model": "meta-llama/Llama-3.1-8B"}')
+    bad_form = tmp_path / "calib.json"
+    bad_form.write_text('{"hardware": "h100-sxm", "tier": "x", "eta": {"gemm": {"form": "nope"}}, "overhead_s": {}}')
+    cases = {tmp_path / "none.json": "not found", not_json: "not JSON", other_json: "no 'hardware' entry",
+             bad_form: "unknown η model form 'nope'"}
+    for path, says in cases.items():
+        proc = subprocess.run([sys.executable, "-m", "kernelsight.cli", "simulate", "--calibration", str(path),
+                               "--num-prompts", "2"], capture_output=True, text=True, timeout=60)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+        assert str(path) in lines[0] and says in lines[0]
+
+
 def test_unknown_model_error_lists_bundled_ids(capsys):
     assert main(["simulate", "--model", "acme/unknown", "--num-prompts", "2"]) == 2
     err = capsys.readouterr().err

@@ -24,7 +24,7 @@ from kernelsight.calibrate.measurements import (
     read_table,
     write_table,
 )
-from kernelsight.profiles import bundled_hardware_name
+from kernelsight.profiles import bundled_hardware_name, read_calibration_file
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -184,7 +184,7 @@ def resolve_calibration(
 ) -> Calibration:
     """Calibration for predictions: a file, a tier, or by default the bundled one for the GPU."""
     if calibration:
-        return ev.load_calibration_file(calibration)
+        return read_calibration_file(calibration)
     if tier == "roofline":
         return ev.roofline_calibration(hw)
     if tier == "cross-generation":
@@ -303,7 +303,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     hw, _ = measured_hardware(args.measurements, args.hardware)
     tables = read_measurements(args.measurements)
-    target = ev.load_calibration_file(args.calibration) if args.calibration else None
+    target = read_calibration_file(args.calibration) if args.calibration else None
     results = ev.evaluate_tiers(
         tables, hw, train_fraction=args.train_fraction, seed=args.seed, target_calibration=target,
         workers=args.workers,

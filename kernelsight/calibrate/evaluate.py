@@ -6,7 +6,6 @@ calibrations, :mod:`kernelsight.simcore.eta_transfer`), ``target`` (fitted on th
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from kernelsight.calibrate.measurements import Table, read_measurements
+from kernelsight.profiles import bundled_hardware_name, load_hardware, read_calibration_file
 from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import Calibration, ConstantEta, calibration_from_dict
+from kernelsight.simcore.calibration import Calibration, ConstantEta
 from kernelsight.simcore.comm import COMM_OPS
 from kernelsight.simcore.comm_fit import COMM_BACKENDS
 from kernelsight.simcore.eta_transfer import cross_generation_calibration
@@ -43,10 +43,6 @@ def roofline_calibration(hw: HardwareSpec) -> Calibration:
     return c
 
 
-def load_calibration_file(path: str | Path) -> Calibration:
-    return calibration_from_dict(json.loads(Path(path).read_text()))
-
-
 def bundled_calibration_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "profiles" / "calibration"
 
@@ -55,22 +51,16 @@ def bundled_calibrations(tier: str | None = "target-measured") -> list[Calibrati
     """Calibrations shipped in ``kernelsight/profiles/calibration`` (optionally of one tier)."""
     out = []
     for p in sorted(bundled_calibration_dir().glob("*.json")):
-        c = load_calibration_file(p)
+        c = read_calibration_file(p)
         if tier is None or c.tier == tier:
             out.append(c)
     return out
 
 
-def _load_hardware(name: str) -> HardwareSpec:
-    from kernelsight.profiles import load_hardware
-
-    return load_hardware(name)
-
-
 def cross_generation_for(hw: HardwareSpec, sources: Sequence[Calibration] | None = None) -> Calibration:
     """Cross-generation calibration of ``hw`` from measured calibrations of *other* GPUs (default: bundled)."""
     sources = list(sources) if sources is not None else bundled_calibrations("target-measured")
-    pairs = [(c, _load_hardware(c.hardware)) for c in sources]
+    pairs = [(c, load_hardware(c.hardware)) for c in sources]
     return cross_generation_calibration(hw, [(c, h) for c, h in pairs if h.name != hw.name])
 
 
@@ -78,8 +68,6 @@ def measured_gpu_dirs(kernels_dir: str | Path, skipped: list[str] | None = None)
     """Sub-directories of ``kernels_dir`` holding measurement files, by folder name → bundled GPU profile name
     (folders are matched like ``--hardware``: ``h100_sxm`` is ``h100-sxm``); folders of unknown GPUs are skipped,
     their names appended to ``skipped`` when given."""
-    from kernelsight.profiles import bundled_hardware_name
-
     out: dict[str, str] = {}
     for d in sorted(Path(kernels_dir).iterdir()):
         if not d.is_dir() or not any(d.glob("*.csv*")):

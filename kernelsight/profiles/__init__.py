@@ -45,7 +45,10 @@ def _package_dir(sub: str) -> Traversable:
 
 
 def _read_json(source: Traversable | Path) -> dict[str, Any]:
-    data = json.loads(source.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(source.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a JSON object")
     return data
@@ -236,13 +239,25 @@ def list_calibrations() -> list[str]:
                   if p.name.endswith(".json"))
 
 
+def read_calibration_file(path: str | os.PathLike[str]) -> Calibration:
+    """A calibration JSON (``kernelsight calibrate fit``'s output or a bundled table); a file that is not one is a
+    ValueError naming the file and what is wrong with it."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"calibration file not found: {p}")
+    data = _read_json(p)
+    try:
+        return calibration_from_dict(data)
+    except KeyError as exc:
+        raise ValueError(f"{p}: not a kernelsight calibration file (no {exc.args[0]!r} entry)") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{p}: not a kernelsight calibration file ({exc})") from None
+
+
 def load_calibration(hardware: str, path: str | os.PathLike[str] | None = None) -> Calibration:
     """The calibration for a GPU: ``path`` if given, else the bundled table, else documented defaults."""
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"calibration file not found: {p}")
-        return calibration_from_dict(_read_json(p))
+        return read_calibration_file(path)
     canonical = load_hardware(hardware).name
     bundled = _package_dir("calibration") / f"{canonical}.json"
     if bundled.is_file():
