@@ -276,3 +276,24 @@ def test_a_thin_group_borrows_a_shape_part_by_part(tables):
     big_pred = predict_comm_s(t.subset(big).columns, load_hardware("l40s"), calib)
     # the measured twins at 256 MiB differ by a third (16-bit 115 ms, int8 152 ms): the curve stays near both
     assert np.allclose(big_pred, np.asarray(c["latency_us"])[big] * 1e-6, rtol=0.5)
+
+
+def test_a_replaced_copy_does_not_answer_from_the_originals_memo():
+    """Calibration and CommModel memoize per query; a dataclasses.replace() copy with another η cap or other curves
+    must compute afresh (the memo was an init field, so the copy shared it and returned the old answers)."""
+    from kernelsight.profiles import load_calibration
+    from kernelsight.simcore.kernels import gemm_kernel
+    from kernelsight.simcore.step_model import eta_lookup_features
+
+    calib = load_calibration("h100-sxm")
+    k = gemm_kernel("g", 4096, 8192, 8192, "bf16", 2.0, 2.0)
+    feats = eta_lookup_features(k.family, k.features)
+    eta = calib.kernel_eta(k.family, feats)
+    assert eta > 0.5
+    assert dataclasses.replace(calib, eta_max=0.3).kernel_eta(k.family, feats) == 0.3
+    nccl = calib.comm["nccl"]
+    with_curves = nccl.time_s("all_reduce", 1e6, 4, 450e9)
+    line = dataclasses.replace(nccl, curves={})
+    assert line.time_s("all_reduce", 1e6, 4, 450e9) == pytest.approx(
+        line.alpha_for(4) + comm_bus_factor("all_reduce", 4) * 1e6 / (450e9 * line.bus_bytes_per_s_fraction))
+    assert line.time_s("all_reduce", 1e6, 4, 450e9) != with_curves

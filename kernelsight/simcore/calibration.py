@@ -1101,8 +1101,10 @@ class Calibration:
     #: Per decode variant (KV bytes key, as in ``SwitchEta``): the streaming bandwidth of one CTA on the decode
     #: kernel's unsplit path (:func:`decode_serial_floor_s`); absent: the kernel splits the KV cache.
     decode_cta_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    # init=False: dataclasses.replace() then starts an empty memo instead of sharing the original's (a copy with
+    # another eta_max or η model would answer from the old one's cache)
     _memo: dict[tuple[str, tuple[float, ...]], tuple[float, float | None]] = field(
-        default_factory=dict, repr=False, compare=False
+        default_factory=dict, init=False, repr=False, compare=False
     )
 
     def kernel_eta(self, family: str, features: tuple[float, ...]) -> float:

@@ -102,8 +102,9 @@ class CommModel:
     bus_bytes_per_s_fraction: float  # of the spec interconnect bandwidth actually reached
     alpha_s_by_gpus: dict[str, float] = field(default_factory=dict)
     curves: dict[str, CommCurve] = field(default_factory=dict)
+    # init=False: dataclasses.replace() (e.g. other curves) starts an empty memo instead of sharing the original's
     _memo: dict[tuple[str, float, int, str, float], float] = field(
-        default_factory=dict, repr=False, compare=False
+        default_factory=dict, init=False, repr=False, compare=False
     )
 
     def alpha_for(self, num_gpus: int) -> float:
