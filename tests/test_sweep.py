@@ -144,6 +144,41 @@ def test_each_gemm_call_reads_the_next_weight_copy_in_the_order_they_were_made(m
         sweep._gemm_fn(torch, "int4", 4, 16, 32, "cpu")
 
 
+def test_vllms_flash_attention_is_called_with_the_version_vllm_serves_with(monkeypatch):
+    """vLLM's FlashAttention build defaults to FA2; vLLM itself runs FA3 on Hopper. The sweep asks vLLM's picker
+    (else the build's support check) and records the version in the kernel name, as the shared tables do."""
+    calls = []
+
+    def varlen(**kw):
+        calls.append(kw)
+        return kw
+
+    fork = types.SimpleNamespace(flash_attn_varlen_func=varlen, is_fa_version_supported=lambda v: v in (2, 3))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fork)
+    for path in sweep.FA_VERSION_PICKERS:
+        monkeypatch.setitem(sys.modules, path, None)   # no picker: the build's own support check decides
+    fn, name = sweep.flash_attn_varlen()
+    assert name == "vllm_flash_attn_fa3"
+    fn(q=1)
+    assert calls[-1] == {"q": 1, "fa_version": 3}
+    fork.is_fa_version_supported = lambda v: v == 2   # an Ampere / Ada GPU
+    assert sweep.flash_attn_varlen()[1] == "vllm_flash_attn_fa2"
+    # vLLM's own picker wins where it can be imported (it honours vLLM's attention config)
+    monkeypatch.setitem(sys.modules, sweep.FA_VERSION_PICKERS[1],
+                        types.SimpleNamespace(get_flash_attn_version=lambda: 3))
+    assert sweep.flash_attn_varlen()[1] == "vllm_flash_attn_fa3"
+    # a picker that needs a vLLM config it does not have is skipped, not fatal
+    monkeypatch.setitem(sys.modules, sweep.FA_VERSION_PICKERS[0], types.SimpleNamespace(
+        get_flash_attn_version=lambda: (_ for _ in ()).throw(RuntimeError("no current vLLM config"))))
+    assert sweep.flash_attn_varlen()[1] == "vllm_flash_attn_fa3"
+    del fork.is_fa_version_supported   # a build that cannot tell, and no picker: called as it is, plain name
+    for path in sweep.FA_VERSION_PICKERS:
+        monkeypatch.setitem(sys.modules, path, None)
+    fn, name = sweep.flash_attn_varlen()
+    assert name == "vllm_flash_attn" and fn is varlen
+
+
 def test_a_flash_attention_that_fails_its_test_call_gives_way_to_sdpa():
     """An importable FlashAttention whose signature or build does not fit is found out by one small call before
     the sweep, not by every attention point failing (or a TypeError ending the sweep after the GEMMs)."""

@@ -6,11 +6,12 @@ PyTorch and written in the measurement schema (``gemm.csv``, ``attn_prefill.csv`
 never needs it.
 
 What runs: GEMMs through ``torch.nn.functional.linear`` (bf16) and ``torch._scaled_mm`` (per-tensor fp8, on
-GPUs with fp8 tensor cores); attention through vLLM's FlashAttention (``vllm.vllm_flash_attn``, else the
-``flash_attn`` package) when importable — then also with sliding windows — else ``torch`` SDPA with grouped KV
-heads; all-reduce, all-gather, reduce-scatter and all-to-all through NCCL. The ``kernel`` column names what ran,
-so a fit keeps them apart. What the sweep cannot time (vLLM's block-scaled fp8 GEMMs, an fp8 KV cache, vLLM's
-custom all-reduce) the fit takes from the cross-generation tier.
+GPUs with fp8 tensor cores); attention through vLLM's FlashAttention (``vllm.vllm_flash_attn``, at the version
+vLLM serves with on the GPU: FA3 on Hopper; else the ``flash_attn`` package) when importable — then also with
+sliding windows — else ``torch`` SDPA with grouped KV heads; all-reduce, all-gather, reduce-scatter and
+all-to-all through NCCL. The ``kernel`` column names what ran, so a fit keeps them apart. What the sweep cannot
+time (vLLM's block-scaled fp8 GEMMs, an fp8 KV cache, vLLM's custom all-reduce) the fit takes from the
+cross-generation tier.
 
 The shapes: a fixed-seed draw of :data:`SWEEP_POINTS` points per family from a dense shape space (see
 :func:`build_grid`), plus 4 collectives × 3 GPU counts × 21 message sizes. Each point is warmed up and timed over
@@ -405,13 +406,45 @@ def _gemm_fn(torch, dtype: str, m: int, n: int, k: int, device: str, l2_bytes: i
     return run
 
 
+#: Where vLLM keeps the function that picks the FlashAttention version it serves with (it moved between releases).
+FA_VERSION_PICKERS: tuple[str, ...] = (
+    "vllm.attention.utils.fa_utils", "vllm.v1.attention.backends.fa_utils", "vllm.vllm_flash_attn.fa_utils",
+)
+
+
+def vllm_fa_version(flash_module: object) -> int | None:
+    """The FlashAttention version vLLM serves with on this GPU: its own picker's answer when importable, else the
+    newest of 3 and 2 its FlashAttention build supports here; None when neither can tell. The build's entry point
+    defaults to version 2, while vLLM runs version 3 on Hopper: a sweep calling it plainly would time FA2 there."""
+    for path in FA_VERSION_PICKERS:
+        try:
+            version = importlib.import_module(path).get_flash_attn_version()
+        except Exception:  # noqa: BLE001 — absent in this release, or it needs a vLLM config: try the next
+            continue
+        if version:
+            return int(version)
+    supported = getattr(flash_module, "is_fa_version_supported", None)
+    for version in (3, 2):
+        try:
+            if supported is not None and supported(version):
+                return version
+        except Exception:  # noqa: BLE001 — a build that cannot answer: the next version, else none
+            continue
+    return None
+
+
 def flash_attn_varlen() -> tuple[Callable[..., object], str] | None:
-    """FlashAttention's variable-length entry point and the kernel name to record, when importable."""
+    """FlashAttention's variable-length entry point and the kernel name to record, when importable: vLLM's build
+    called with the version vLLM serves with (recorded as e.g. ``vllm_flash_attn_fa3``, as in the shared tables),
+    else the ``flash_attn`` package."""
     for module, name in (("vllm.vllm_flash_attn", "vllm_flash_attn"), ("flash_attn", "flash_attn")):
         try:
-            return importlib.import_module(module).flash_attn_varlen_func, name
+            mod = importlib.import_module(module)
+            fn = mod.flash_attn_varlen_func
         except (ImportError, AttributeError):
             continue
+        version = vllm_fa_version(mod) if module == "vllm.vllm_flash_attn" else None
+        return (partial(fn, fa_version=version), f"{name}_fa{version}") if version else (fn, name)
     return None
 
 
