@@ -10,13 +10,15 @@ other row, next to a fit on as many random rows and the cross-generation tier al
 
 * ``torch``: what runs with PyTorch alone (bf16 and per-tensor fp8 GEMMs, attention without windows, NCCL
   collectives);
-* ``flash``: with FlashAttention importable (attention also with sliding windows).
+* ``flash``: with vLLM's FlashAttention importable (attention also with sliding windows, and on a GPU where vLLM
+  runs FA3, the H100, with an fp8 KV cache).
 
 Both GEMM formats draw the same number of points. The sweep times every NCCL collective row of the tables, so
 nothing of its own is left to judge there (``covered`` is empty); the other comm rows are vLLM's custom all-reduce.
 
-Neither times vLLM's block-scaled fp8 GEMMs or an fp8 KV cache: those rows come from the prior, so MAPE is also
-given over the rows of the variants the sweep measures (``covered``).
+Neither times vLLM's block-scaled fp8 GEMMs, nor an fp8 KV cache on FA2 GPUs (the L40S table's fp8 rows ran
+FlashInfer and Triton): those rows come from the prior, so MAPE is also given over the rows of the variants the
+sweep measures (``covered``).
 
 GPU time: the measured latencies of the matched rows × 14 calls per point (3 warm-up, 1 that sets the head start,
 10 timed) plus each point's head start (:func:`kernelsight.calibrate.sweep.time_us`, at the assumed issue time),
@@ -33,6 +35,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +54,7 @@ from kernelsight.calibrate.measurements import Table, read_measurements  # noqa:
 from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
 from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
+from kernelsight.simcore.hardware import HardwareSpec  # noqa: E402
 
 SHAPE_AXES = {"gemm": ("m", "n", "k"),
               "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim"),
@@ -98,31 +102,35 @@ def sweep_rows(table: Table, family: str, grid: sweep.Grid) -> np.ndarray:
     return np.array([tuple(k) in want for k in keys], dtype=bool)
 
 
-def covered(table: Table, family: str, windows: bool) -> np.ndarray:
-    """Rows of the variants the sweep times (GEMM formats bf16 / fp8; bf16 KV at the head dims it draws — the H100's
-    head_dim-512 rows run FA4, which no sweep kernel reaches; windows only with FlashAttention)."""
+def covered(table: Table, family: str, windows: bool, fp8_kv: bool = False) -> np.ndarray:
+    """Rows of the variants the sweep times (GEMM formats bf16 / fp8; bf16 KV — and fp8 KV where it times one — at
+    the head dims it draws: the H100's head_dim-512 rows run FA4, which no sweep kernel reaches; windows only with
+    FlashAttention)."""
     if family == "gemm":
         return np.isin(table["dtype"], COVERED_FORMATS)
     if family == "comm":
         return table["backend"] == "nccl"
-    ok = (table["kv_dtype"] == "bf16") & (table["head_dim"] <= max(sweep.ATTN_HEAD_DIMS))
+    kv = np.isin(table["kv_dtype"], ("bf16", "fp8") if fp8_kv else ("bf16",))
+    ok = kv & (table["head_dim"] <= max(sweep.ATTN_HEAD_DIMS))
     return ok if windows else ok & (table["window"] == 0)
 
 
-def evaluate(data: Path, sweeps: dict[str, sweep.Grid], workers: int) -> dict:
+def evaluate(data: Path, sweeps: dict[str, Callable[[HardwareSpec], sweep.Grid]], workers: int) -> dict:
     gpus = measured_gpu_dirs(data)
     tables = {g: read_measurements(data / g) for g in gpus}
     hws = {g: load_hardware(n) for g, n in gpus.items()}
     full = {g: fit_target(tables[g], hws[g], residual_grid=False, workers=workers)[0] for g in gpus}
     out: dict = {}
-    for name, grid in sweeps.items():
+    for name, grid_for in sweeps.items():
         out[name] = {}
         for g in gpus:
             hw, tabs = hws[g], tables[g]
+            grid = grid_for(hw)
+            fp8_kv = any(p[5] == "fp8" for p in grid.attn_prefill)
             prior = cross_generation_calibration(hw, [(full[o], hws[o]) for o in gpus if o != g])
             head_start_s = sweep.head_start_cycles(sweep.ASSUMED_ISSUE_S, sweep.TIMED_CALLS) / hw.boost_clock_hz
             on = {f: sweep_rows(t, f, grid) for f, t in tabs.items()}
-            cov_all = {f: covered(t, f, name == "flash") for f, t in tabs.items()}
+            cov_all = {f: covered(t, f, name == "flash", fp8_kv) for f, t in tabs.items()}
             rng = np.random.default_rng(0)
             rand = {}   # as many rows as the sweep matched, drawn at random from the variants it times
             for f, m in on.items():
@@ -148,6 +156,9 @@ def evaluate(data: Path, sweeps: dict[str, sweep.Grid], workers: int) -> dict:
                 for f, t in tabs.items()
             }
             out[name][g]["fit_s"] = fit_s
+            # covered MAPE per variant (KV dtype, kernel), where a family has several
+            out[name][g]["covered_variants"] = {f: {v: 100 * x["mape"] for v, x in r["variants"].items()}
+                                                for f, r in res["covered"].items() if "variants" in r}
     return out
 
 
@@ -160,24 +171,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweeps", default="torch,flash")
     args = ap.parse_args(argv)
     points = {k: int(v) for k, v in (kv.split("=") for kv in args.points.split(",") if kv)}
-    windows = {"torch": (0,), "flash": sweep.SWEEP_WINDOWS}
-    sweeps = {name: sweep.build_grid(gemm_dtypes=COVERED_FORMATS, num_gpus=8, points=points, windows=windows[name])
-              for name in args.sweeps.split(",")}
+    def grid_for(name: str) -> Callable[[HardwareSpec], sweep.Grid]:
+        flash = name == "flash"
+        return lambda hw: sweep.build_grid(
+            gemm_dtypes=COVERED_FORMATS, num_gpus=8, points=points, windows=sweep.SWEEP_WINDOWS if flash else (0,),
+            fp8_kv=flash and sweep.runs_fa3(hw.vendor, tuple(int(x) for x in hw.compute_capability.split("."))))
+
+    sweeps = {name: grid_for(name) for name in args.sweeps.split(",")}
     results = evaluate(args.data, sweeps, args.workers)
     cols = ["gpu", "family", "points", "rows", "gpu_s", "sweep", "covered", "random", "cross"]
     for per_gpu in results.values():
         for fams in per_gpu.values():
             timed = [r["gpu_s"] * r["points"] / r["rows"] for f, r in fams.items()
-                     if f != "fit_s" and r["gpu_s"] is not None and r["rows"]]
+                     if f not in ("fit_s", "covered_variants") and r["gpu_s"] is not None and r["rows"]]
             fams["sweep_gpu_s"] = sum(timed)
     for name, per_gpu in results.items():
         rows = [{"gpu": g, "family": f, **{k: r[k] for k in cols[2:]}}
-                for g, fams in per_gpu.items() for f, r in fams.items() if f not in ("fit_s", "sweep_gpu_s")]
+                for g, fams in per_gpu.items() for f, r in fams.items()
+                if f not in ("fit_s", "sweep_gpu_s", "covered_variants")]
         print(f"\n== sweep '{name}': target fit on the sweep's points, MAPE % on every other row "
               "(covered: those of the variants the sweep times; random: a fit on as many random rows; cross: the "
               "cross-generation tier alone); gpu_s: GPU seconds to time the matched rows on that GPU (calls and "
               "head starts)")
         print(format_table(rows, cols, float_fmt=".1f"))
+        for g, fams in per_gpu.items():
+            for f, by in fams.get("covered_variants", {}).items():
+                print(f"{g} {f} covered MAPE by variant: " + ", ".join(f"{v} {x:.1f}%" for v, x in by.items()))
         print("GPU seconds of the whole sweep (each family's gpu_s scaled from its matched rows to all its "
               "points): " + ", ".join(f"{g} {fams['sweep_gpu_s']:.0f} s" for g, fams in per_gpu.items()))
     path = write_result("sweep_grid", {"results": results, "points": dict(sweep.SWEEP_POINTS, **points),

@@ -405,6 +405,12 @@ def test_sweep_estimate_needs_no_torch_and_adds_up(capsys):
     assert _run(["calibrate", "sweep", "--estimate", "h100", "--points", "attn_prefill=50,attn_decode=50",
                  "--windows"]) == 0
     out = capsys.readouterr().out
-    assert re.search(rf"^attn_prefill\s+{50 + int(50 * sweep.WINDOW_SHARE)} points", out, flags=re.M)
+    # Hopper: vLLM's FA3 also runs an fp8 KV cache, so a FlashAttention sweep times those points too
+    assert re.search(rf"^attn_prefill\s+{50 + int(50 * sweep.WINDOW_SHARE) + int(50 * sweep.FP8_KV_SHARE)} points",
+                     out, flags=re.M)
+    assert _run(["calibrate", "sweep", "--estimate", "a100", "--points", "attn_prefill=50,attn_decode=50",
+                 "--windows"]) == 0   # FA2: no fp8 KV cache
+    assert re.search(rf"^attn_decode\s+{50 + int(50 * sweep.WINDOW_SHARE)} points", capsys.readouterr().out,
+                     flags=re.M)
     assert _run(["calibrate", "sweep"]) == 2
     assert "-o/--output DIR is required" in capsys.readouterr().err

@@ -60,6 +60,47 @@ def test_windows_and_formats_are_only_drawn_when_asked_for():
     assert len(whole.attn_decode) == len(sweep.decode_space())
 
 
+def test_fp8_kv_points_come_on_top_and_leave_the_bf16_draw_alone():
+    windowed = sweep.build_grid(windows=sweep.SWEEP_WINDOWS)
+    both = sweep.build_grid(windows=sweep.SWEEP_WINDOWS, fp8_kv=True)
+    for fam in ("attn_prefill", "attn_decode"):
+        drawn = getattr(both, fam)
+        assert [p for p in drawn if p[5] == "bf16"] == list(getattr(windowed, fam))
+        fp8 = [p for p in drawn if p[5] == "fp8"]
+        assert len(fp8) == int(sweep.SWEEP_POINTS[fam] * sweep.FP8_KV_SHARE) and {p[6] for p in fp8} == {0}
+    assert sweep.runs_fa3("nvidia", (9, 0)) and not sweep.runs_fa3("nvidia", (8, 9))
+    assert not sweep.runs_fa3("nvidia", (10, 0)) and not sweep.runs_fa3("amd", (9, 4))
+
+
+def test_fp8_kv_attention_is_called_as_vllm_runs_it_on_fa3(monkeypatch):
+    """A stand-in FA3: an fp8 point passes e4m3 query/keys/values, (batch, KV heads) descales and a bf16 output;
+    without FlashAttention (SDPA) fp8 points are left out; the test call decides whether fp8 is timed at all."""
+    torch = pytest.importorskip("torch")
+    calls, said = [], []
+
+    def fa3(**kw):
+        calls.append(kw)
+        return kw["q"]
+
+    point = (3, 16, 8, 2, 64, "fp8", 0)
+    rows, kernel = sweep._attention_rows(torch, [point], False, "cpu", 1, (fa3, "vllm_flash_attn_fa3"))
+    assert kernel == "vllm_flash_attn_fa3" and [r[:7] for r in rows] == [point]
+    kw = calls[0]
+    assert kw["q"].dtype == kw["k"].dtype == kw["v"].dtype == torch.float8_e4m3fn
+    assert kw["q"].shape == (3 * 16, 8, 64) and kw["k"].shape == (3 * 16, 2, 64)
+    assert all(kw[d].shape == (3, 2) and kw[d].dtype == torch.float32 for d in ("q_descale", "k_descale", "v_descale"))
+    assert kw["out"].dtype == torch.bfloat16 and kw["out"].shape == (3 * 16, 8, 64)
+    assert sweep._attention_rows(torch, [point], True, "cpu", 1, None)[0] == []   # SDPA: left out
+    assert sweep.flash_runs_fp8_kv(torch, (fa3, "vllm_flash_attn_fa3"), "cpu", said.append) and said == []
+    assert not sweep.flash_runs_fp8_kv(torch, (fa3, "vllm_flash_attn_fa2"), "cpu", said.append)   # FA2: no fp8
+
+    def no_fp8(**kw):
+        raise RuntimeError("FlashAttention only supports fp16 and bf16 data type")
+
+    assert not sweep.flash_runs_fp8_kv(torch, (no_fp8, "vllm_flash_attn_fa3"), "cpu", said.append)
+    assert len(said) == 1 and "bf16 KV cache only" in said[0]
+
+
 def test_per_row_kernel_names_are_written(tmp_path):
     rows = [("bf16", 1, 64, 64, 3.0), ("fp8", 1, 64, 64, 2.5)]
     p = sweep.write_csv(tmp_path / "gemm.csv", "gemm", rows, kernel=[sweep.GEMM_KERNELS[r[0]] for r in rows])

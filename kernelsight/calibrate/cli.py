@@ -35,7 +35,8 @@ def _estimate_sweep(args: argparse.Namespace, sweep: Any) -> int:
     # the formats run_sweep would time on this GPU (its compute capability from the profile, not from torch)
     cc = tuple(int(x) for x in hw.compute_capability.split(".")) if hw.vendor == "nvidia" else (0,)
     grid = sweep.build_grid(gemm_dtypes=sweep.formats_for(hw.vendor, cc), num_gpus=args.num_gpus,
-                            points=args.points, seed=args.seed, windows=sweep.SWEEP_WINDOWS if args.windows else (0,))
+                            points=args.points, seed=args.seed, windows=sweep.SWEEP_WINDOWS if args.windows else (0,),
+                            fp8_kv=args.windows and sweep.runs_fa3(hw.vendor, cc))
     seconds = sweep.estimate_seconds(grid, hw, calib)
     for fam, sec in seconds.items():
         print(f"{fam:<13} {len(getattr(grid, fam)):>6} points  {sec / 60:6.1f} min")
@@ -156,7 +157,8 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "GPU profile, predicted by its bundled calibration (no torch needed; -o is then ignored)")
     s.add_argument("--num-gpus", type=_positive_int, default=8, help="with --estimate: GPUs for the collectives")
     s.add_argument("--windows", action="store_true",
-                   help="with --estimate: also the sliding-window points a sweep with FlashAttention importable times")
+                   help="with --estimate: also the points a sweep with vLLM's FlashAttention importable times: "
+                   "sliding windows, and on Hopper an fp8 KV cache")
     s.set_defaults(func=cmd_sweep)
     return p
 

@@ -9,9 +9,9 @@ What runs: GEMMs through ``torch.nn.functional.linear`` (bf16) and ``torch._scal
 GPUs with fp8 tensor cores); attention through vLLM's FlashAttention (``vllm.vllm_flash_attn``, at the version
 vLLM serves with on the GPU: FA3 on Hopper; else the ``flash_attn`` package) when importable — then also with
 sliding windows — else ``torch`` SDPA with grouped KV heads; all-reduce, all-gather, reduce-scatter and
-all-to-all through NCCL. The ``kernel`` column names what ran, so a fit keeps them apart. What the sweep cannot
-time (vLLM's block-scaled fp8 GEMMs, an fp8 KV cache, vLLM's custom all-reduce) the fit takes from the
-cross-generation tier.
+all-to-all through NCCL; where vLLM's FlashAttention runs an fp8 KV cache (FA3, Hopper), attention with one too.
+The ``kernel`` column names what ran, so a fit keeps them apart. What the sweep cannot time (vLLM's block-scaled
+fp8 GEMMs, an fp8 KV cache without FA3, vLLM's custom all-reduce) the fit takes from the cross-generation tier.
 
 The shapes: a fixed-seed draw of :data:`SWEEP_POINTS` points per family from a dense shape space (see
 :func:`build_grid`), plus 4 collectives × 3 GPU counts × 21 message sizes. Each point is warmed up and timed over
@@ -118,6 +118,12 @@ SWEEP_WINDOWS: tuple[int, ...] = (0, 128, 1024, 4096)
 #: and 4.4 / 6.2 % (A100, whose table has no windows: 2.5 / 2.3 % throughout). Windowed layers are common (Gemma 3,
 #: gpt-oss, Mistral) and their points are no dearer than full attention's.
 WINDOW_SHARE = 1.0
+#: fp8 KV-cache attention points (full attention), as a share of the family's budget, drawn on top of the bf16
+#: ones where vLLM's FlashAttention runs an fp8 KV cache (FA3: Hopper). Without them a fit prices
+#: ``--kv-cache-dtype fp8`` from the cross-generation tier: on the shared H100 table's fp8 rows, prefill / decode
+#: MAPE 28.9 / 20.7 % (``benchmarks/kernel_accuracy.py``); fitted with these points 11.3 / 6.6 %
+#: (``benchmarks/sweep_grid.py``, flash sweep). A share of 1 gave 11.6 / 6.5 % for 1 more GPU minute.
+FP8_KV_SHARE = 0.5
 
 
 class TorchUnavailableError(RuntimeError):
@@ -155,9 +161,10 @@ def gemm_space(dtype: str) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def prefill_space(windows: Sequence[int] = (0,)) -> list[tuple[int, int, int, int, int, str, int]]:
+def prefill_space(windows: Sequence[int] = (0,), kv_dtype: str = "bf16"
+                  ) -> list[tuple[int, int, int, int, int, str, int]]:
     return [
-        (b, s, qh, kvh, hd, "bf16", w)
+        (b, s, qh, kvh, hd, kv_dtype, w)
         for (qh, kvh) in ATTN_HEADS for hd in ATTN_HEAD_DIMS for b in PREFILL_BATCHES for s in PREFILL_SEQS
         for w in windows
         if b * s <= MAX_PREFILL_TOKENS and 2.0 * b * s * s * qh * hd <= MAX_POINT_FLOPS
@@ -165,9 +172,10 @@ def prefill_space(windows: Sequence[int] = (0,)) -> list[tuple[int, int, int, in
     ]
 
 
-def decode_space(windows: Sequence[int] = (0,)) -> list[tuple[int, int, int, int, int, str, int]]:
+def decode_space(windows: Sequence[int] = (0,), kv_dtype: str = "bf16"
+                 ) -> list[tuple[int, int, int, int, int, str, int]]:
     return [
-        (b, c, qh, kvh, hd, "bf16", w)
+        (b, c, qh, kvh, hd, kv_dtype, w)
         for (qh, kvh) in ATTN_HEADS for hd in ATTN_HEAD_DIMS for b in DECODE_BATCHES for c in DECODE_CACHED
         for w in windows
         if _fits(2.0 * b * (c + 1) * kvh * hd * 2)
@@ -177,10 +185,12 @@ def decode_space(windows: Sequence[int] = (0,)) -> list[tuple[int, int, int, int
 def build_grid(
     quick: bool = False, gemm_dtypes: Sequence[str] = ("bf16", "fp8"), num_gpus: int = 1, max_gpus: int = 8,
     points: Mapping[str, int | None] | None = None, seed: int = SWEEP_SEED, windows: Sequence[int] = (0,),
+    fp8_kv: bool = False,
 ) -> Grid:
     """The sweep's points (deterministic for a seed). ``quick`` = a tiny grid for smoke tests and CPU runs;
     ``points`` overrides :data:`SWEEP_POINTS` per family (None = the whole space); ``windows``: sliding windows
-    to time besides full attention (0), for backends that have them."""
+    to time besides full attention (0), for backends that have them; ``fp8_kv``: fp8 KV-cache attention points
+    too (:data:`FP8_KV_SHARE`), for backends that run one. The bf16 points are the same either way."""
     gpus = [g for g in (2, 4, 8) if g <= max(num_gpus, 1) and g <= max_gpus]
     if quick:
         gemm = tuple((dt, m, n, k) for dt in gemm_dtypes for (n, k) in ((256, 256), (512, 1024)) for m in (1, 16, 128))
@@ -197,6 +207,9 @@ def build_grid(
     if slid:   # windowed points on top: full attention stays as densely covered as without windows
         prefill += _draw(prefill_space(slid), _share(budget["attn_prefill"], WINDOW_SHARE), rng)
         decode += _draw(decode_space(slid), _share(budget["attn_decode"], WINDOW_SHARE), rng)
+    if fp8_kv:   # drawn last: the bf16 and windowed points above do not move
+        prefill += _draw(prefill_space(kv_dtype="fp8"), _share(budget["attn_prefill"], FP8_KV_SHARE), rng)
+        decode += _draw(decode_space(kv_dtype="fp8"), _share(budget["attn_decode"], FP8_KV_SHARE), rng)
     comm = tuple((op, "nccl", "bf16", g, msg) for op in COMM_OPS for g in gpus for msg in COMM_MESSAGE_BYTES)
     return Grid(gemm, prefill, decode, comm)
 
@@ -467,9 +480,11 @@ def working_flash(torch, flash: tuple[Callable[..., object], str] | None, device
 
 def _flash_fn(
     torch, flash: Callable[..., object], b: int, q_len: int, kv_len: int, qh: int, kvh: int, hd: int, window: int,
-    device: str,
+    device: str, kv_dtype: str = "bf16",
 ) -> Callable[[], object]:  # type: ignore[no-untyped-def]
-    """``b`` sequences of ``q_len`` new tokens attending ``kv_len`` tokens (the last ``q_len`` are the new ones)."""
+    """``b`` sequences of ``q_len`` new tokens attending ``kv_len`` tokens (the last ``q_len`` are the new ones).
+    ``kv_dtype`` fp8: as vLLM runs an fp8 KV cache on FA3 — query, keys and values in e4m3 with per-sequence,
+    per-KV-head descales, the output in bf16."""
     q = torch.randn(b * q_len, qh, hd, device=device, dtype=torch.bfloat16)
     k = torch.randn(b * kv_len, kvh, hd, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -478,7 +493,37 @@ def _flash_fn(
     # keyword arguments only: vLLM's fork and the flash_attn package order the positional ones differently
     kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=q_len, max_seqlen_k=kv_len,
                   causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+    if kv_dtype == "fp8":
+        fp8 = torch.float8_e4m3fn
+        one = torch.ones((b, kvh), device=device, dtype=torch.float32)
+        kwargs.update(q=q.to(fp8), k=k.to(fp8), v=v.to(fp8), q_descale=one, k_descale=one, v_descale=one,
+                      out=torch.empty(b * q_len, qh, hd, device=device, dtype=torch.bfloat16))
+    elif kv_dtype != "bf16":
+        raise ValueError(f"the sweep cannot time a {kv_dtype!r} KV cache")
     return lambda: flash(**kwargs)
+
+
+def runs_fa3(vendor: str, capability: tuple[int, ...]) -> bool:
+    """Whether vLLM serves attention with FlashAttention 3 on this GPU (NVIDIA Hopper, sm_90), the version that
+    takes an fp8 KV cache: what ``calibrate sweep --estimate --windows`` assumes without torch."""
+    return vendor == "nvidia" and tuple(capability)[:1] == (9,)
+
+
+def flash_runs_fp8_kv(torch, flash: tuple[Callable[..., object], str] | None, device: str,  # type: ignore[no-untyped-def]
+                      say: Callable[[str], None]) -> bool:
+    """Whether ``flash`` runs an fp8 KV cache here (FA3 on Hopper does; FA2 does not): one small call decides, so
+    a build without it costs one line, not a family of failed points."""
+    if flash is None or not flash[1].endswith("_fa3"):
+        return False
+    try:
+        _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device, "fp8")()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 — whatever the build raises, the bf16 attention points still run
+        say(f"{flash[1]} did not run a test fp8 KV-cache call ({type(exc).__name__}: {exc}); attention is timed "
+            "with a bf16 KV cache only")
+        return False
+    return True
 
 
 def _sdpa_fn(
@@ -508,13 +553,15 @@ def _attention_call(
     flash: tuple[Callable[..., object], str] | None,
 ) -> Callable[[], Callable[[], object]] | None:
     """What builds one attention point's call (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after
-    ``cached``); None for a sliding window without FlashAttention (SDPA has no such kernel: a masked call would time
-    a different path)."""
-    b, s, qh, kvh, hd, _kvd, w = point
+    ``cached``); None for a sliding window or an fp8 KV cache without FlashAttention (SDPA has no such kernels: a
+    masked or upcast call would time a different path)."""
+    b, s, qh, kvh, hd, kvd, w = point
     q_len, kv_len = (1, s + 1) if decode else (s, s)
     if flash is None:
-        return None if w else partial(_sdpa_fn, torch, b, q_len, kv_len, qh, kvh, hd, device, causal=not decode)
-    return partial(_flash_fn, torch, flash[0], b, q_len, kv_len, qh, kvh, hd, w, device)
+        if w or kvd != "bf16":
+            return None
+        return partial(_sdpa_fn, torch, b, q_len, kv_len, qh, kvh, hd, device, causal=not decode)
+    return partial(_flash_fn, torch, flash[0], b, q_len, kv_len, qh, kvh, hd, w, device, kvd)
 
 
 def _attention_rows(
@@ -617,7 +664,8 @@ def run_sweep(
     n_gpus = torch.cuda.device_count() if device.startswith("cuda") else 1
     flash = working_flash(torch, flash_attn_varlen(), device, say) if device.startswith("cuda") else None
     grid = build_grid(quick=quick, gemm_dtypes=gemm_formats(torch, device, say), num_gpus=n_gpus, points=points,
-                      seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,))
+                      seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,),
+                      fp8_kv=not quick and flash_runs_fp8_kv(torch, flash, device, say))
     reps = 3 if quick else TIMED_CALLS
     info = sweep_info(torch, device, grid, families, reps, seed, attention_kernel(flash))
     info_path = out / SWEEP_INFO_FILE
@@ -700,6 +748,7 @@ def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: in
         "points": {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")},
         "gemm_kernels": {dt: GEMM_KERNELS[dt] for dt in sorted({row[0] for row in grid.gemm})},
         "attention": attention, "warmup_calls": WARMUP_CALLS, "timed_calls": reps,
+        "attention_kv_dtypes": sorted({row[5] for row in (*grid.attn_prefill, *grid.attn_decode)}),
     }
     if device.startswith("cuda"):
         info.update(gemm_weights=f"rotated over >= {COLD_L2_FACTOR:g}x L2 (read from DRAM)",
