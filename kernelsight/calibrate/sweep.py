@@ -367,14 +367,22 @@ def gemm_formats(torch, device: str, say: Callable[[str], None] = lambda _line: 
         return ("bf16",)
     vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
     formats = formats_for(vendor, torch.cuda.get_device_capability(device))
-    if "fp8" in formats:
-        try:
-            _gemm_fn(torch, "fp8", 16, 16, 16, device)()
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 — whatever the build raises, the bf16 GEMMs still run
-            say(f"a test fp8 GEMM failed ({type(exc).__name__}: {exc}); GEMMs are timed in bf16 only")
-            formats = tuple(f for f in formats if f != "fp8")
+    if "fp8" in formats and (exc := _test_call(torch, lambda: _gemm_fn(torch, "fp8", 16, 16, 16, device)(), device)):
+        say(f"a test fp8 GEMM failed ({type(exc).__name__}: {exc}); GEMMs are timed in bf16 only")
+        formats = tuple(f for f in formats if f != "fp8")
     return formats
+
+
+def _test_call(torch, call: Callable[[], object], device: str) -> Exception | None:  # type: ignore[no-untyped-def]
+    """What one small call of a kernel raises here (None: it ran), synchronized on a GPU so that an error of the
+    kernel itself shows: a kernel the build or the GPU cannot run is left out before the sweep, not point by point."""
+    try:
+        call()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 — whatever a build raises, the sweep goes on without that kernel
+        return exc
+    return None
 
 
 #: GEMM weight copies rotated over cover at least this many times the L2 size (:func:`weight_copies`).
@@ -467,11 +475,7 @@ def working_flash(torch, flash: tuple[Callable[..., object], str] | None, device
     FlashAttention whose arguments or build do not match this GPU would otherwise fail every attention point."""
     if flash is None:
         return None
-    try:
-        _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device)()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001 — whatever the build raises, SDPA still measures attention
+    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device)(), device):
         say(f"{flash[1]} is importable but a test call failed ({type(exc).__name__}: {exc}); "
             "attention is timed with torch SDPA instead")
         return None
@@ -515,11 +519,7 @@ def flash_runs_fp8_kv(torch, flash: tuple[Callable[..., object], str] | None, de
     a build without it costs one line, not a family of failed points."""
     if flash is None or not flash[1].endswith("_fa3"):
         return False
-    try:
-        _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device, "fp8")()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001 — whatever the build raises, the bf16 attention points still run
+    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device, "fp8")(), device):
         say(f"{flash[1]} did not run a test fp8 KV-cache call ({type(exc).__name__}: {exc}); attention is timed "
             "with a bf16 KV cache only")
         return False
