@@ -38,6 +38,7 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
 )
 from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
+from kernelsight.simcore.calibration import Calibration  # noqa: E402
 from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
 
 
@@ -78,12 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         timings[g] = time.perf_counter() - t0
     results: dict[str, dict] = {}
     by_seed: dict[str, dict[str, list[float]]] = {}
+    def target_fit(g: str, seed: int, prior: Calibration) -> tuple[Calibration, dict[str, np.ndarray]]:
+        """The target tier fitted on one random split of GPU g's rows, and the rows it is judged on."""
+        train, test = split_masks(tables[g], args.train_fraction, seed)
+        fit, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hws[g],
+                            workers=default_fit_workers(), prior=prior)
+        return fit, test
+
     for g in gpus:
         hw = hws[g]
-        train, test = split_masks(tables[g], args.train_fraction, args.seed)
         cross = cross_generation_calibration(hw, [(full_fits[o], hws[o]) for o in gpus if o != g])
-        target, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw,
-                               workers=default_fit_workers(), prior=cross)
+        target, test = target_fit(g, args.seed, cross)
         results[g] = {
             "roofline": mape_table(tables[g], hw, roofline_calibration(hw), test),
             "cross-generation": mape_table(tables[g], hw, cross, test),
@@ -92,10 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {g} ({hw.name}); cross-generation from {', '.join(o for o in gpus if o != g)}")
         print(format_results(results[g]))
         for seed in range(args.seed + 1, args.seed + 1 + args.more_seeds):   # the target tier on other draws
-            train, test = split_masks(tables[g], args.train_fraction, seed)
-            fit, _ = fit_target({f: t.subset(train[f]) for f, t in tables[g].items()}, hw,
-                                workers=default_fit_workers(), prior=cross)
-            for fam, r in mape_table(tables[g], hw, fit, test).items():
+            fit, held_out = target_fit(g, seed, cross)
+            for fam, r in mape_table(tables[g], hw, fit, held_out).items():
                 by_seed.setdefault(g, {}).setdefault(fam, [results[g]["target"][fam]["mape"]]).append(r["mape"])
         if g in by_seed:
             print(f"target tier over {1 + args.more_seeds} random splits (seeds {args.seed}–"
