@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import write_result  # noqa: E402
 from silicon_h100 import TABLE  # noqa: E402
 
+from kernelsight.engine_args import create_engine_config  # noqa: E402
 from kernelsight.loadgen.datasets import random_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
-from kernelsight.runtime import create_engine_config  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 from kernelsight.simcore.overheads import HostModel  # noqa: E402
 

@@ -37,12 +37,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import SHARED_DATA, pct_error, write_result  # noqa: E402
 
+from kernelsight.engine_args import create_engine_config  # noqa: E402
 from kernelsight.loadgen.datasets import trace_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.loadgen.vllm_run import engine_args_from_run  # noqa: E402
 from kernelsight.profiles import bundled_hardware_name  # noqa: E402
-from kernelsight.runtime import create_engine_config  # noqa: E402
 
 RUN = SHARED_DATA / "e2e" / "llmservingsim_rtx4090_llama31_8b"
 STATS = (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),

@@ -31,10 +31,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import SHARED_DATA, pct_error, write_result  # noqa: E402
 
+from kernelsight.engine_args import create_engine_config  # noqa: E402
 from kernelsight.loadgen.datasets import random_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
-from kernelsight.runtime import create_engine_config  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 
 TABLE = SHARED_DATA / "e2e" / "aic_silicon_vllm_h100.csv"

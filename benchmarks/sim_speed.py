@@ -17,11 +17,11 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import machine, write_result  # noqa: E402
 
+from kernelsight.engine_args import create_engine_config  # noqa: E402
 from kernelsight.loadgen.arrivals import arrival_times_s  # noqa: E402
 from kernelsight.loadgen.datasets import random_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
-from kernelsight.runtime import create_engine_config  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 
 

@@ -27,13 +27,13 @@ def serve_args(cmdline: list[str]) -> list[str] | None:
 
 def health_urls(args: list[str]) -> list[str]:
     """The /health URL of each replica that ``kernelsight serve ARGS`` binds."""
-    from kernelsight.cli import build_parser
+    from kernelsight.server.serve_args import serve_parser
 
-    parser = build_parser()
+    parser = serve_parser()
     try:
-        ns = parser.parse_args(["serve", *args])
+        ns = parser.parse_args(args)
     except SystemExit:          # unparsable (the server would not have started): check the defaults
-        ns = parser.parse_args(["serve"])
+        ns = parser.parse_args([])
     host = ns.host or "127.0.0.1"
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"

@@ -1,10 +1,19 @@
-"""argparse value types shared by every command (argparse turns their errors into one-line messages)."""
+"""argparse pieces shared by every command: the one-line-error parser and the value types (argparse turns their
+errors into one-line messages)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
-__all__ = ["positive_int", "non_negative_int", "rate", "fraction", "range_ratio"]
+__all__ = ["OneLineParser", "positive_int", "non_negative_int", "rate", "fraction", "range_ratio"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags get one line on stderr (``kernelsight simulate: error: ...``), never a traceback."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def positive_int(text: str) -> int:

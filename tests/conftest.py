@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 
 from kernelsight import profiles
-from kernelsight.runtime import create_engine
 from kernelsight.simcore.engine import Engine
-from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, build_step_model
+from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, build_engine, build_step_model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # Tests on the measured data run wherever ../shared/data is checked out beside the project (always in CI,
@@ -32,7 +31,7 @@ def shared_data() -> Path:
 
 
 def make_config(**kw) -> EngineConfig:
-    from kernelsight.runtime import create_engine_config
+    from kernelsight.engine_args import create_engine_config
 
     args = EngineArgs(**{"model": "meta-llama/Llama-3.1-8B", "hardware": "h100", "max_model_len": 8192, **kw})
     return create_engine_config(args)
@@ -41,7 +40,7 @@ def make_config(**kw) -> EngineConfig:
 def make_engine(per_token_events: bool = True, use_decode_group: bool = True, **kw) -> Engine:
     cfg = make_config(**kw)
     if use_decode_group:
-        return create_engine(cfg, per_token_events=per_token_events)
+        return build_engine(cfg, per_token_events=per_token_events)
     return Engine(cfg.scheduler, cfg.num_gpu_blocks, build_step_model(cfg), seed=cfg.args.seed,
                   per_token_events=per_token_events, use_decode_group=False)
 

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
+from kernelsight.engine_args import create_engine_config
 from kernelsight.profiles import load_calibration, load_hardware
-from kernelsight.runtime import create_engine_config
 from kernelsight.simcore import eta_fit
 from kernelsight.simcore.calibration import calibration_from_dict, decode_serial_floor_s
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model

@@ -26,8 +26,8 @@ import yaml
 
 pytest.importorskip("fastapi")
 
-from kernelsight.cli import build_parser, engine_args_from  # noqa: E402
-from kernelsight.runtime import create_engine_config  # noqa: E402
+from kernelsight.cli import build_parser  # noqa: E402
+from kernelsight.engine_args import create_engine_config, engine_args_from  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"

@@ -282,7 +282,7 @@ def test_arrival_during_a_step_that_finishes_everything_keeps_its_own_time():
     TTFT (it must not be stamped at the step's end)."""
     import time
 
-    from kernelsight.runtime import create_engine_config
+    from kernelsight.engine_args import create_engine_config
     from kernelsight.server.bridge import EngineBridge
     from kernelsight.server.tokenizer import load_tokenizer
     from kernelsight.simcore.engine_config import EngineArgs

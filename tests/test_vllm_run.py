@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kernelsight.engine_args import create_engine_config
 from kernelsight.loadgen.vllm_run import engine_args_from_run
-from kernelsight.runtime import create_engine_config
 from kernelsight.simcore.engine_config import EngineArgs
 
 RUN = Path(__file__).resolve().parents[2] / "shared" / "data" / "e2e" / "llmservingsim_rtx4090_llama31_8b"

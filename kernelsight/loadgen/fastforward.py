@@ -20,9 +20,8 @@ import numpy as np
 
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.metrics import RequestRecord
-from kernelsight.runtime import create_engine
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, StepResult
-from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.engine_config import EngineConfig, build_engine
 from kernelsight.simcore.kernels import FAMILIES
 
 #: Steps a decode window may cover at once (bounded so a window's linear attention ramp stays exact).
@@ -99,7 +98,7 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
 def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
          max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
          on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
-    engine = create_engine(config, per_token_events=False)
+    engine = build_engine(config, per_token_events=False)
     order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
     pending = deque(order)
     trackers: dict[str, _Tracker] = {}

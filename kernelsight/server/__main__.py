@@ -1,7 +1,7 @@
-"""``python -m kernelsight.server [serve flags]``: the server without going through the main CLI."""
+"""``python -m kernelsight.server [serve flags]`` is ``kernelsight serve [serve flags]``."""
 
 import sys
 
-from kernelsight.server.cli import main
+from kernelsight.cli import main
 
-sys.exit(main())
+sys.exit(main(["serve", *sys.argv[1:]]))

@@ -27,13 +27,12 @@ from typing import Protocol
 
 import numpy as np
 
-from kernelsight.runtime import create_engine
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
 from kernelsight.server.metrics import EngineMetrics
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
-from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.engine_config import EngineConfig, build_engine
 from kernelsight.simcore.request import Request
 
 log = logging.getLogger("kernelsight.server")
@@ -211,7 +210,7 @@ class EngineBridge:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.config = config
         self.tok = tokenizer
-        self.engine: Engine = create_engine(config, per_token_events=True)
+        self.engine: Engine = build_engine(config, per_token_events=True)
         self.metrics = metrics
         self.time_scale = time_scale
         # wait out the last stretch before a deadline precisely: event-loop timers are ms-coarse (uvloop rounds

@@ -13,14 +13,11 @@ class ServerThread:
     with its own event loop in a daemon thread; stopped (gracefully) on exit."""
 
     def __init__(self, argv: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0) -> None:
-        from kernelsight.cli import OneLineParser
-        from kernelsight.server.cli import add_serve_parser, build_server_apps
+        from kernelsight.server.launch import build_server_apps
+        from kernelsight.server.serve_args import serve_parser
 
-        parser = OneLineParser(prog="kernelsight")
-        sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-        add_serve_parser(sub)
         # in-process: spinning before deadlines would hold the GIL against the client threads
-        ns = parser.parse_args(["serve", "--deadline-spin-us", "0", *argv])
+        ns = serve_parser().parse_args(["--deadline-spin-us", "0", *argv])
         apps, self.config = build_server_apps(ns)
         self.app = apps[0]
         self.state = self.app.state.ks
@@ -53,12 +50,12 @@ class ServerThread:
     def start(self) -> ServerThread:
         import uvicorn
 
-        from kernelsight.server.cli import _Server
         from kernelsight.server.fastpath import http_protocol
+        from kernelsight.server.launch import ReplicaServer
 
         cfg = uvicorn.Config(self.app, host=self.host, port=self._port, log_level="warning", access_log=False,
                              lifespan="on", timeout_keep_alive=5, http=http_protocol())
-        self._server = _Server(cfg)
+        self._server = ReplicaServer(cfg)
 
         def run() -> None:
             self.loop = asyncio.new_event_loop()

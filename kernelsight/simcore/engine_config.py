@@ -162,5 +162,10 @@ def build_step_model(cfg: EngineConfig) -> StepModel:
                                 enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling))
 
 
-def build_engine(cfg: EngineConfig) -> Engine:
-    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, build_step_model(cfg), seed=cfg.args.seed)
+def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
+    """The one place an engine is built from a resolved configuration (serve, simulate and tests alike).
+
+    ``per_token_events``: report every decoded token (the server streams them); fast-forward needs only first
+    tokens and finishes."""
+    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, build_step_model(cfg), seed=cfg.args.seed,
+                  per_token_events=per_token_events)

@@ -1,0 +1,94 @@
+"""The vLLM engine flags shared by ``serve`` and ``simulate`` (``bench`` reads none), and the one way from them to a
+resolved :class:`~kernelsight.simcore.engine_config.EngineConfig`: flags → :class:`EngineArgs` → profiles loaded →
+vLLM's defaults filled in by simcore.
+
+``EngineArgs`` itself is defined in ``simcore/engine_config.py``: simcore resolves it and imports nothing outside
+itself, so the dataclass lives there and this module maps command lines onto it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kernelsight import profiles
+from kernelsight.argtypes import fraction, non_negative_int, positive_int
+from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
+
+__all__ = ["DEFAULT_HARDWARE", "DEFAULT_MODEL", "EngineArgs", "add_engine_args", "create_engine_config",
+           "engine_args_from"]
+
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
+DEFAULT_HARDWARE = "h100"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by ``serve`` and ``simulate``, named as ``vllm serve`` names them."""
+    g = p.add_argument_group("engine (as vllm serve)")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="bundled HF id (see `kernelsight profiles`), a local directory with config.json, or an "
+                        "id in the local HF cache (default: %(default)s)")
+    g.add_argument("--hardware", default=DEFAULT_HARDWARE,
+                   help="GPU profile name or alias, or a hardware JSON file (default: %(default)s)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, help="TP degree (default: 1)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="max sequences per step (default: vLLM's for the GPU: 1024 on ≥70 GiB, else 256)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="token budget per step (default: vLLM's for the GPU: 8192 on H100/H200, 2048 on "
+                        "A100/L40S/..., 16384 on ≥160 GiB)")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="fraction of device memory vLLM may use (default: 0.9)")
+    g.add_argument("--block-size", type=int, choices=(1, 8, 16, 32, 64, 128), default=16,
+                   help="KV-cache block size in tokens (default: 16)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching (default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="chunked prefill (default: on)")
+    g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
+                   help="weight quantization: fp8 = W8A8 (default: none, or what the model config says)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
+                   help="KV-cache element type (default: auto = model dtype)")
+    g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "half"), default="auto",
+                   help="activation/weight dtype (default: auto = the config's torch_dtype)")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="waiting-queue order (default: fcfs)")
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
+                   help="use this many KV blocks instead of sizing them from memory")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--max-cudagraph-capture-size", type=positive_int, default=None,
+                   help="largest CUDA-graph batch size (default: min(2·max_num_seqs, 512))")
+    g.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
+                   help="cap on one request's prefill chunk per step (default: 0 = off)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="prepare the next step while the GPU runs (default: on, as in vLLM 0.33; off "
+                        "reproduces older releases)")
+    g.add_argument("--calibration", default=None,
+                   help="calibration JSON (default: the bundled table for the GPU)")
+    g.add_argument("--seed", type=int, default=0, help="seed for everything random (default: 0)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of parsed engine flags (as added by :func:`add_engine_args`)."""
+    return EngineArgs(
+        model=ns.model, hardware=ns.hardware, tensor_parallel_size=ns.tensor_parallel_size,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
+        block_size=ns.block_size, enable_prefix_caching=ns.enable_prefix_caching,
+        enable_chunked_prefill=ns.enable_chunked_prefill, quantization=ns.quantization,
+        kv_cache_dtype=ns.kv_cache_dtype, dtype=ns.dtype, seed=ns.seed, scheduling_policy=ns.scheduling_policy,
+        num_gpu_blocks_override=ns.num_gpu_blocks_override, enforce_eager=ns.enforce_eager,
+        max_cudagraph_capture_size=ns.max_cudagraph_capture_size,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold, async_scheduling=ns.async_scheduling,
+        calibration=ns.calibration)
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Load model, hardware and calibration profiles and resolve vLLM's defaults.
+
+    Raises ValueError subclasses with a one-line explanation on any bad argument.
+    """
+    model = profiles.load_model(args.model)
+    hw = profiles.load_hardware(args.hardware)
+    calib = profiles.load_calibration(hw.name, args.calibration)
+    return resolve_engine_config(args, model, hw, calib)

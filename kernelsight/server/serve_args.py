@@ -1,0 +1,160 @@
+"""``kernelsight serve``'s flags — vLLM's engine and server flags plus the simulator's — and the ServerOptions they
+make. Shared by the serve subcommand (``server/cli.py``), the in-process runner (``server/runner.py``) and the
+container health check, none of which needs the others."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from kernelsight.argtypes import OneLineParser, positive_int
+from kernelsight.engine_args import add_engine_args
+from kernelsight.server.app import ServerOptions, env_allows_lora_updates  # TODO-MERGE: server.options
+
+SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
+SERVE_DESCRIPTION = ("A drop-in `vllm serve`: same flags and wire format; tokens are released when the simulated "
+                     "GPU would emit them.")
+
+# vLLM flags that change nothing in a simulation: accepted (so launch scripts run unchanged) with a notice.
+IGNORED_VALUE_FLAGS = (
+    "--download-dir", "--load-format", "--revision", "--code-revision", "--tokenizer-revision", "--tokenizer-mode",
+    "--config-format", "--max-logprobs", "--guided-decoding-backend", "--speculative-config", "--compilation-config",
+    "--kv-transfer-config", "--cpu-offload-gb", "--swap-space", "--pipeline-parallel-size",
+    "--distributed-executor-backend",
+    "--generation-config", "--override-generation-config", "--allowed-origins", "--allowed-methods",
+    "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
+    "--middleware", "--tool-call-parser", "--reasoning-parser", "--hf-overrides", "--limit-mm-per-prompt",
+    "--api-server-count", "--stream-interval", "--max-log-len", "--response-role", "--max-lora-rank",
+    "--lora-dtype", "--max-cpu-loras", "--max-seq-len-to-capture", "--worker-cls", "--mm-processor-kwargs",
+    "--override-pooler-config", "--task", "--runner", "--convert", "--structured-outputs-config",
+    "--sse-keep-alive-interval", "--fingerprint-mode", "--max-num-partial-prefills", "--kv-events-config",
+    "--prefix-caching-hash-algo", "--performance-mode", "--quantization-param-path", "--model-impl",
+    "--otlp-traces-endpoint", "--collect-detailed-traces", "--show-hidden-metrics-for-version",
+    "--data-parallel-rank", "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-backend",
+    "--data-parallel-size-local", "--enable-expert-parallel", "--profiler-config",
+)
+IGNORED_BOOL_FLAGS = (
+    "--trust-remote-code", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests",
+    "--disable-custom-all-reduce", "--disable-sliding-window",
+    "--allow-credentials", "--enable-auto-tool-choice",
+    "--disable-frontend-multiprocessing",
+    "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint", "--disable-uvicorn-access-log",
+    "--skip-tokenizer-init", "--enable-sleep-mode", "--disable-cascade-attn", "--enable-per-request-metrics",
+    "--kv-cache-metrics", "--enable-log-outputs", "--enable-scale-out", "--headless",
+)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every ``serve`` flag: the model tag, the engine flags, vLLM's server flags, the simulator's, and the vLLM
+    flags accepted for compatibility."""
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (as `vllm serve MODEL`); same as --model")
+    add_engine_args(p)
+    s = p.add_argument_group("server (as vllm serve)")
+    s.add_argument("--host", default=None, help="bind address (default: all interfaces, as vLLM)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API answers to; the first is reported (default: --model)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer directory or local HF-cache id (default: the model's)")
+    s.add_argument("--chat-template", default=None, help="Jinja chat template (a file path or the template itself)")
+    s.add_argument("--api-key", nargs="+", default=None, help="require `Authorization: Bearer KEY` on /v1 (env "
+                                                               "VLLM_API_KEY also works)")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
+    s.add_argument("--enable-force-include-usage", action="store_true", help="always send the streaming usage chunk")
+    s.add_argument("--enable-request-id-headers", action="store_true", help="echo X-Request-Id in responses")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="write tokens in logprobs as 'token_id:<id>' (a request's return_tokens_as_token_ids wins)")
+    s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+    s.add_argument("--enable-lora", action="store_true", help="accept LoRA adapter names as models")
+    s.add_argument("--max-loras", type=positive_int, default=1, help="adapters per batch (reported in metrics)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters known at start (NAME=PATH or JSON {\"name\":..,\"path\":..}); nothing is read")
+    s.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                   help="N engines behind one endpoint, balanced as vLLM does (metrics engine=\"0\"..)")
+    sim = p.add_argument_group("simulator")
+    sim.add_argument("--time-scale", type=float, default=1.0,
+                     help="virtual seconds per wall second (default: 1 = real time; 10 = ten times faster)")
+    sim.add_argument("--output-mode", choices=("random", "echo"), default="random",
+                     help="generated text: random vocabulary words (re-tokenize exactly) or the prompt echoed")
+    sim.add_argument("--replicas", type=positive_int, default=1,
+                     help="N independent servers on ports port..port+N-1 (each its own engine and /metrics)")
+    sim.add_argument("--deadline-spin-us", type=float, default=1500.0,
+                     help="wait out this long before each step deadline precisely (a blocking sleep, then a "
+                          "short spin) instead of on the event loop's ms-coarse timers (default: 1500; 0 = event "
+                          "loop timers only, for a server sharing its process)")
+    sim.add_argument("--disable-stream-fast-path", action="store_true",
+                     help="render and write every streamed chunk from its request's handler task (the general "
+                          "path) instead of from the engine loop at the step deadline")
+    sim.add_argument("--record-timings", action="store_true",
+                     help="keep per-request virtual token times, served at GET /kernelsight/timings")
+    ign = p.add_argument_group("accepted for compatibility (no effect in a simulation)")
+    taken = set(p._option_string_actions)   # engine flags grow over time: never shadow a real one
+    for flag in IGNORED_VALUE_FLAGS:
+        if flag in taken:
+            continue
+        ign.add_argument(flag, nargs="?", const=True, default=None, dest=_ignored_dest(flag), help=argparse.SUPPRESS)
+    for flag in IGNORED_BOOL_FLAGS:
+        if flag in taken:
+            continue
+        ign.add_argument(flag, action="store_true", default=None, dest=_ignored_dest(flag), help=argparse.SUPPRESS)
+    ign.add_argument("-pp", nargs="?", const=True, default=None, dest=_ignored_dest("--pipeline-parallel-size"),
+                     help=argparse.SUPPRESS)
+    ign.add_argument("-O", nargs="?", const=True, default=None, dest=_ignored_dest("--compilation-config"),
+                     help=argparse.SUPPRESS)
+
+
+def serve_parser(prog: str = "kernelsight serve") -> OneLineParser:
+    """A stand-alone parser of ``serve``'s flags (what follows ``kernelsight serve``)."""
+    p = OneLineParser(prog=prog, description=SERVE_DESCRIPTION)
+    add_serve_args(p)
+    return p
+
+
+def ignored_flags(ns: argparse.Namespace) -> list[str]:
+    """The compatibility flags given on the command line, as ``--flag`` names."""
+    return sorted("--" + k[len("ignored__"):].replace("_", "-") for k, v in vars(ns).items()
+                  if k.startswith("ignored__") and v is not None)
+
+
+def _ignored_dest(flag: str) -> str:
+    return "ignored__" + flag.lstrip("-").replace("-", "_")
+
+
+def _lora_modules(items: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        if item.lstrip().startswith("{"):
+            d = json.loads(item)
+            out[d["name"]] = d.get("path", "")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name:
+                raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+            out[name] = path
+    return out
+
+
+def server_options_from(ns: argparse.Namespace) -> ServerOptions:
+    """The serve-only settings of parsed ``serve`` flags (reads the chat template file and VLLM_API_KEY)."""
+    chat_template = ns.chat_template
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    api_keys = list(ns.api_key or [])
+    if not api_keys and os.environ.get("VLLM_API_KEY"):
+        api_keys = [os.environ["VLLM_API_KEY"]]
+    return ServerOptions(
+        served_model_names=list(ns.served_model_name or [ns.model]), model_root=ns.model, api_keys=api_keys,
+        time_scale=ns.time_scale, output_mode=ns.output_mode,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        enable_force_include_usage=ns.enable_force_include_usage,
+        enable_request_id_headers=ns.enable_request_id_headers, enable_lora=ns.enable_lora, max_loras=ns.max_loras,
+        lora_modules=_lora_modules(ns.lora_modules) if ns.enable_lora else {},
+        allow_runtime_lora_updating=env_allows_lora_updates(), data_parallel_size=ns.data_parallel_size,
+        record_timings=ns.record_timings, deadline_spin_us=ns.deadline_spin_us,
+        stream_fast_path=not ns.disable_stream_fast_path,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template)
