@@ -50,10 +50,10 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     mape_table,
     measured_gpu_dirs,
 )
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration  # noqa: E402
 from kernelsight.calibrate.measurements import Table, read_measurements  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
-from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
 from kernelsight.simcore.hardware import HardwareSpec  # noqa: E402
 
 SHAPE_AXES = {"gemm": ("m", "n", "k"),

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kernelsight.calibrate.evaluate import bundled_calibrations
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration, similarity_weights
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore.calibration import calibration_from_dict
-from kernelsight.simcore.eta_transfer import cross_generation_calibration, similarity_weights
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from kernelsight.calibrate.evaluate import predict_comm_s
+from kernelsight.calibrate.fit.comm import fit_comm
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import read_table
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
 from kernelsight.simcore.comm import CommCurve, CommModel, allreduce_s, collective_s, comm_bus_factor
-from kernelsight.simcore.comm_fit import fit_comm
-from kernelsight.simcore.eta_transfer import cross_generation_calibration
 
 GPUS = {"a100_sxm": "a100-sxm", "h100_sxm": "h100-sxm", "l40s": "l40s"}
 SIZES = np.unique(np.round(np.logspace(np.log10(64), np.log10(2**31), 400)))

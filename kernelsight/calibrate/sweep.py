@@ -255,7 +255,7 @@ def estimate_seconds(grid: Grid, hw: HardwareSpec, calib: Calibration, calls_per
     (:data:`CALLS_PER_POINT`) plus the head start slept before its timed calls (``head_start_s``, default: the
     sleep for :data:`ASSUMED_ISSUE_S` per call at the boost clock; collectives: :data:`COMM_HEAD_START_S`)."""
     from kernelsight.calibrate.evaluate import predict_comm_s
-    from kernelsight.simcore.eta_fit import predict_rows_s
+    from kernelsight.calibrate.rows import predict_rows_s
 
     calls = CALLS_PER_POINT if calls_per_point is None else calls_per_point
     if head_start_s is None:

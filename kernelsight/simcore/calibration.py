@@ -96,7 +96,7 @@ class ConstantEta:
 # space squashed by a sigmoid fits it with few parameters, cannot leave [lo, hi], and does not
 # oscillate between measured shapes. Expressing the device-dependent axes relative to the spec
 # (balance, SM count, L2) is what lets coefficients learned on one GPU transfer to another
-# (``eta_transfer``). The residual lattice is a multilinear (continuous, bounded) correction of the
+# (``calibrate.fit.transfer``). The residual lattice is a multilinear (continuous, bounded) correction of the
 # log kernel time on a lattice of the raw sweep axes (knots at the measured values), fitted only when
 # the target GPU itself was measured: it captures library kernel-selection effects (split-K, tile configs, which fp8
 # kernel vLLM dispatches) that no smooth law of the shape can, and that do not transfer anyway. Boosted
@@ -216,9 +216,9 @@ def _l2_spill(log_ratio: np.ndarray, center: float = L2_SPILL_CENTER) -> np.ndar
     return 1.0 / (1.0 + np.exp(-np.clip((log_ratio - center) / L2_SPILL_WIDTH, -40.0, 40.0)))
 
 
-#: Cross-generation re-expression of the L2 benefit (``eta_transfer``): a working set of ``bytes/L2`` = e^center
-#: is half served from L2; the change is spread over ``width`` log units (smoother than the decode spill step:
-#: it stands for every family's partial L2 reuse, not one kernel's cliff).
+#: Cross-generation re-expression of the L2 benefit (``calibrate.fit.transfer``): a working set of ``bytes/L2`` =
+#: e^center is half served from L2; the change is spread over ``width`` log units (smoother than the decode spill
+#: step: it stands for every family's partial L2 reuse, not one kernel's cliff).
 CACHE_GAIN_WIDTH = 0.5
 #: basis → (center, columns of log working set / L2, log AI / balance, log work units / SM); None: always
 #: memory-bound. Attention reuses up to ~1× L2. GEMMs only up to ~e^−1.5 ≈ 0.2× L2 (their sweeps show no L2
@@ -236,7 +236,7 @@ def cache_gain_ratio(basis: str, z: np.ndarray, device: dict[str, float]) -> np.
 
     A source's η already contains its own L2 speed-up where the working set fits its L2 (η > 1 there). With
     ρ = L2 bandwidth ÷ DRAM bandwidth of a device (``device["l2_bw_ratio_source"]`` / ``"..._target"``, set
-    by ``eta_transfer``), the memory time of a kernel relative to its DRAM roof is ``s + (1 − s)/ρ`` (s: the
+    by ``calibrate.fit.transfer``), the memory time of a kernel relative to its DRAM roof is ``s + (1 − s)/ρ`` (s: the
     share of the working set that streams from DRAM, a logistic of log bytes/L2); the compute roof is
     unaffected. So η moves by ``max(u, s + (1−s)/ρ_src) / max(u, s + (1−s)/ρ_tgt)`` with u = compute roof ÷
     DRAM roof (AI/balance × wave quantization): > 1 for a target whose L2 is relatively faster, never for a
@@ -261,7 +261,7 @@ def _compute_over_memory(basis: str, z: np.ndarray) -> np.ndarray:
 
 
 def transfer_eta_factor(basis: str, z: np.ndarray, device: dict[str, float]) -> np.ndarray:
-    """All η adjustments a cross-generation member carries in its device constants (see ``eta_transfer``).
+    """All η adjustments a cross-generation member carries in its device constants (see ``calibrate.fit.transfer``).
 
     Besides :func:`cache_gain_ratio`: ``device["fallback_peak_ratio"]`` = R marks a GEMM format this source
     never measured, stood in for by a format with R× less peak (bf16 for fp8). Its compute roof is taken at the
@@ -844,9 +844,10 @@ DispatchNode = tuple
 class DispatchRule:
     """Which kernel vLLM runs for a shape: a shallow threshold tree over the raw shape axes (:data:`RESIDUAL_COORDS`).
 
-    Learned from measured rows (``eta_fit.fit_dispatch_rule``): per GPU each shape ran exactly one kernel, chosen
-    by the library from the shape (e.g. H100 block-scaled fp8: FlashInfer for m ≤ 16, DeepGEMM above, CUTLASS where
-    n or k is not a multiple of 128), so thresholds on log m, n, k, heads, head_dim, window reproduce it.
+    Learned from measured rows (``calibrate.fit.dispatch.fit_dispatch_rule``): per GPU each shape ran exactly one
+    kernel, chosen by the library from the shape (e.g. H100 block-scaled fp8: FlashInfer for m ≤ 16, DeepGEMM above,
+    CUTLASS where n or k is not a multiple of 128), so thresholds on log m, n, k, heads, head_dim, window reproduce
+    it.
     """
 
     root: DispatchNode

@@ -5,7 +5,7 @@ backend) holds measured (or transferred) piecewise α–β curves per (op, dtype
 for anything else; every time is at least the bus bytes over the link bandwidth (a ring all-reduce moves
 2(T−1)/T of the message through each GPU's link). vLLM uses its custom all-reduce (one-shot/two-shot over NVLink
 P2P) for small messages and NCCL otherwise; on PCIe-only machines the custom path is disabled. Fitting and
-transfer: :mod:`kernelsight.simcore.comm_fit`.
+transfer: :mod:`kernelsight.calibrate.fit.comm`.
 """
 
 from __future__ import annotations

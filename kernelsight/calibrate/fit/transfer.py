@@ -37,7 +37,7 @@ Transfer rule (documented contract):
 7. Collectives: measured latency curves per (backend, op, dtype class, GPU count) are split into a
    bandwidth part (rescaled to the target's link) and a latency part (scaled by the clock ratio), averaged
    (geometric) over the sources whose interconnect class (NVLink-class vs PCIe) matches the target's;
-   otherwise over all, with a PCIe topology prior (:mod:`kernelsight.simcore.comm_fit` states the rule).
+   otherwise over all, with a PCIe topology prior (:mod:`kernelsight.calibrate.fit.comm` states the rule).
    The fallback α–β line (α, achieved-bandwidth fraction) is averaged the same way.
 8. The unsplit decode path of FlashAttention-2 (one query head per KV head: one CTA streams each context alone;
    :func:`~kernelsight.simcore.calibration.decode_serial_floor_s`) is a property of the kernel vLLM runs, so a
@@ -57,6 +57,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kernelsight.calibrate.fit.comm import transfer_comm_curves
+from kernelsight.calibrate.fit.logpoly import device_constants
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import (
     Calibration,
@@ -129,8 +131,6 @@ def retarget(
     constants, applied by :func:`~kernelsight.simcore.calibration.cache_gain_ratio`) and the fixed latency is
     moved by the clock ratio.
     """
-    from kernelsight.simcore.eta_fit import device_constants  # local: eta_fit imports this module's peers
-
     if isinstance(model, LogPolyEta):
         fam = "gemm" if model.basis == "gemm" else family
         dev = device_constants(fam, variant if fam == "gemm" else "2", target)
@@ -217,11 +217,9 @@ def transfer_comm(
 ) -> dict[str, CommModel]:
     """Collective models for ``target``: sources of its link class (NVLink-class vs PCIe-only) if any.
 
-    Curves by the spec-driven rule of :mod:`kernelsight.simcore.comm_fit` (bandwidth part rescaled to the
+    Curves by the spec-driven rule of :mod:`kernelsight.calibrate.fit.comm` (bandwidth part rescaled to the
     target's link, latency part by clock within a class); the fallback α–β line as geometric means.
     """
-    from kernelsight.simcore.comm_fit import transfer_comm_curves
-
     same = [c for c, h in sources if _fast_link(h) == _fast_link(target)]
     pool = same or [c for c, _ in sources]
     curves = transfer_comm_curves(sources, target)
