@@ -29,21 +29,11 @@ from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.calibrate.rows import eta_and_overhead, kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import load_hardware
-from kernelsight.simcore.calibration import (
-    RESIDUAL_COORDS,
-    RESIDUAL_COORDS_SCALAR,
-    DispatchEta,
-    EnsembleEta,
-    LogPolyEta,
-    ResidualGrid,
-    SwitchEta,
-    _grid_from_dict,
-    basis_matrix,
-    calibration_from_dict,
-    default_calibration,
-    residual_coordinates,
-)
+from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
+from kernelsight.simcore.eta import DispatchEta, EnsembleEta, LogPolyEta, SwitchEta
+from kernelsight.simcore.eta_basis import RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR, basis_matrix, residual_coordinates
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
+from kernelsight.simcore.residual_grid import ResidualGrid, _grid_from_dict
 from kernelsight.simcore.roofline import kernel_roofline_s
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"

@@ -14,14 +14,9 @@ from kernelsight.calibrate.fit.eta import fit_calibration
 from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.rows import kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import load_hardware
-from kernelsight.simcore.calibration import (
-    RESIDUAL_COORDS,
-    DispatchEta,
-    DispatchRule,
-    LogPolyEta,
-    SwitchEta,
-    calibration_from_dict,
-)
+from kernelsight.simcore.calibration import calibration_from_dict
+from kernelsight.simcore.eta import DispatchEta, DispatchRule, LogPolyEta, SwitchEta
+from kernelsight.simcore.eta_basis import RESIDUAL_COORDS
 from kernelsight.simcore.kernels import gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 

@@ -112,7 +112,7 @@ def test_transfer_to_a_twin_of_the_source_reproduces_it(sources):
 
 
 def test_cache_gain_ratio_moves_only_l2_resident_memory_bound_work():
-    from kernelsight.simcore.calibration import basis_matrix, cache_gain_ratio
+    from kernelsight.simcore.eta_basis import basis_matrix, cache_gain_ratio
 
     dev = {"num_sms": 128.0, "l2_bytes": 64 * 2**20, "balance": 200.0}
     # decode: batch 4 × 256 tokens (≈ 4 MB of KV, in L2) and batch 64 × 16k tokens (≈ 4 GB, DRAM)

@@ -14,8 +14,9 @@ from kernelsight.calibrate.fit.transfer import DECODE_FLOOR_CLOCK_EXPONENT, cros
 from kernelsight.calibrate.rows import kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import load_calibration, load_hardware
 from kernelsight.runtime import create_engine_config
-from kernelsight.simcore.calibration import calibration_from_dict, decode_serial_floor_s
+from kernelsight.simcore.calibration import calibration_from_dict
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model
+from kernelsight.simcore.eta import decode_serial_floor_s
 from kernelsight.simcore.kernels import ATTN_DECODE, BatchShape, attention_decode_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 

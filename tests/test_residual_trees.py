@@ -9,7 +9,7 @@ import pytest
 
 from kernelsight.calibrate.fit.lattice import fit_residual_grid
 from kernelsight.calibrate.fit.residual_trees import fit_residual_trees
-from kernelsight.simcore.calibration import GEMM_TILES, PREFILL_QUERY_TILE, RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR
+from kernelsight.simcore.eta_basis import GEMM_TILES, PREFILL_QUERY_TILE, RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR
 from kernelsight.simcore.residual_trees import LEAF_STEP, ResidualTrees
 
 

@@ -12,7 +12,7 @@ from kernelsight.calibrate.evaluate import cross_generation_for, predict_table_s
 from kernelsight.calibrate.fit import eta as fit_eta
 from kernelsight.calibrate.measurements import read_measurements
 from kernelsight.profiles import load_hardware
-from kernelsight.simcore.calibration import LogPolyEta, SwitchEta, switch_key
+from kernelsight.simcore.eta import LogPolyEta, SwitchEta, switch_key
 from kernelsight.simcore.kernels import GEMM_FORMAT_CODES
 
 

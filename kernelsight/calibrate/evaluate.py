@@ -21,8 +21,9 @@ from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.calibrate.rows import KERNEL_FAMILIES, kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import bundled_hardware_name, load_hardware, read_calibration_file
-from kernelsight.simcore.calibration import Calibration, ConstantEta
+from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import COMM_OPS
+from kernelsight.simcore.eta import ConstantEta
 from kernelsight.simcore.hardware import HardwareSpec
 
 TIERS = ("roofline", "cross-generation", "target")

@@ -16,15 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernelsight.simcore import kernels as K
-from kernelsight.simcore.calibration import (
-    Calibration,
-    DispatchEta,
-    EnsembleEta,
-    LogPolyEta,
-    SwitchEta,
-    decode_serial_floor_s,
-    switch_key,
-)
+from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.eta import DispatchEta, EnsembleEta, LogPolyEta, SwitchEta, decode_serial_floor_s, switch_key
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.roofline import roofline_s
 

@@ -6,7 +6,7 @@ count or context that a smooth model and a multilinear lattice both blur across 
 split sits exactly at such a threshold. Evaluation only: fitting (and what it measured) is
 :mod:`kernelsight.calibrate.fit.residual_trees`.
 
-The coordinates (``calibration.RESIDUAL_COORDS``) also carry the work counts a launch grid depends on: GEMM output
+The coordinates (``eta_basis.RESIDUAL_COORDS``) also carry the work counts a launch grid depends on: GEMM output
 tiles at three tile shapes, prefill attention CTAs, decode KV tokens / query rows / KV head-tokens. A wave
 filling up (tiles crossing a multiple of the SM count) or a split heuristic keyed on such a count is then one
 split, not a staircase over m and n.

@@ -1,8 +1,8 @@
 """Which kernel vLLM runs for a shape, learned from measured rows that name it (the ``kernel`` column).
 
 Per GPU each shape ran exactly one kernel, chosen by the library from the shape, so a shallow classification tree
-over the raw shape axes (:data:`~kernelsight.simcore.calibration.RESIDUAL_COORDS`) reproduces the choice; the
-resulting :class:`~kernelsight.simcore.calibration.DispatchRule` names the kernel where only the shape is known
+over the raw shape axes (:data:`~kernelsight.simcore.eta_basis.RESIDUAL_COORDS`) reproduces the choice; the
+resulting :class:`~kernelsight.simcore.eta.DispatchRule` names the kernel where only the shape is known
 (the simulator, shape-only files).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernelsight.simcore.calibration import DispatchRule
+from kernelsight.simcore.eta import DispatchRule
 
 #: Depth limit and smallest leaf of the learned dispatch tree (vLLM's rules are a few thresholds per format).
 DISPATCH_MAX_DEPTH = 6

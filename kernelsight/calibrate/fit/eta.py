@@ -46,17 +46,10 @@ from kernelsight.calibrate.rows import (
     rows_time_s,
     take_rows,
 )
-from kernelsight.simcore.calibration import (
-    RESIDUAL_COORDS,
-    Calibration,
-    DispatchEta,
-    EtaModel,
-    LogPolyEta,
-    SwitchEta,
-    basis_matrix,
-    default_calibration,
-)
+from kernelsight.simcore.calibration import Calibration, default_calibration
 from kernelsight.simcore.comm import CommModel
+from kernelsight.simcore.eta import DispatchEta, EtaModel, LogPolyEta, SwitchEta
+from kernelsight.simcore.eta_basis import RESIDUAL_COORDS, basis_matrix
 from kernelsight.simcore.hardware import HardwareSpec
 
 
@@ -398,7 +391,7 @@ def _fill_from_prior(calib: Calibration, prior: Calibration, fitted: Mapping[str
             calib.comm[backend] = model
 
 
-#: Decode rows that can show the unsplit path (``calibration.decode_serial_floor_s``): one query head per KV head,
+#: Decode rows that can show the unsplit path (``simcore.eta.decode_serial_floor_s``): one query head per KV head,
 #: contexts at least this long (shorter ones are launch-bound) and few CTAs (so that even together they stay under
 #: the DRAM roof of any GPU: the path is then the only limit)
 DECODE_FLOOR_MIN_CONTEXT = 2048.0

@@ -27,14 +27,9 @@ from dataclasses import replace
 import numpy as np
 
 from kernelsight.calibrate.fit.residual_trees import fit_residual_trees
-from kernelsight.simcore.calibration import (
-    WINDOW_COLUMNS,
-    LogPolyEta,
-    ResidualGrid,
-    knot_coordinates,
-    residual_coordinates,
-    window_binds,
-)
+from kernelsight.simcore.eta import LogPolyEta
+from kernelsight.simcore.eta_basis import WINDOW_COLUMNS, residual_coordinates, window_binds
+from kernelsight.simcore.residual_grid import ResidualGrid, knot_coordinates
 
 
 def lattice_knots(x: np.ndarray, min_gap: float) -> tuple[float, ...]:
@@ -147,7 +142,7 @@ def fit_residual_grid(
     return ResidualGrid(tuple(dims), knots, tuple(v.tolist()), coords)
 
 
-#: Raw shape axes (:data:`~kernelsight.simcore.calibration.RESIDUAL_COORDS`) the target-tier residual lattice
+#: Raw shape axes (:data:`~kernelsight.simcore.eta_basis.RESIDUAL_COORDS`) the target-tier residual lattice
 #: spans, per family: GEMM (log m, n, k, m % 16 == 0); attention (log seqs, tokens, q heads, KV heads,
 #: head_dim, 1 + window) — every axis of the sweep, so e.g. the window (FA2 on the L40S stops packing GQA
 #: heads with a window: decode time ∝ batch × q heads instead of × KV heads) gets its own knots.

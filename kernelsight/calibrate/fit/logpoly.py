@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from kernelsight.simcore import kernels as K
-from kernelsight.simcore.calibration import LogPolyEta, basis_matrix, quadratic_design
+from kernelsight.simcore.eta import LogPolyEta
+from kernelsight.simcore.eta_basis import basis_matrix, quadratic_design
 from kernelsight.simcore.hardware import HardwareSpec
 
 #: Bounds of the fitted η sigmoid.
