@@ -2,7 +2,7 @@
 
 * target-measured: a100-sxm, h100-sxm, l40s — fitted on every row of their shared kernel measurements.
 * cross-generation: every other bundled GPU — transferred from those three by the spec-driven rule
-  (:mod:`kernelsight.simcore.eta_transfer`).
+  (:mod:`kernelsight.calibrate.fit.transfer`).
 
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
@@ -27,9 +27,9 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     fit_target,
     measured_gpu_dirs,
 )
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration  # noqa: E402
 from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
 from kernelsight.profiles import list_hardware, load_hardware  # noqa: E402
-from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
 
 
 def _source_line(data_dir: Path) -> str:

@@ -5,7 +5,7 @@
   target-measured calibrations on the other GPUs (all their rows), transfer to the held-out GPU by its spec.
 * target-measured: fit on a random 25% of each family's rows of the GPU, judge on the other 75%, with the
   cross-generation tier as the fit's prior (as ``kernelsight calibrate fit`` does; it only speaks for variants
-  sampled at fewer than eta_fit.SELECT_MAX_ROWS rows, so a small ``--train-fraction`` shows a thin sweep).
+  sampled at fewer than calibrate.fit.eta.SELECT_MAX_ROWS rows, so a small ``--train-fraction`` shows a thin sweep).
 
 Roofline and cross-generation are judged on the same 75% rows as the target tier so the columns are
 comparable. Prints a table per GPU and writes JSON (default ``benchmarks/results/kernel_accuracy.json``).
@@ -36,10 +36,10 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     roofline_calibration,
     split_masks,
 )
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration  # noqa: E402
 from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
 from kernelsight.simcore.calibration import Calibration  # noqa: E402
-from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """What a target calibration from ``kernelsight calibrate sweep`` achieves, judged on the shared measurements.
 
-The sweep's points (:func:`kernelsight.calibrate.sweep.build_grid`, its fixed-seed draw) are looked up in each
+The sweep's points (:func:`kernelsight.calibrate.sweep_shapes.build_grid`, its fixed-seed draw) are looked up in each
 GPU's shared tables: every axis value (and sliding window; the head layout as a whole) snapped to the nearest
 measured one (in log), and the table rows at the snapped shapes stand in for what the sweep would time on that
 GPU (a point whose batch × length the table did not measure at that layout finds no row, so the fits here see
@@ -43,17 +43,17 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import SHARED_DATA, write_result  # noqa: E402
 
-from kernelsight.calibrate import sweep  # noqa: E402
+from kernelsight.calibrate import sweep, sweep_shapes  # noqa: E402
 from kernelsight.calibrate.evaluate import (  # noqa: E402
     default_fit_workers,
     fit_target,
     mape_table,
     measured_gpu_dirs,
 )
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration  # noqa: E402
 from kernelsight.calibrate.measurements import Table, read_measurements  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.profiles import load_hardware  # noqa: E402
-from kernelsight.simcore.eta_transfer import cross_generation_calibration  # noqa: E402
 from kernelsight.simcore.hardware import HardwareSpec  # noqa: E402
 
 SHAPE_AXES = {"gemm": ("m", "n", "k"),
@@ -81,7 +81,7 @@ def _layout_snapper(table: Table):  # type: ignore[no-untyped-def]
     return nearest
 
 
-def sweep_rows(table: Table, family: str, grid: sweep.Grid) -> np.ndarray:
+def sweep_rows(table: Table, family: str, grid: sweep_shapes.Grid) -> np.ndarray:
     """Mask of the table's rows at the grid's points of ``family`` (axis values snapped to measured ones)."""
     if family == "comm":
         want = {(op, backend, float(g), float(size)) for op, backend, _, g, size in grid.comm}
@@ -111,11 +111,11 @@ def covered(table: Table, family: str, windows: bool, fp8_kv: bool = False) -> n
     if family == "comm":
         return table["backend"] == "nccl"
     kv = np.isin(table["kv_dtype"], ("bf16", "fp8") if fp8_kv else ("bf16",))
-    ok = kv & (table["head_dim"] <= max(sweep.ATTN_HEAD_DIMS))
+    ok = kv & (table["head_dim"] <= max(sweep_shapes.ATTN_HEAD_DIMS))
     return ok if windows else ok & (table["window"] == 0)
 
 
-def evaluate(data: Path, sweeps: dict[str, Callable[[HardwareSpec], sweep.Grid]], workers: int) -> dict:
+def evaluate(data: Path, sweeps: dict[str, Callable[[HardwareSpec], sweep_shapes.Grid]], workers: int) -> dict:
     gpus = measured_gpu_dirs(data)
     tables = {g: read_measurements(data / g) for g in gpus}
     hws = {g: load_hardware(n) for g, n in gpus.items()}
@@ -171,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweeps", default="torch,flash")
     args = ap.parse_args(argv)
     points = {k: int(v) for k, v in (kv.split("=") for kv in args.points.split(",") if kv)}
-    def grid_for(name: str) -> Callable[[HardwareSpec], sweep.Grid]:
+    def grid_for(name: str) -> Callable[[HardwareSpec], sweep_shapes.Grid]:
         flash = name == "flash"
-        return lambda hw: sweep.build_grid(
-            gemm_dtypes=COVERED_FORMATS, num_gpus=8, points=points, windows=sweep.SWEEP_WINDOWS if flash else (0,),
-            fp8_kv=flash and sweep.runs_fa3(hw.vendor, tuple(int(x) for x in hw.compute_capability.split("."))))
+        return lambda hw: sweep_shapes.build_grid(
+            gemm_dtypes=COVERED_FORMATS, num_gpus=8, points=points,
+            windows=sweep_shapes.SWEEP_WINDOWS if flash else (0,),
+            fp8_kv=flash and sweep_shapes.runs_fa3(hw.vendor, tuple(int(x) for x in hw.compute_capability.split("."))))
 
     sweeps = {name: grid_for(name) for name in args.sweeps.split(",")}
     results = evaluate(args.data, sweeps, args.workers)
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{g} {f} covered MAPE by variant: " + ", ".join(f"{v} {x:.1f}%" for v, x in by.items()))
         print("GPU seconds of the whole sweep (each family's gpu_s scaled from its matched rows to all its "
               "points): " + ", ".join(f"{g} {fams['sweep_gpu_s']:.0f} s" for g, fams in per_gpu.items()))
-    path = write_result("sweep_grid", {"results": results, "points": dict(sweep.SWEEP_POINTS, **points),
+    path = write_result("sweep_grid", {"results": results, "points": dict(sweep_shapes.SWEEP_POINTS, **points),
                                        "calls_per_point": sweep.CALLS_PER_POINT})
     print(f"\nwrote {path}")
     return 0

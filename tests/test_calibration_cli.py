@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernelsight.calibrate import sweep
+from kernelsight.calibrate import sweep, sweep_shapes
 from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
 from kernelsight.calibrate.evaluate import predict_table_s, roofline_calibration
 from kernelsight.calibrate.measurements import read_measurements, read_table
@@ -134,12 +134,12 @@ def test_fit_then_eval_cli(small_dir, tmp_path, capsys):
 
 
 def test_sweep_grid_is_fixed_and_schema_complete(tmp_path):
-    g1, g2 = sweep.build_grid(), sweep.build_grid()
+    g1, g2 = sweep_shapes.build_grid(), sweep_shapes.build_grid()
     assert g1 == g2
     assert len(g1.gemm) > 1000 and len(g1.attn_prefill) > 50 and len(g1.attn_decode) > 100
     assert g1.comm == ()  # one GPU: no collectives
-    assert len(sweep.build_grid(num_gpus=8).comm) == len(sweep.COMM_OPS) * 3 * 21
-    q = sweep.build_grid(quick=True)
+    assert len(sweep_shapes.build_grid(num_gpus=8).comm) == len(sweep_shapes.COMM_OPS) * 3 * 21
+    q = sweep_shapes.build_grid(quick=True)
     assert len(q.gemm) < 20
     p = sweep.write_csv(tmp_path / "gemm.csv", "gemm", [(*row, 12.5) for row in q.gemm], kernel="x")
     t = read_table(p)
@@ -156,7 +156,7 @@ def test_sweep_runs_on_cpu_end_to_end(tmp_path, capsys):
     for t in m.values():
         assert len(t) > 0 and np.all(t["latency_us"] > 0)
     info = json.loads((tmp_path / "sweep.json").read_text())   # what ran, beside what it measured
-    grid = sweep.build_grid(quick=True, gemm_dtypes=("bf16",))   # no fp8 on a CPU
+    grid = sweep_shapes.build_grid(quick=True, gemm_dtypes=("bf16",))   # no fp8 on a CPU
     assert info["device_name"] == "cpu" and info["attention"] == "torch_sdpa" and info["timed_calls"] == 3
     assert info["points"] == {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")}
     assert info["gemm_kernels"] == {"bf16": "torch.nn.functional.linear"} and info["families"][-1] == "attn_decode"
@@ -182,7 +182,7 @@ def test_a_stopped_sweep_resumes_with_only_the_points_it_had_not_written(tmp_pat
     capsys.readouterr()
     assert _run([*argv, "--resume"]) == 0
     err = capsys.readouterr().err
-    grid = sweep.build_grid(quick=True, gemm_dtypes=("bf16",))
+    grid = sweep_shapes.build_grid(quick=True, gemm_dtypes=("bf16",))
     assert len(timed) == len(grid.gemm) - 2 + len(grid.attn_decode)   # the two complete rows were kept
     gemm = (tmp_path / "gemm.csv").read_text().splitlines()
     assert gemm[:3] == full["gemm"][:3] and len(gemm) == len(full["gemm"])   # kept rows as measured, cut row redone
@@ -199,8 +199,8 @@ def test_a_stopped_sweep_resumes_with_only_the_points_it_had_not_written(tmp_pat
 
 def test_resume_keeps_complete_collectives_and_reruns_incomplete_ones(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    grid = sweep.Grid(gemm=(), attn_prefill=(), attn_decode=(),
-                      comm=(("all_reduce", "nccl", "bf16", 2, 512), ("all_reduce", "nccl", "bf16", 2, 1024)))
+    grid = sweep_shapes.Grid(gemm=(), attn_prefill=(), attn_decode=(),
+                             comm=(("all_reduce", "nccl", "bf16", 2, 512), ("all_reduce", "nccl", "bf16", 2, 1024)))
     monkeypatch.setattr(sweep, "build_grid", lambda **kw: grid)
     runs = []
 
@@ -379,9 +379,9 @@ def test_fit_says_which_variants_the_sweep_did_not_measure(tmp_path, capsys):
 def test_sweep_points_and_seed_choose_the_draw(capsys):
     args = _parser().parse_args(["calibrate", "sweep", "-o", "d", "--points", "gemm=40,attn_decode=7", "--seed", "3"])
     assert args.points == {"gemm": 40, "attn_decode": 7} and args.seed == 3
-    grid = sweep.build_grid(points=args.points, seed=args.seed)
+    grid = sweep_shapes.build_grid(points=args.points, seed=args.seed)
     assert len(grid.gemm) == 2 * 40 and len(grid.attn_decode) == 7
-    assert len(grid.attn_prefill) == sweep.SWEEP_POINTS["attn_prefill"]
+    assert len(grid.attn_prefill) == sweep_shapes.SWEEP_POINTS["attn_prefill"]
     for bad, message in (("comm=5", "FAMILY=N with FAMILY one of gemm, attn_prefill, attn_decode"),
                          ("gemm", "got 'gemm'"), ("gemm=0", "must be at least 1")):
         with pytest.raises(SystemExit) as exc:
@@ -396,7 +396,7 @@ def test_sweep_estimate_needs_no_torch_and_adds_up(capsys):
     out = capsys.readouterr().out
     lines = {f: n for f, n, _ in re.findall(r"^(\w+)\s+(\d+) points\s+([\d.]+) min", out, flags=re.M)}
     assert int(lines["gemm"]) == 2 * 100 and int(lines["attn_prefill"]) == 50
-    assert int(lines["comm"]) == len(sweep.COMM_OPS) * 21            # 2 GPUs: one GPU count
+    assert int(lines["comm"]) == len(sweep_shapes.COMM_OPS) * 21            # 2 GPUs: one GPU count
     assert "h100-sxm (target-measured calibration" in out
     parts = [float(re.search(rf"^{f}\s+\d+ points\s+([\d.]+) min", out, flags=re.M).group(1))
              for f in ("gemm", "attn_prefill", "attn_decode", "comm")]
@@ -406,11 +406,12 @@ def test_sweep_estimate_needs_no_torch_and_adds_up(capsys):
                  "--windows"]) == 0
     out = capsys.readouterr().out
     # Hopper: vLLM's FA3 also runs an fp8 KV cache, so a FlashAttention sweep times those points too
-    assert re.search(rf"^attn_prefill\s+{50 + int(50 * sweep.WINDOW_SHARE) + int(50 * sweep.FP8_KV_SHARE)} points",
+    assert re.search(rf"^attn_prefill\s+"
+                     rf"{50 + int(50 * sweep_shapes.WINDOW_SHARE) + int(50 * sweep_shapes.FP8_KV_SHARE)} points",
                      out, flags=re.M)
     assert _run(["calibrate", "sweep", "--estimate", "a100", "--points", "attn_prefill=50,attn_decode=50",
                  "--windows"]) == 0   # FA2: no fp8 KV cache
-    assert re.search(rf"^attn_decode\s+{50 + int(50 * sweep.WINDOW_SHARE)} points", capsys.readouterr().out,
+    assert re.search(rf"^attn_decode\s+{50 + int(50 * sweep_shapes.WINDOW_SHARE)} points", capsys.readouterr().out,
                      flags=re.M)
     assert _run(["calibrate", "sweep"]) == 2
     assert "-o/--output DIR is required" in capsys.readouterr().err

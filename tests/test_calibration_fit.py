@@ -11,24 +11,29 @@ import numpy as np
 import pytest
 
 from kernelsight.calibrate.evaluate import format_results, mape_table, roofline_calibration
-from kernelsight.calibrate.measurements import Table, read_measurements
-from kernelsight.profiles import load_hardware
-from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import (
-    RESIDUAL_COORDS,
-    RESIDUAL_COORDS_SCALAR,
-    DispatchEta,
-    EnsembleEta,
-    LogPolyEta,
-    ResidualGrid,
-    SwitchEta,
-    _grid_from_dict,
-    basis_matrix,
-    calibration_from_dict,
-    residual_coordinates,
+from kernelsight.calibrate.fit.eta import SELECT_MAX_ROWS, fit_calibration
+from kernelsight.calibrate.fit.lattice import (
+    GAP_CV_MIN_ROWS,
+    GRID_DIMS,
+    GRID_GAP_CHOICES,
+    GRID_MIN_GAPS,
+    GRID_STAGES,
+    WINDOW_FREE_MIN_PAIRS,
+    _fold_stages,
+    choose_lattice_gaps,
+    fit_residual_grid,
+    window_is_free,
 )
-from kernelsight.simcore.eta_transfer import cross_generation_calibration
+from kernelsight.calibrate.fit.logpoly import device_constants, fit_logpoly
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration
+from kernelsight.calibrate.measurements import Table, read_measurements
+from kernelsight.calibrate.rows import eta_and_overhead, kernel_rows, predict_rows_s, roofline_rows_s
+from kernelsight.profiles import load_hardware
+from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
+from kernelsight.simcore.eta import DispatchEta, EnsembleEta, LogPolyEta, SwitchEta
+from kernelsight.simcore.eta_basis import RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR, basis_matrix, residual_coordinates
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
+from kernelsight.simcore.residual_grid import ResidualGrid, _grid_from_dict
 from kernelsight.simcore.roofline import kernel_roofline_s
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"
@@ -57,15 +62,15 @@ def h100_tables():
 @pytest.fixture(scope="module")
 def small_fit(h100, h100_tables):
     train = _subset(h100_tables, 2500, seed=1)
-    calib, report = eta_fit.fit_calibration({f: t.columns for f, t in train.items()}, h100)
+    calib, report = fit_calibration({f: t.columns for f, t in train.items()}, h100)
     return calib, report
 
 
 def test_fit_is_deterministic(h100, h100_tables):
     train = _subset({"gemm": h100_tables["gemm"]}, 1500, seed=2)
     cols = {f: t.columns for f, t in train.items()}
-    a, _ = eta_fit.fit_calibration(cols, h100)
-    b, _ = eta_fit.fit_calibration(cols, h100)
+    a, _ = fit_calibration(cols, h100)
+    b, _ = fit_calibration(cols, h100)
     assert json.dumps(a.to_dict(), sort_keys=True) == json.dumps(b.to_dict(), sort_keys=True)
 
 
@@ -74,10 +79,10 @@ def test_fitted_eta_is_bounded(small_fit, h100_tables):
     for fam in ("gemm", "attn_prefill", "attn_decode"):
         model = calib.eta[fam]
         assert isinstance(model, SwitchEta)
-        rows = eta_fit.kernel_rows(
+        rows = kernel_rows(
             fam, h100_tables[fam].subset(np.arange(0, len(h100_tables[fam]), 37)).columns
         )
-        eta, ovh = eta_fit.eta_and_overhead(calib, fam, rows)
+        eta, ovh = eta_and_overhead(calib, fam, rows)
         assert np.all(eta >= calib.eta_floor) and np.all(eta <= calib.eta_max)
         assert np.all(ovh > 0) and np.all(ovh < 1e-3)  # fixed latency: µs, not ms
         for variant in model.models.values():
@@ -93,9 +98,9 @@ def test_no_prediction_faster_than_roofline_over_eta_max(small_fit, h100, h100_t
     calib, _ = small_fit
     for fam in ("gemm", "attn_prefill", "attn_decode"):
         t = h100_tables[fam].subset(np.arange(0, len(h100_tables[fam]), 11))
-        rows = eta_fit.kernel_rows(fam, t.columns)
-        roof = eta_fit.roofline_rows_s(rows, h100)
-        pred = eta_fit.predict_rows_s(fam, t.columns, h100, calib)
+        rows = kernel_rows(fam, t.columns)
+        roof = roofline_rows_s(rows, h100)
+        pred = predict_rows_s(fam, t.columns, h100, calib)
         assert np.all(pred >= roof / calib.eta_max * (1 - 1e-12))
     # the scalar path the step model uses obeys the same floor
     for k in (
@@ -114,8 +119,8 @@ def test_json_round_trip_preserves_predictions(small_fit, h100, h100_tables):
     assert again.tier == "target-measured" and again.eta_max == calib.eta_max
     for fam in ("gemm", "attn_decode"):
         t = h100_tables[fam].subset(np.arange(0, len(h100_tables[fam]), 97))
-        a = eta_fit.predict_rows_s(fam, t.columns, h100, calib)
-        b = eta_fit.predict_rows_s(fam, t.columns, h100, again)
+        a = predict_rows_s(fam, t.columns, h100, calib)
+        b = predict_rows_s(fam, t.columns, h100, again)
         np.testing.assert_allclose(a, b, rtol=1e-3)   # lattice stored as log-ratio × 1000 (≤ 0.05%)
     assert set(again.comm) >= {"nccl", "custom"}
 
@@ -150,7 +155,7 @@ def test_mape_splits_by_variant(h100, h100_tables):
 def test_scalar_and_vector_paths_agree(small_fit, h100):
     calib, _ = small_fit
     k = gemm_kernel("g", 300, 5120, 4096, "bf16", 2.0, 2.0)
-    rows = eta_fit.kernel_rows(
+    rows = kernel_rows(
         "gemm",
         {
             "dtype": np.array(["bf16"]),
@@ -159,7 +164,7 @@ def test_scalar_and_vector_paths_agree(small_fit, h100):
             "k": np.array([4096.0]),
         },
     )
-    eta, ovh = eta_fit.eta_and_overhead(calib, "gemm", rows)
+    eta, ovh = eta_and_overhead(calib, "gemm", rows)
     assert calib.kernel_eta("gemm", k.features) == pytest.approx(eta[0])
     assert calib.kernel_overhead_s("gemm", k.features) == pytest.approx(ovh[0])
     # old-style 3-feature GEMM tuples fall back to the default (bf16) variant
@@ -184,7 +189,7 @@ def test_target_fit_carries_residual_trees_and_the_transfer_drops_them(small_fit
     fitted = [m for fam in ("gemm", "attn_prefill", "attn_decode") for m in _logpoly_models(calib.eta[fam])]
     assert fitted and any(m.trees is not None for m in fitted)
     big = [calib.eta[fam].models[v] for fam, v in (("gemm", "0"), ("gemm", "1"), ("attn_decode", "1"))]
-    assert all(report.entries[k]["rows"] >= eta_fit.SELECT_MAX_ROWS for k in ("gemm[0]", "gemm[1]", "attn_decode[1]"))
+    assert all(report.entries[k]["rows"] >= SELECT_MAX_ROWS for k in ("gemm[0]", "gemm[1]", "attn_decode[1]"))
     assert all(isinstance(m, LogPolyEta) and m.trees is not None and m.grid is not None for m in big)
     back = calibration_from_dict(json.loads(json.dumps(calib.to_dict())))
     k = gemm_kernel("g", 300, 5120, 4096, "bf16", 2.0, 2.0)
@@ -209,7 +214,7 @@ def _synthetic_decode_grid(smooth: float = 1e-4):
     F = _decode_features(b.ravel(), c.ravel(), 32.0, 8.0, 128.0, w.ravel())
     target = np.where(F[:, 6] > 0, np.log(3.0), 0.0) + 0.05 * np.log(F[:, 1])
     coords = RESIDUAL_COORDS["attn_decode"](F)
-    grid = eta_fit.fit_residual_grid(coords, (0, 1, 5), target, np.ones(len(F)), smooth=smooth, coords="raw")
+    grid = fit_residual_grid(coords, (0, 1, 5), target, np.ones(len(F)), smooth=smooth, coords="raw")
     return grid, F, target
 
 
@@ -245,23 +250,23 @@ def test_residual_cannot_push_eta_above_eta_max(h100):
     """A lattice asking for a huge speed-up (log-ratio −3) still leaves η ≤ eta_max: predictions ≥ roof/η_max."""
     grid, F, _ = _synthetic_decode_grid()
     fast = ResidualGrid(grid.dims, grid.knots, tuple(-3.0 for _ in grid.values), "raw")
-    dev = eta_fit.device_constants("attn_decode", "2", h100)
+    dev = device_constants("attn_decode", "2", h100)
     z = basis_matrix("attn_decode", F, dev)
-    beta, ovh, center, scale = eta_fit.fit_logpoly(z, np.full(len(F), 1e-5), np.full(len(F), 2e-5))
+    beta, ovh, center, scale = fit_logpoly(z, np.full(len(F), 1e-5), np.full(len(F), 2e-5))
     model = LogPolyEta("attn_decode", dev, tuple(center), tuple(scale), tuple(beta), overhead_s=ovh, grid=fast)
-    calib = eta_fit.default_calibration(h100.name)
+    calib = default_calibration(h100.name)
     calib.eta["attn_decode"] = model
     calib.eta_max = 1.2
     for row in F:
         assert calib.kernel_eta("attn_decode", tuple(row)) <= 1.2
-    rows = eta_fit.kernel_rows(
+    rows = kernel_rows(
         "attn_decode",
         {
             "batch": F[:, 0], "cached_len": F[:, 1] - 1, "num_heads": F[:, 2], "num_kv_heads": F[:, 3],
             "head_dim": F[:, 4], "kv_dtype": np.full(len(F), "bf16"), "window": F[:, 6],
         },
     )
-    eta, _ = eta_fit.eta_and_overhead(calib, "attn_decode", rows)
+    eta, _ = eta_and_overhead(calib, "attn_decode", rows)
     assert np.all(eta <= 1.2)
 
 
@@ -284,9 +289,9 @@ def test_stage_lattices_fold_into_one():
     """Coarse sub-lattices added into the full lattice give the same correction as evaluating them apart."""
     full, F, _ = _synthetic_decode_grid()
     coords = RESIDUAL_COORDS["attn_decode"](F)
-    stage = eta_fit.fit_residual_grid(coords, (0, 5), 0.1 * np.log(F[:, 0]) - 0.3 * (F[:, 6] > 0),
-                                      np.ones(len(F)), coords="raw")
-    folded = eta_fit._fold_stages(full, [stage])
+    stage = fit_residual_grid(coords, (0, 5), 0.1 * np.log(F[:, 0]) - 0.3 * (F[:, 6] > 0),
+                              np.ones(len(F)), coords="raw")
+    folded = _fold_stages(full, [stage])
     np.testing.assert_allclose(folded(coords), full(coords) + stage(coords), atol=1e-12)
     mid = RESIDUAL_COORDS["attn_decode"](_decode_features(5.0, 100.0, 32.0, 8.0, 128.0, 60.0))
     assert folded(mid)[0] == pytest.approx(full(mid)[0] + stage(mid)[0])
@@ -302,8 +307,8 @@ def _group_one_error(dims: tuple[int, ...], gaps: tuple[float, ...]) -> tuple[fl
     kvh = np.array([heads[i][1] for i in h.ravel().astype(int)])
     F = _decode_features(b.ravel(), c.ravel(), qh, kvh, 128.0, 0.0)
     target = np.where(F[:, 2] == F[:, 3], np.log(5.0), 0.0)
-    grid = eta_fit.fit_residual_grid(RESIDUAL_COORDS["attn_decode"](F), dims, target, np.ones(len(F)),
-                                     min_gaps=gaps, smooth=0.1, coords="raw")
+    grid = fit_residual_grid(RESIDUAL_COORDS["attn_decode"](F), dims, target, np.ones(len(F)),
+                             min_gaps=gaps, smooth=0.1, coords="raw")
     probe = RESIDUAL_COORDS["attn_decode"](_decode_features(8.0, 4095.0, [8.0, 32.0], 8.0, 128.0, 0.0))
     got = grid(probe)
     return abs(float(got[0]) - math.log(5.0)), abs(float(got[1]))
@@ -312,7 +317,7 @@ def _group_one_error(dims: tuple[int, ...], gaps: tuple[float, ...]) -> tuple[fl
 def test_decode_lattice_keys_on_gqa_group():
     """The decode lattice spans the GQA group, so the group-1 slow path carries over to a KV-head count never
     measured at group 1 (a lattice on q heads × KV heads smears it into its GQA neighbours), GQA shapes stay ~0."""
-    dims, gaps = eta_fit.GRID_DIMS["attn_decode"], eta_fit.GRID_MIN_GAPS["attn_decode"]
+    dims, gaps = GRID_DIMS["attn_decode"], GRID_MIN_GAPS["attn_decode"]
     assert 6 in dims
     err_mha, err_gqa = _group_one_error(dims, gaps)
     assert err_mha < 0.45 and err_gqa < 0.2   # of log 5 = 1.61
@@ -334,13 +339,13 @@ def _window_sweep(window_cost: float):
 
 def test_window_is_free_only_when_measured_pairs_agree():
     F, lat, loose = _window_sweep(1.0)
-    assert loose.sum() >= eta_fit.WINDOW_FREE_MIN_PAIRS
-    assert eta_fit.window_is_free("attn_decode", F, lat)
+    assert loose.sum() >= WINDOW_FREE_MIN_PAIRS
+    assert window_is_free("attn_decode", F, lat)
     F, lat, _ = _window_sweep(2.4)          # FA2 on the L40S: any window takes the slower unpacked path
-    assert not eta_fit.window_is_free("attn_decode", F, lat)
+    assert not window_is_free("attn_decode", F, lat)
     F, lat, _ = _window_sweep(1.0)
-    assert not eta_fit.window_is_free("attn_decode", F[:6], lat[:6])   # too few pairs to tell
-    assert not eta_fit.window_is_free("gemm", F, lat)
+    assert not window_is_free("attn_decode", F[:6], lat[:6])   # too few pairs to tell
+    assert not window_is_free("gemm", F, lat)
 
 
 def test_free_window_puts_non_binding_rows_on_the_full_attention_knots():
@@ -350,7 +355,7 @@ def test_free_window_puts_non_binding_rows_on_the_full_attention_knots():
     assert np.all(free[loose, 5] == 0.0) and np.all(coords[loose, 5] > 0.0)
     np.testing.assert_array_equal(free[~loose], coords[~loose])   # binding windows keep their own knots
     target = np.where(F[:, 6] > 0, 0.3, 0.0)
-    grid = eta_fit.fit_residual_grid(free, (0, 1, 5), target, np.ones(len(F)), smooth=1e-4, coords="raw")
+    grid = fit_residual_grid(free, (0, 1, 5), target, np.ones(len(F)), smooth=1e-4, coords="raw")
     grid = replace(grid, free_window=True)
     again = _grid_from_dict(json.loads(json.dumps(grid.to_dict())))
     assert again.free_window
@@ -377,11 +382,11 @@ def _pair_count_error(dims: tuple[int, ...], stages: tuple[tuple[int, ...], ...]
     r = truth(F)
     stage_grids = []
     for sub in stages:
-        g = eta_fit.fit_residual_grid(coords, sub, r, np.ones(len(F)), smooth=0.1, coords="raw")
+        g = fit_residual_grid(coords, sub, r, np.ones(len(F)), smooth=0.1, coords="raw")
         r = r - g(coords)
         stage_grids.append(g)
-    grid = eta_fit._fold_stages(eta_fit.fit_residual_grid(coords, dims, r, np.ones(len(F)), smooth=0.1,
-                                                          coords="raw"), stage_grids)
+    grid = _fold_stages(fit_residual_grid(coords, dims, r, np.ones(len(F)), smooth=0.1,
+                                          coords="raw"), stage_grids)
     probe = _decode_features(16.0, 4095.0, 64.0, 8.0, 128.0, 0.0)
     return abs(float(grid(RESIDUAL_COORDS["attn_decode"](probe))[0] - truth(probe)[0]))
 
@@ -389,9 +394,9 @@ def _pair_count_error(dims: tuple[int, ...], stages: tuple[tuple[int, ...], ...]
 def test_decode_lattice_keys_on_sequence_kv_head_pairs():
     """Column 7 = log(seqs × KV heads): a shape whose pair count was measured with other splits is predicted from
     them; the lattice on seqs and KV heads apart only interpolates its neighbours."""
-    new = _pair_count_error(eta_fit.GRID_DIMS["attn_decode"], eta_fit.GRID_STAGES["attn_decode"])
+    new = _pair_count_error(GRID_DIMS["attn_decode"], GRID_STAGES["attn_decode"])
     old = _pair_count_error((0, 1, 6, 3, 4, 5), ((0, 1, 5), (6, 3, 4, 5)))
-    assert eta_fit.GRID_DIMS["attn_decode"][0] == 7
+    assert GRID_DIMS["attn_decode"][0] == 7
     assert new < 0.05 and old > new + 0.05
 
 
@@ -400,7 +405,7 @@ def _group_sweep(seed: int = 0):
     log-ratio noise of 5 % on every row."""
     b, c, q = np.meshgrid([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0], [127.0, 1023.0, 8191.0],
                           [8.0, 16.0, 24.0, 32.0, 40.0, 48.0, 64.0, 80.0, 96.0, 128.0], indexing="ij")
-    reps = -(-eta_fit.GAP_CV_MIN_ROWS // b.size)
+    reps = -(-GAP_CV_MIN_ROWS // b.size)
     F = _decode_features(np.repeat(b.ravel(), reps), np.repeat(c.ravel(), reps), np.repeat(q.ravel(), reps), 8.0,
                          128.0, 0.0)
     noise = 0.05 * np.random.default_rng(seed).standard_normal(len(F))
@@ -410,18 +415,18 @@ def _group_sweep(seed: int = 0):
 def test_lattice_spacing_is_chosen_on_held_out_rows():
     """Flat along the GQA group (the kernel packs the group's heads): the coarsest spacing pools the most rows.
     A time that alternates between neighbouring group values needs a knot at each: the finest candidate wins."""
-    pos, values = eta_fit.GRID_GAP_CHOICES["attn_decode"][0]
+    pos, values = GRID_GAP_CHOICES["attn_decode"][0]
     F, coords, noise = _group_sweep()
-    assert len(F) >= eta_fit.GAP_CV_MIN_ROWS
+    assert len(F) >= GAP_CV_MIN_ROWS
     flat = 0.2 * np.log(F[:, 0]) / 4 + noise
-    assert eta_fit.choose_lattice_gaps("attn_decode", coords, flat)[pos] == max(values)
+    assert choose_lattice_gaps("attn_decode", coords, flat)[pos] == max(values)
     group = np.round(F[:, 2] / F[:, 3]).astype(int)
     jagged = np.where(np.isin(group, (2, 4, 6, 10)), 0.4, 0.0) + noise
-    chosen = eta_fit.choose_lattice_gaps("attn_decode", coords, jagged)
+    chosen = choose_lattice_gaps("attn_decode", coords, jagged)
     assert chosen[pos] == min(values)
-    assert chosen == eta_fit.choose_lattice_gaps("attn_decode", coords, jagged)   # deterministic
-    few = eta_fit.choose_lattice_gaps("attn_decode", coords[:100], flat[:100])
-    assert few == eta_fit.GRID_MIN_GAPS["attn_decode"]   # too few rows to tell: the default
+    assert chosen == choose_lattice_gaps("attn_decode", coords, jagged)   # deterministic
+    few = choose_lattice_gaps("attn_decode", coords[:100], flat[:100])
+    assert few == GRID_MIN_GAPS["attn_decode"]   # too few rows to tell: the default
 
 
 def test_parallel_fit_is_the_same_calibration_for_any_worker_count(h100, h100_tables):
@@ -442,7 +447,7 @@ def test_parallel_fit_is_the_same_calibration_for_any_worker_count(h100, h100_ta
         return reversed([fn(j) for j in reversed(jobs)])
 
     cols = {f: t.columns for f, t in train.items()}
-    a, _ = eta_fit.fit_calibration(cols, h100, map_fn=reversed_map, residual_grid=False)
-    b, _ = eta_fit.fit_calibration(cols, h100, residual_grid=False)
+    a, _ = fit_calibration(cols, h100, map_fn=reversed_map, residual_grid=False)
+    b, _ = fit_calibration(cols, h100, residual_grid=False)
     assert sorted(seen) == ["attn_decode", "gemm"]
     assert json.dumps(a.to_dict(), sort_keys=True) == json.dumps(b.to_dict(), sort_keys=True)

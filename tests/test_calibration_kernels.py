@@ -9,17 +9,14 @@ import json
 import numpy as np
 import pytest
 
+from kernelsight.calibrate.fit.dispatch import fit_dispatch_rule
+from kernelsight.calibrate.fit.eta import fit_calibration
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration
+from kernelsight.calibrate.rows import kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import load_hardware
-from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import (
-    RESIDUAL_COORDS,
-    DispatchEta,
-    DispatchRule,
-    LogPolyEta,
-    SwitchEta,
-    calibration_from_dict,
-)
-from kernelsight.simcore.eta_transfer import cross_generation_calibration
+from kernelsight.simcore.calibration import calibration_from_dict
+from kernelsight.simcore.eta import DispatchEta, DispatchRule, LogPolyEta, SwitchEta
+from kernelsight.simcore.eta_basis import RESIDUAL_COORDS
 from kernelsight.simcore.kernels import gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 
@@ -40,7 +37,7 @@ def _table(h100, ms: list[int], seed: int) -> dict[str, np.ndarray]:
                                                             [1024, 2048, 4096, 8192], indexing="ij"))
     cols: dict[str, np.ndarray] = {"dtype": np.full(len(m), "fp8_block"), "m": m, "n": n, "k": k}
     kernel = np.where(m <= 16, SKINNY, WIDE)
-    roof = eta_fit.roofline_rows_s(eta_fit.kernel_rows("gemm", cols), h100)
+    roof = roofline_rows_s(kernel_rows("gemm", cols), h100)
     eta = np.array([ETA_BY_KERNEL[str(x)] for x in kernel])
     noise = np.exp(np.random.default_rng(seed).normal(0.0, 0.01, len(m)))  # ~1 % repeat noise
     cols["kernel"] = kernel
@@ -55,13 +52,13 @@ TEST_M = [3, 6, 10, 14, 20, 28, 48, 96, 384, 1536]   # unseen m on both sides of
 @pytest.fixture(scope="module")
 def fits(h100):
     train = _table(h100, TRAIN_M, seed=0)
-    with_kernel, _ = eta_fit.fit_calibration({"gemm": train}, h100)
-    shapes_only, _ = eta_fit.fit_calibration({"gemm": {c: v for c, v in train.items() if c != "kernel"}}, h100)
+    with_kernel, _ = fit_calibration({"gemm": train}, h100)
+    shapes_only, _ = fit_calibration({"gemm": {c: v for c, v in train.items() if c != "kernel"}}, h100)
     return with_kernel, shapes_only, _table(h100, TEST_M, seed=1)
 
 
 def _mape(calib, cols, h100) -> float:
-    pred = eta_fit.predict_rows_s("gemm", cols, h100, calib)
+    pred = predict_rows_s("gemm", cols, h100, calib)
     return float(np.mean(np.abs(pred * 1e6 / cols["latency_us"] - 1.0)))
 
 
@@ -84,7 +81,7 @@ def test_kernel_column_separates_kernels_of_one_format(fits, h100):
 def test_learned_dispatch_picks_the_kernel_from_the_shape(fits, h100):
     with_kernel, _, test = fits
     dispatch = with_kernel.eta["gemm"].models["2"]
-    F = eta_fit.kernel_rows("gemm", test).features
+    F = kernel_rows("gemm", test).features
     np.testing.assert_array_equal(dispatch.kernels_of(F), test["kernel"])
     # the step model's scalar path dispatches the same way
     for m in (5, 16, 30, 700):
@@ -92,21 +89,21 @@ def test_learned_dispatch_picks_the_kernel_from_the_shape(fits, h100):
         assert dispatch.kernel_of(f) == (SKINNY if m <= 16 else WIDE)
     # without the kernel column (the simulator, `predict` on shape-only files) predictions equal the labelled ones
     np.testing.assert_allclose(
-        eta_fit.predict_rows_s("gemm", _no_kernel(test), h100, with_kernel),
-        eta_fit.predict_rows_s("gemm", test, h100, with_kernel),
+        predict_rows_s("gemm", _no_kernel(test), h100, with_kernel),
+        predict_rows_s("gemm", test, h100, with_kernel),
         rtol=1e-12,
     )
 
 
 def test_given_kernel_wins_and_unknown_names_fall_back_to_the_rule(fits, h100):
     with_kernel, _, test = fits
-    by_rule = eta_fit.predict_rows_s("gemm", _no_kernel(test), h100, with_kernel)
+    by_rule = predict_rows_s("gemm", _no_kernel(test), h100, with_kernel)
     unknown = dict(test, kernel=np.full(len(test["m"]), "SomeNewKernel"))
-    np.testing.assert_allclose(eta_fit.predict_rows_s("gemm", unknown, h100, with_kernel), by_rule, rtol=1e-12)
+    np.testing.assert_allclose(predict_rows_s("gemm", unknown, h100, with_kernel), by_rule, rtol=1e-12)
     # naming the other kernel uses that kernel's model: wide-m shapes priced by the 3× slower skinny kernel
     swapped = dict(test, kernel=np.where(test["kernel"] == SKINNY, WIDE, SKINNY))
     wide = test["m"] >= 256
-    ratio = eta_fit.predict_rows_s("gemm", swapped, h100, with_kernel)[wide] / by_rule[wide]
+    ratio = predict_rows_s("gemm", swapped, h100, with_kernel)[wide] / by_rule[wide]
     assert np.all(ratio > 1.1) and np.median(ratio) > 2.0, ratio
 
 
@@ -115,12 +112,12 @@ def test_kernel_variants_round_trip_and_respect_the_roofline(fits, h100):
     again = calibration_from_dict(json.loads(json.dumps(with_kernel.to_dict())))
     for cols in (test, _no_kernel(test)):
         np.testing.assert_allclose(
-            eta_fit.predict_rows_s("gemm", cols, h100, again),
-            eta_fit.predict_rows_s("gemm", cols, h100, with_kernel),
+            predict_rows_s("gemm", cols, h100, again),
+            predict_rows_s("gemm", cols, h100, with_kernel),
             rtol=1e-3,   # lattices are stored as int16 milli-log-ratios
         )
-    roof = eta_fit.roofline_rows_s(eta_fit.kernel_rows("gemm", test), h100)
-    assert np.all(eta_fit.predict_rows_s("gemm", test, h100, again) >= roof / again.eta_max * (1 - 1e-12))
+    roof = roofline_rows_s(kernel_rows("gemm", test), h100)
+    assert np.all(predict_rows_s("gemm", test, h100, again) >= roof / again.eta_max * (1 - 1e-12))
     for m in (1, 16, 17, 4096):
         k = gemm_kernel("g", m, 8192, 8192, "fp8_block", 1.0, 2.0)
         r = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, h100)
@@ -133,10 +130,10 @@ def test_files_without_kernel_variants_load_and_ignore_the_kernel_column(fits, h
     old = json.loads(json.dumps(shapes_only.to_dict()))
     assert "dispatch" not in json.dumps(old)
     calib = calibration_from_dict(old)
-    a = eta_fit.predict_rows_s("gemm", test, h100, calib)
-    b = eta_fit.predict_rows_s("gemm", _no_kernel(test), h100, calib)
+    a = predict_rows_s("gemm", test, h100, calib)
+    b = predict_rows_s("gemm", _no_kernel(test), h100, calib)
     np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(a, eta_fit.predict_rows_s("gemm", test, h100, shapes_only), rtol=1e-3)
+    np.testing.assert_allclose(a, predict_rows_s("gemm", test, h100, shapes_only), rtol=1e-3)
 
 
 def test_transfer_uses_the_pooled_smooth_model(fits, h100):
@@ -155,7 +152,7 @@ def test_dispatch_rule_fits_thresholds_and_round_trips():
     F = np.column_stack([rng.choice(ms, 400), rng.choice([32, 64, 128, 4096], 400),
                          rng.choice([64, 128, 4096], 400), np.full(400, 2.0)]).astype(float)
     truth = np.where(F[:, 0] <= 16, "A", np.where((F[:, 1] < 128) | (F[:, 2] < 128), "C", "B"))
-    rule = eta_fit.fit_dispatch_rule(RESIDUAL_COORDS["gemm"](F), truth)
+    rule = fit_dispatch_rule(RESIDUAL_COORDS["gemm"](F), truth)
     assert rule.kernels() == {"A", "B", "C"}
     np.testing.assert_array_equal(rule(RESIDUAL_COORDS["gemm"](F)), truth)
     again = DispatchRule.from_dict(json.loads(json.dumps(rule.to_dict())))

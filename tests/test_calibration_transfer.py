@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kernelsight.calibrate.evaluate import bundled_calibrations
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration, similarity_weights
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore.calibration import calibration_from_dict
-from kernelsight.simcore.eta_transfer import cross_generation_calibration, similarity_weights
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 
@@ -112,7 +112,7 @@ def test_transfer_to_a_twin_of_the_source_reproduces_it(sources):
 
 
 def test_cache_gain_ratio_moves_only_l2_resident_memory_bound_work():
-    from kernelsight.simcore.calibration import basis_matrix, cache_gain_ratio
+    from kernelsight.simcore.eta_basis import basis_matrix, cache_gain_ratio
 
     dev = {"num_sms": 128.0, "l2_bytes": 64 * 2**20, "balance": 200.0}
     # decode: batch 4 × 256 tokens (≈ 4 MB of KV, in L2) and batch 64 × 16k tokens (≈ 4 GB, DRAM)

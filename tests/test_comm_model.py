@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from kernelsight.calibrate.evaluate import predict_comm_s
+from kernelsight.calibrate.fit.comm import fit_comm
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import read_table
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
 from kernelsight.simcore.comm import CommCurve, CommModel, allreduce_s, collective_s, comm_bus_factor
-from kernelsight.simcore.comm_fit import fit_comm
-from kernelsight.simcore.eta_transfer import cross_generation_calibration
 
 GPUS = {"a100_sxm": "a100-sxm", "h100_sxm": "h100-sxm", "l40s": "l40s"}
 SIZES = np.unique(np.round(np.logspace(np.log10(64), np.log10(2**31), 400)))
@@ -117,16 +117,16 @@ def test_json_round_trip_keeps_every_prediction(fits, tables):
 
 def test_simulation_path_uses_curves_and_is_monotone(fits):
     calib, hw = fits["h100_sxm"], load_hardware("h100-sxm")
-    t = [allreduce_s(s, 8, hw, calib) for s in SIZES]
+    t = [allreduce_s(s, 8, hw, calib.comm) for s in SIZES]
     assert np.all(np.diff(t) >= 0)
     # small messages go to vLLM's custom all-reduce, measured at ≈ 5 µs for 8 GPUs; NCCL needs ≈ 15 µs
-    assert allreduce_s(64 * 1024, 8, hw, calib) < 1e-5 < collective_s("all_reduce", 64 * 1024, 8, hw, calib)
-    a2a = collective_s("all_to_all", 2**24, 8, hw, calib)
+    assert allreduce_s(64 * 1024, 8, hw, calib.comm) < 1e-5 < collective_s("all_reduce", 64 * 1024, 8, hw, calib.comm)
+    a2a = collective_s("all_to_all", 2**24, 8, hw, calib.comm)
     assert np.isfinite(a2a) and a2a > 0
     # a GPU count nobody measured borrows the nearest one's curve at the same bus bytes: between its neighbours
-    t6 = allreduce_s(2**30, 6, hw, calib)
-    assert allreduce_s(2**30, 2, hw, calib) < t6 <= allreduce_s(2**30, 8, hw, calib) * 1.01
-    assert allreduce_s(2**20, 1, hw, calib) == 0.0
+    t6 = allreduce_s(2**30, 6, hw, calib.comm)
+    assert allreduce_s(2**30, 2, hw, calib.comm) < t6 <= allreduce_s(2**30, 8, hw, calib.comm) * 1.01
+    assert allreduce_s(2**20, 1, hw, calib.comm) == 0.0
 
 
 def test_transfer_scales_bandwidth_with_the_link_and_keeps_the_class(fits):

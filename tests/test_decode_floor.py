@@ -9,12 +9,14 @@ import json
 import numpy as np
 import pytest
 
+from kernelsight.calibrate.fit.eta import fit_calibration, fit_decode_floor
+from kernelsight.calibrate.fit.transfer import DECODE_FLOOR_CLOCK_EXPONENT, cross_generation_calibration
+from kernelsight.calibrate.rows import kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.engine_args import create_engine_config
 from kernelsight.profiles import load_calibration, load_hardware
-from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import calibration_from_dict, decode_serial_floor_s
+from kernelsight.simcore.calibration import calibration_from_dict
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model
-from kernelsight.simcore.eta_transfer import DECODE_FLOOR_CLOCK_EXPONENT, cross_generation_calibration
+from kernelsight.simcore.eta import decode_serial_floor_s
 from kernelsight.simcore.kernels import ATTN_DECODE, BatchShape, attention_decode_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 
@@ -29,8 +31,8 @@ def _sweep(hw, unsplit: bool, seed: int = 0) -> dict[str, np.ndarray]:
     b, c, h, kv = (np.array(x, dtype=float) for x in zip(*grid, strict=True))
     cols = {"batch": b, "cached_len": c, "num_heads": h, "num_kv_heads": kv, "head_dim": np.full(len(b), 128.0),
             "kv_dtype": np.full(len(b), "bf16"), "window": np.zeros(len(b))}
-    rows = eta_fit.kernel_rows("attn_decode", cols)
-    t = eta_fit.roofline_rows_s(rows, hw) / 0.8 + 4e-6
+    rows = kernel_rows("attn_decode", cols)
+    t = roofline_rows_s(rows, hw) / 0.8 + 4e-6
     if unsplit:
         floor = np.array([decode_serial_floor_s(f, hw.num_sms, CTA_BYTES_PER_S) for f in rows.features])
         t = np.maximum(t, floor)
@@ -50,17 +52,17 @@ def test_floor_is_per_cta_stream_times_waves_and_only_without_gqa():
 
 def test_fit_finds_the_unsplit_path_and_only_where_it_is():
     hw = load_hardware("a100-sxm")
-    found = eta_fit.fit_decode_floor(_sweep(hw, unsplit=True), hw)
+    found = fit_decode_floor(_sweep(hw, unsplit=True), hw)
     assert set(found) == {"2"} and found["2"] == pytest.approx(CTA_BYTES_PER_S, rel=0.03)
-    assert eta_fit.fit_decode_floor(_sweep(hw, unsplit=False), hw) == {}
+    assert fit_decode_floor(_sweep(hw, unsplit=False), hw) == {}
 
 
 def test_fitted_floor_predicts_the_slow_mha_rows_and_leaves_gqa_alone():
     hw = load_hardware("a100-sxm")
     train, test = _sweep(hw, unsplit=True, seed=0), _sweep(hw, unsplit=True, seed=1)
-    calib, _ = eta_fit.fit_calibration({"attn_decode": train}, hw)
+    calib, _ = fit_calibration({"attn_decode": train}, hw)
     assert "2" in calib.decode_cta_bytes_per_s
-    pred = eta_fit.predict_rows_s("attn_decode", test, hw, calib)
+    pred = predict_rows_s("attn_decode", test, hw, calib)
     meas = test["latency_us"] * 1e-6
     slow = (test["num_heads"] == test["num_kv_heads"]) & (test["cached_len"] >= 8191) & (test["batch"] <= 8)
     assert np.median(np.abs(pred[slow] / meas[slow] - 1)) < 0.05     # 5-80× the roofline, predicted
@@ -68,8 +70,8 @@ def test_fitted_floor_predicts_the_slow_mha_rows_and_leaves_gqa_alone():
     stored = calibration_from_dict(calib.to_dict())
     without = calibration_from_dict({**calib.to_dict(), "decode_cta_bytes_per_s": {}})
     gqa = test["num_heads"] != test["num_kv_heads"]
-    np.testing.assert_array_equal(eta_fit.predict_rows_s("attn_decode", test, hw, stored)[gqa],
-                                  eta_fit.predict_rows_s("attn_decode", test, hw, without)[gqa])
+    np.testing.assert_array_equal(predict_rows_s("attn_decode", test, hw, stored)[gqa],
+                                  predict_rows_s("attn_decode", test, hw, without)[gqa])
 
 
 def test_floor_round_trips_and_old_files_load_without_it():

@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import GEMM_TILES, PREFILL_QUERY_TILE, RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR
-from kernelsight.simcore.residual_trees import LEAF_STEP, ResidualTrees, fit_residual_trees
+from kernelsight.calibrate.fit.lattice import fit_residual_grid
+from kernelsight.calibrate.fit.residual_trees import fit_residual_trees
+from kernelsight.simcore.eta_basis import GEMM_TILES, PREFILL_QUERY_TILE, RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR
+from kernelsight.simcore.residual_trees import LEAF_STEP, ResidualTrees
 
 
 def _switching_sweep(seed: int = 0):
@@ -32,8 +33,8 @@ def test_trees_recover_kernel_switch_steps_on_unseen_shapes():
     trees = fit_residual_trees(x[train], y[train])
     err_trees = np.abs(trees(x[~train]) - y[~train])
     assert err_trees.mean() < 0.02 and err_trees.max() < 0.08
-    lattice = eta_fit.fit_residual_grid(x[train], (0, 1, 2), y[train], np.ones(int(train.sum())), smooth=0.1,
-                                        coords="raw")
+    lattice = fit_residual_grid(x[train], (0, 1, 2), y[train], np.ones(int(train.sum())), smooth=0.1,
+                                coords="raw")
     err_lattice = np.abs(lattice(x[~train]) - y[~train])
     assert err_lattice.mean() > 2.0 * err_trees.mean()
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kernelsight.calibrate.evaluate import cross_generation_for, predict_table_s
+from kernelsight.calibrate.fit import eta as fit_eta
 from kernelsight.calibrate.measurements import read_measurements
 from kernelsight.profiles import load_hardware
-from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import LogPolyEta, SwitchEta, switch_key
+from kernelsight.simcore.eta import LogPolyEta, SwitchEta, switch_key
 from kernelsight.simcore.kernels import GEMM_FORMAT_CODES
 
 
@@ -46,10 +46,10 @@ def test_a_small_sample_picks_a_simpler_model_that_misses_unseen_shapes_less(l40
     """100 decode rows cannot pin the full model (quadratic η in 8 log-features, boosted trees, lattice): it
     reproduces its rows and misses unseen shapes by up to 100×. Cross-validation picks a simpler one."""
     train, test = _split(l40s_tables["attn_decode"], 100, seed=0)
-    chosen, report = eta_fit.fit_calibration({"attn_decode": train.columns}, l40s)
+    chosen, report = fit_eta.fit_calibration({"attn_decode": train.columns}, l40s)
     assert all(np.isfinite(e.get("train_mape", np.nan)) for e in report.entries.values())
-    monkeypatch.setattr(eta_fit, "SELECT_MAX_ROWS", 0)   # every sub-model gets the full complexity
-    full, _ = eta_fit.fit_calibration({"attn_decode": train.columns}, l40s)
+    monkeypatch.setattr(fit_eta, "SELECT_MAX_ROWS", 0)   # every sub-model gets the full complexity
+    full, _ = fit_eta.fit_calibration({"attn_decode": train.columns}, l40s)
     assert _mape(test, l40s, chosen) < 0.7 * _mape(test, l40s, full)
     models = [m for v in chosen.eta["attn_decode"].models.values()
               for m in (v.models.values() if hasattr(v, "rule") else [v]) if isinstance(m, LogPolyEta)]
@@ -60,8 +60,8 @@ def test_a_thin_variant_takes_the_prior_when_it_predicts_better(l40s, l40s_table
     """30 decode rows: the fit cannot beat the cross-generation model on held-out rows, so the variant takes the
     prior's model; the calibration then misses unseen rows less than the fit alone and no more than the prior."""
     train, test = _split(l40s_tables["attn_decode"], 30, seed=0)
-    alone, _ = eta_fit.fit_calibration({"attn_decode": train.columns}, l40s)
-    with_prior, report = eta_fit.fit_calibration({"attn_decode": train.columns}, l40s, prior=prior)
+    alone, _ = fit_eta.fit_calibration({"attn_decode": train.columns}, l40s)
+    with_prior, report = fit_eta.fit_calibration({"attn_decode": train.columns}, l40s, prior=prior)
     assert any(e.get("uses_prior") for e in report.entries.values())
     taken = [v for v, m in with_prior.eta["attn_decode"].models.items() if m is prior.eta["attn_decode"].models[v]]
     assert taken
@@ -71,7 +71,7 @@ def test_a_thin_variant_takes_the_prior_when_it_predicts_better(l40s, l40s_table
 
 def test_a_large_variant_never_consults_the_prior(l40s, l40s_tables, prior):
     train, _ = _split(l40s_tables["attn_decode"], 3000, seed=1)
-    calib, report = eta_fit.fit_calibration({"attn_decode": train.columns}, l40s, prior=prior)
+    calib, report = fit_eta.fit_calibration({"attn_decode": train.columns}, l40s, prior=prior)
     assert not any(e.get("uses_prior") or "prior_mape" in e for e in report.entries.values())
     assert all(m is not prior.eta["attn_decode"].models.get(v) for v, m in calib.eta["attn_decode"].models.items())
 
@@ -83,8 +83,8 @@ def test_unmeasured_families_and_backends_come_from_the_prior(l40s, l40s_tables,
     comm = l40s_tables["comm"]
     nccl = comm.subset(np.asarray(comm["backend"]) == "nccl")
     tables = {"gemm": gemm.columns, "comm": nccl.columns}
-    calib, _ = eta_fit.fit_calibration(tables, l40s, prior=prior)
-    bare, _ = eta_fit.fit_calibration(tables, l40s)
+    calib, _ = fit_eta.fit_calibration(tables, l40s, prior=prior)
+    bare, _ = fit_eta.fit_calibration(tables, l40s)
     for fam in ("attn_prefill", "attn_decode"):
         assert calib.eta[fam] is prior.eta[fam]
         assert calib.overhead_s[fam] == prior.overhead_s[fam]
@@ -107,8 +107,8 @@ def test_unmeasured_variants_within_a_measured_family_come_from_the_prior(l40s, 
     gemm = l40s_tables["gemm"]
     fmt = np.asarray(gemm["dtype"])
     train, _ = _split(gemm.subset(fmt != "fp8_block"), 3000, seed=3)
-    calib, report = eta_fit.fit_calibration({"gemm": train.columns}, l40s, prior=prior)
-    bare, _ = eta_fit.fit_calibration({"gemm": train.columns}, l40s)
+    calib, report = fit_eta.fit_calibration({"gemm": train.columns}, l40s, prior=prior)
+    bare, _ = fit_eta.fit_calibration({"gemm": train.columns}, l40s)
     block = switch_key(GEMM_FORMAT_CODES["fp8_block"])
     assert calib.eta["gemm"].models[block] is prior.eta["gemm"].models[block]
     assert block not in bare.eta["gemm"].models   # without a prior the switch falls back to a measured format

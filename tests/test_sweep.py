@@ -8,68 +8,70 @@ import types
 import numpy as np
 import pytest
 
-from kernelsight.calibrate import sweep
+from kernelsight.calibrate import sweep, sweep_shapes
 from kernelsight.calibrate.measurements import read_table
 
 
 def test_the_draw_is_fixed_by_the_seed_and_stays_inside_the_space():
-    g = sweep.build_grid(num_gpus=8)
-    assert g == sweep.build_grid(num_gpus=8)
-    assert len(g.gemm) == 2 * sweep.SWEEP_POINTS["gemm"]
-    assert len(g.attn_prefill) == sweep.SWEEP_POINTS["attn_prefill"]
-    assert len(g.attn_decode) == sweep.SWEEP_POINTS["attn_decode"]
-    assert set(g.attn_prefill) <= set(sweep.prefill_space()) and set(g.attn_decode) <= set(sweep.decode_space())
+    g = sweep_shapes.build_grid(num_gpus=8)
+    assert g == sweep_shapes.build_grid(num_gpus=8)
+    assert len(g.gemm) == 2 * sweep_shapes.SWEEP_POINTS["gemm"]
+    assert len(g.attn_prefill) == sweep_shapes.SWEEP_POINTS["attn_prefill"]
+    assert len(g.attn_decode) == sweep_shapes.SWEEP_POINTS["attn_decode"]
+    assert set(g.attn_prefill) <= set(sweep_shapes.prefill_space())
+    assert set(g.attn_decode) <= set(sweep_shapes.decode_space())
     for dt in ("bf16", "fp8"):
-        assert {p for p in g.gemm if p[0] == dt} <= set(sweep.gemm_space(dt))
-    other = sweep.build_grid(num_gpus=8, seed=1)
+        assert {p for p in g.gemm if p[0] == dt} <= set(sweep_shapes.gemm_space(dt))
+    other = sweep_shapes.build_grid(num_gpus=8, seed=1)
     assert other.gemm != g.gemm and len(set(other.attn_decode) & set(g.attn_decode)) < len(g.attn_decode)
     # a drawn set covers each axis of the space, not a corner of it
-    assert {p[1] for p in g.gemm} == set(sweep.GEMM_M)
-    assert {p[2] for p in g.gemm} == set(sweep.GEMM_NK)
-    assert {(p[2], p[3]) for p in g.attn_prefill} == set(sweep.ATTN_HEADS)
+    assert {p[1] for p in g.gemm} == set(sweep_shapes.GEMM_M)
+    assert {p[2] for p in g.gemm} == set(sweep_shapes.GEMM_NK)
+    assert {(p[2], p[3]) for p in g.attn_prefill} == set(sweep_shapes.ATTN_HEADS)
 
 
 def test_every_point_respects_the_memory_flop_and_token_limits():
-    for _, m, n, k in sweep.gemm_space("bf16"):
-        assert 2.0 * m * n * k <= sweep.MAX_POINT_FLOPS
-        assert 2.0 * (m * k + n * k + m * n) <= sweep.MAX_POINT_BYTES
-    for b, s, qh, kvh, hd, _, _ in sweep.prefill_space(sweep.SWEEP_WINDOWS):
-        assert b * s <= sweep.MAX_PREFILL_TOKENS and qh % kvh == 0
-        assert 2.0 * b * s * s * qh * hd <= sweep.MAX_POINT_FLOPS
-    for b, c, _, kvh, hd, _, _ in sweep.decode_space(sweep.SWEEP_WINDOWS):
-        assert 4.0 * b * (c + 1) * kvh * hd <= sweep.MAX_POINT_BYTES
+    for _, m, n, k in sweep_shapes.gemm_space("bf16"):
+        assert 2.0 * m * n * k <= sweep_shapes.MAX_POINT_FLOPS
+        assert 2.0 * (m * k + n * k + m * n) <= sweep_shapes.MAX_POINT_BYTES
+    for b, s, qh, kvh, hd, _, _ in sweep_shapes.prefill_space(sweep_shapes.SWEEP_WINDOWS):
+        assert b * s <= sweep_shapes.MAX_PREFILL_TOKENS and qh % kvh == 0
+        assert 2.0 * b * s * s * qh * hd <= sweep_shapes.MAX_POINT_FLOPS
+    for b, c, _, kvh, hd, _, _ in sweep_shapes.decode_space(sweep_shapes.SWEEP_WINDOWS):
+        assert 4.0 * b * (c + 1) * kvh * hd <= sweep_shapes.MAX_POINT_BYTES
 
 
 def test_windows_and_formats_are_only_drawn_when_asked_for():
-    plain = sweep.build_grid(gemm_dtypes=("bf16",))
+    plain = sweep_shapes.build_grid(gemm_dtypes=("bf16",))
     assert {p[0] for p in plain.gemm} == {"bf16"}
     assert {p[6] for p in plain.attn_prefill} == {0} and {p[6] for p in plain.attn_decode} == {0}
-    windowed = sweep.build_grid(windows=sweep.SWEEP_WINDOWS)
-    assert {p[6] for p in windowed.attn_prefill} == set(sweep.SWEEP_WINDOWS)
+    windowed = sweep_shapes.build_grid(windows=sweep_shapes.SWEEP_WINDOWS)
+    assert {p[6] for p in windowed.attn_prefill} == set(sweep_shapes.SWEEP_WINDOWS)
     # windows that bind and windows longer than the context (what a windowed model runs on short contexts)
     for fam in ("attn_prefill", "attn_decode"):
         slid = [p for p in getattr(windowed, fam) if p[6]]
         assert any(p[1] < p[6] for p in slid) and any(p[1] > p[6] for p in slid)
     # windows come on top: full attention keeps the very points a sweep without windows draws
-    full = sweep.build_grid()
+    full = sweep_shapes.build_grid()
     for fam in ("attn_prefill", "attn_decode"):
         drawn = getattr(windowed, fam)
         assert [p for p in drawn if p[6] == 0] == list(getattr(full, fam))
-        assert len(drawn) == len(getattr(full, fam)) + int(sweep.SWEEP_POINTS[fam] * sweep.WINDOW_SHARE)
-    whole = sweep.build_grid(points={"gemm": None, "attn_prefill": None, "attn_decode": None})
-    assert len(whole.attn_decode) == len(sweep.decode_space())
+        assert len(drawn) == len(getattr(full, fam)) + int(sweep_shapes.SWEEP_POINTS[fam] * sweep_shapes.WINDOW_SHARE)
+    whole = sweep_shapes.build_grid(points={"gemm": None, "attn_prefill": None, "attn_decode": None})
+    assert len(whole.attn_decode) == len(sweep_shapes.decode_space())
 
 
 def test_fp8_kv_points_come_on_top_and_leave_the_bf16_draw_alone():
-    windowed = sweep.build_grid(windows=sweep.SWEEP_WINDOWS)
-    both = sweep.build_grid(windows=sweep.SWEEP_WINDOWS, fp8_kv=True)
+    windowed = sweep_shapes.build_grid(windows=sweep_shapes.SWEEP_WINDOWS)
+    both = sweep_shapes.build_grid(windows=sweep_shapes.SWEEP_WINDOWS, fp8_kv=True)
     for fam in ("attn_prefill", "attn_decode"):
         drawn = getattr(both, fam)
         assert [p for p in drawn if p[5] == "bf16"] == list(getattr(windowed, fam))
         fp8 = [p for p in drawn if p[5] == "fp8"]
-        assert len(fp8) == int(sweep.SWEEP_POINTS[fam] * sweep.FP8_KV_SHARE) and {p[6] for p in fp8} == {0}
-    assert sweep.runs_fa3("nvidia", (9, 0)) and not sweep.runs_fa3("nvidia", (8, 9))
-    assert not sweep.runs_fa3("nvidia", (10, 0)) and not sweep.runs_fa3("amd", (9, 4))
+        assert len(fp8) == int(sweep_shapes.SWEEP_POINTS[fam] * sweep_shapes.FP8_KV_SHARE)
+        assert {p[6] for p in fp8} == {0}
+    assert sweep_shapes.runs_fa3("nvidia", (9, 0)) and not sweep_shapes.runs_fa3("nvidia", (8, 9))
+    assert not sweep_shapes.runs_fa3("nvidia", (10, 0)) and not sweep_shapes.runs_fa3("amd", (9, 4))
 
 
 def test_fp8_kv_attention_is_called_as_vllm_runs_it_on_fa3(monkeypatch):
@@ -303,14 +305,14 @@ def test_collectives_count_the_whole_buffer_like_the_schema():
         def all_to_all_single(self, out, inp):
             seen.append(("all_to_all", out.numel(), inp.numel()))
 
-    for op in sweep.COMM_OPS:
+    for op in sweep_shapes.COMM_OPS:
         sweep.collective_fn(torch, FakeDist(), op, 4096, 4, "cpu")()
     assert seen == [("all_reduce", 2048), ("all_gather", 2048, 512), ("reduce_scatter", 512, 2048),
                     ("all_to_all", 2048, 2048)]
     with pytest.raises(ValueError, match="broadcast"):
         sweep.collective_fn(torch, FakeDist(), "broadcast", 4096, 4, "cpu")
-    grid = sweep.build_grid(num_gpus=4)
-    assert {(op, g) for op, _, _, g, _ in grid.comm} == {(op, g) for op in sweep.COMM_OPS for g in (2, 4)}
+    grid = sweep_shapes.build_grid(num_gpus=4)
+    assert {(op, g) for op, _, _, g, _ in grid.comm} == {(op, g) for op in sweep_shapes.COMM_OPS for g in (2, 4)}
 
 
 def test_the_estimate_prices_every_point_like_predict_does(tmp_path):
@@ -322,7 +324,7 @@ def test_the_estimate_prices_every_point_like_predict_does(tmp_path):
 
     hw = load_hardware("h100-sxm")
     calib = resolve_calibration(hw)
-    grid = sweep.build_grid(num_gpus=2, points={"gemm": 30, "attn_prefill": 20, "attn_decode": 20})
+    grid = sweep_shapes.build_grid(num_gpus=2, points={"gemm": 30, "attn_prefill": 20, "attn_decode": 20})
     est = sweep.estimate_seconds(grid, hw, calib, calls_per_point=13, head_start_s=0.0)
     assert set(est) == {"gemm", "attn_prefill", "attn_decode", "comm"}
     for fam in est:
@@ -361,7 +363,7 @@ def test_fp8_is_dropped_when_a_test_fp8_gemm_fails_on_the_gpu():
 
 
 def test_fp8_is_timed_only_on_nvidia_gpus_with_fp8_tensor_cores():
-    assert sweep.formats_for("nvidia", (9, 0)) == ("bf16", "fp8")
-    assert sweep.formats_for("nvidia", (8, 9)) == ("bf16", "fp8")
-    assert sweep.formats_for("nvidia", (8, 0)) == ("bf16",)       # A100: _scaled_mm would raise
-    assert sweep.formats_for("amd", (9, 4)) == ("bf16",)          # MI300: e4m3fnuz, not float8_e4m3fn
+    assert sweep_shapes.formats_for("nvidia", (9, 0)) == ("bf16", "fp8")
+    assert sweep_shapes.formats_for("nvidia", (8, 9)) == ("bf16", "fp8")
+    assert sweep_shapes.formats_for("nvidia", (8, 0)) == ("bf16",)       # A100: _scaled_mm would raise
+    assert sweep_shapes.formats_for("amd", (9, 4)) == ("bf16",)          # MI300: e4m3fnuz, not float8_e4m3fn

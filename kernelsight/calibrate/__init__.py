@@ -1,5 +1,6 @@
-"""Calibration tooling (I/O side): read measurement files, run the microbenchmark sweep, CLI wiring.
+"""Calibration tooling: everything that makes a calibration, which :mod:`kernelsight.simcore` only evaluates.
 
-The pure fitting and transfer code lives in :mod:`kernelsight.simcore.eta_fit` and
-:mod:`kernelsight.simcore.eta_transfer`; this package only reads/writes files and parses arguments.
+:mod:`.fit` holds the pure fitting and cross-generation transfer code (numpy, no I/O); :mod:`.rows` maps measured
+rows to the step model's kernels and prices them under a calibration; the rest reads and writes files, runs the
+microbenchmark sweep and wires the CLI.
 """

@@ -30,13 +30,16 @@ from kernelsight.simcore.hardware import HardwareSpec
 
 
 def _estimate_sweep(args: argparse.Namespace, sweep: Any) -> int:
+    from kernelsight.calibrate import sweep_shapes
+
     hw = _hardware(args.estimate)
     calib = resolve_calibration(hw)
     # the formats run_sweep would time on this GPU (its compute capability from the profile, not from torch)
     cc = tuple(int(x) for x in hw.compute_capability.split(".")) if hw.vendor == "nvidia" else (0,)
-    grid = sweep.build_grid(gemm_dtypes=sweep.formats_for(hw.vendor, cc), num_gpus=args.num_gpus,
-                            points=args.points, seed=args.seed, windows=sweep.SWEEP_WINDOWS if args.windows else (0,),
-                            fp8_kv=args.windows and sweep.runs_fa3(hw.vendor, cc))
+    grid = sweep_shapes.build_grid(
+        gemm_dtypes=sweep_shapes.formats_for(hw.vendor, cc), num_gpus=args.num_gpus, points=args.points,
+        seed=args.seed, windows=sweep_shapes.SWEEP_WINDOWS if args.windows else (0,),
+        fp8_kv=args.windows and sweep_shapes.runs_fa3(hw.vendor, cc))
     seconds = sweep.estimate_seconds(grid, hw, calib)
     for fam, sec in seconds.items():
         print(f"{fam:<13} {len(getattr(grid, fam)):>6} points  {sec / 60:6.1f} min")
@@ -63,7 +66,7 @@ def _positive_int(text: str) -> int:
 
 def _sweep_points(text: str) -> dict[str, int]:
     """``gemm=4000,attn_decode=3000`` → points per family (the families the sweep draws shapes for)."""
-    from kernelsight.calibrate.sweep import SWEEP_POINTS
+    from kernelsight.calibrate.sweep_shapes import SWEEP_POINTS
 
     out: dict[str, int] = {}
     for item in filter(None, text.split(",")):
@@ -77,7 +80,7 @@ def _sweep_points(text: str) -> dict[str, int]:
 
 def _sweep_families(text: str) -> tuple[str, ...]:
     """``gemm,attn_decode`` → the families the sweep times (a misspelt one is an error, not a family skipped)."""
-    from kernelsight.calibrate.sweep import SWEEP_FAMILIES
+    from kernelsight.calibrate.sweep_shapes import SWEEP_FAMILIES
 
     out = tuple(filter(None, text.split(",")))
     unknown = [f for f in out if f not in SWEEP_FAMILIES]
@@ -97,7 +100,7 @@ def _add_workers(p: argparse.ArgumentParser) -> None:
 
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from kernelsight.calibrate.sweep import SWEEP_FAMILIES
+    from kernelsight.calibrate.sweep_shapes import SWEEP_FAMILIES
 
     p = subparsers.add_parser("calibrate", help="fit, evaluate or measure kernel calibrations")
     sub = p.add_subparsers(dest="calibrate_command", required=True)

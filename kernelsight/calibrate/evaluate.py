@@ -1,7 +1,7 @@
 """Library calls behind ``kernelsight predict`` and ``kernelsight calibrate eval|fit``.
 
 Tiers: ``roofline`` (η = 1, no fixed latency), ``cross-generation`` (transferred from other GPUs'
-calibrations, :mod:`kernelsight.simcore.eta_transfer`), ``target`` (fitted on the GPU's own measurements).
+calibrations, :mod:`kernelsight.calibrate.fit.transfer`), ``target`` (fitted on the GPU's own measurements).
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
+from kernelsight.calibrate.fit.comm import COMM_BACKENDS
+from kernelsight.calibrate.fit.eta import FitReport, fit_calibration
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import Table, read_measurements
+from kernelsight.calibrate.rows import KERNEL_FAMILIES, kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import bundled_hardware_name, load_hardware, read_calibration_file
-from kernelsight.simcore import eta_fit
-from kernelsight.simcore.calibration import Calibration, ConstantEta
+from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import COMM_OPS
-from kernelsight.simcore.comm_fit import COMM_BACKENDS
-from kernelsight.simcore.eta_transfer import cross_generation_calibration
+from kernelsight.simcore.eta import ConstantEta
 from kernelsight.simcore.hardware import HardwareSpec
 
 TIERS = ("roofline", "cross-generation", "target")
@@ -82,7 +84,7 @@ def measured_gpu_dirs(kernels_dir: str | Path, skipped: list[str] | None = None)
 
 def default_fit_workers() -> int:
     """Processes for a target fit: one per CPU, at most one per kernel family."""
-    return max(1, min(os.cpu_count() or 1, len(eta_fit.KERNEL_FAMILIES)))
+    return max(1, min(os.cpu_count() or 1, len(KERNEL_FAMILIES)))
 
 
 def fit_target(
@@ -93,17 +95,17 @@ def fit_target(
     residual_grid: bool = True,
     workers: int = 0,
     prior: Calibration | None = None,
-) -> tuple[Calibration, eta_fit.FitReport]:
+) -> tuple[Calibration, FitReport]:
     """Target-measured fit of one GPU's tables. ``workers`` = 0 fits in this process; N ≥ 1 fits the kernel
     families in N worker processes with one BLAS thread each (same calibration for every N; this process's BLAS
     threading can move the last bits of the in-process fit). ``prior``: the GPU's cross-generation calibration,
-    which fills in what the tables do not measure (:func:`~kernelsight.simcore.eta_fit.fit_calibration`)."""
+    which fills in what the tables do not measure (:func:`~kernelsight.calibrate.fit.eta.fit_calibration`)."""
     cols = {f: t.columns for f, t in tables.items()}
     kwargs = {"residual_grid": residual_grid, "source": source, "licence": licence, "prior": prior}
     if workers <= 0:
-        return eta_fit.fit_calibration(cols, hw, **kwargs)
+        return fit_calibration(cols, hw, **kwargs)
     with _single_threaded_blas(), ProcessPoolExecutor(workers, multiprocessing.get_context("spawn")) as pool:
-        return eta_fit.fit_calibration(cols, hw, map_fn=pool.map, **kwargs)
+        return fit_calibration(cols, hw, map_fn=pool.map, **kwargs)
 
 
 #: BLAS thread-count variables a freshly started worker's numpy reads at import
@@ -128,8 +130,8 @@ def _single_threaded_blas() -> Iterator[None]:
 
 def predict_table_s(table: Table, hw: HardwareSpec, calib: Calibration) -> np.ndarray:
     """Predicted seconds for every row of a measurement table (kernels or all-reduce collectives)."""
-    if table.family in eta_fit.KERNEL_FAMILIES:
-        return eta_fit.predict_rows_s(table.family, table.columns, hw, calib)
+    if table.family in KERNEL_FAMILIES:
+        return predict_rows_s(table.family, table.columns, hw, calib)
     if table.family == "comm":
         return predict_comm_s(table.columns, hw, calib)
     raise ValueError(f"cannot predict family {table.family!r}")
@@ -170,8 +172,8 @@ def mape_table(
         meas = sub["latency_us"] * 1e-6
         ok = np.isfinite(pred) & (meas > 0)
         ape = np.abs(pred - meas) / meas
-        if fam in eta_fit.KERNEL_FAMILIES:
-            roof = eta_fit.roofline_rows_s(eta_fit.kernel_rows(fam, sub.columns), hw)
+        if fam in KERNEL_FAMILIES:
+            roof = roofline_rows_s(kernel_rows(fam, sub.columns), hw)
             small = roof < SMALL_ROOFLINE_S
         else:
             small = sub["message_bytes"] < 1 << 20

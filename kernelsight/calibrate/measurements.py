@@ -125,7 +125,7 @@ _POSITIVE = {
 
 def _check_values(path: Path, fam: str, cols: dict[str, np.ndarray]) -> None:
     """Values the kernel model has no roofline for are an error naming them, not a traceback later."""
-    from kernelsight.simcore.eta_fit import ELEMENT_BYTES
+    from kernelsight.calibrate.rows import ELEMENT_BYTES
     from kernelsight.simcore.kernels import GEMM_FORMAT_CODES
 
     known = {"gemm": ("dtype", GEMM_FORMAT_CODES), "attn_prefill": ("kv_dtype", ELEMENT_BYTES),

@@ -5,21 +5,18 @@ backend) holds measured (or transferred) piecewise α–β curves per (op, dtype
 for anything else; every time is at least the bus bytes over the link bandwidth (a ring all-reduce moves
 2(T−1)/T of the message through each GPU's link). vLLM uses its custom all-reduce (one-shot/two-shot over NVLink
 P2P) for small messages and NCCL otherwise; on PCIe-only machines the custom path is disabled. Fitting and
-transfer: :mod:`kernelsight.simcore.comm_fit`.
+transfer: :mod:`kernelsight.calibrate.fit.comm`.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernelsight.simcore.hardware import HardwareSpec
-
-if TYPE_CHECKING:   # calibration.py holds CommModels: a run-time import would be circular
-    from kernelsight.simcore.calibration import Calibration
 
 #: Collective ops with a bus-bytes rule; message_bytes is the full (reduced / gathered / exchanged) buffer.
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -193,24 +190,26 @@ def collective_s(
     message_bytes: float,
     num_gpus: int,
     hw: HardwareSpec,
-    calib: Calibration,
+    comm: Mapping[str, CommModel],
     backend: str = "nccl",
     dtype: str = "bf16",
 ) -> float:
     """Time of one collective (all_reduce / all_gather / reduce_scatter / all_to_all) of ``message_bytes``
-    (the full buffer) across ``num_gpus`` GPUs of one node. Memoized per model: cheap per step."""
+    (the full buffer) across ``num_gpus`` GPUs of one node, priced by ``comm`` (the calibration's models by
+    backend name: ``Calibration.comm``). Memoized per model: cheap per step."""
     if num_gpus <= 1:
         return 0.0
-    model = calib.comm.get(backend) or calib.comm["nccl"]
+    model = comm.get(backend) or comm["nccl"]
     return model.time_s(op, message_bytes, num_gpus, hw.intra_node_bytes_per_s, dtype)
 
 
-def allreduce_s(message_bytes: float, num_gpus: int, hw: HardwareSpec, calib: Calibration) -> float:
-    """Time of one bf16 all-reduce of ``message_bytes`` across ``num_gpus`` GPUs of one node."""
+def allreduce_s(message_bytes: float, num_gpus: int, hw: HardwareSpec, comm: Mapping[str, CommModel]) -> float:
+    """Time of one bf16 all-reduce of ``message_bytes`` across ``num_gpus`` GPUs of one node (``comm``: the
+    calibration's collective models by backend name)."""
     if num_gpus <= 1:
         return 0.0
     backend = allreduce_backend(hw, message_bytes, num_gpus)
-    return collective_s("all_reduce", message_bytes, num_gpus, hw, calib, backend)
+    return collective_s("all_reduce", message_bytes, num_gpus, hw, comm, backend)
 
 
 __all__ = [

@@ -131,7 +131,7 @@ class StepModel:
             if tp > 1:
                 msg = K.allreduce_message_bytes(self.model, m_padded, self.precision)
                 arr[FAMILY_INDEX[K.ALL_REDUCE]] = (K.allreduces_per_step(self.model)
-                                                   * allreduce_s(msg, tp, self.hw, self.calib))
+                                                   * allreduce_s(msg, tp, self.hw, self.calib.comm))
             rows = self._row_cache[m_padded] = (arr, float(arr.sum()))
         samp = self._sampling_cache.get(sampling_rows)
         if samp is None:

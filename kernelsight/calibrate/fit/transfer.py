@@ -18,7 +18,7 @@ Transfer rule (documented contract):
    but its parts do: L2 bandwidth ≈ SMs × clock × a per-SM width (:data:`L2_BYTES_PER_CLOCK_PER_SM`, one
    constant for every GPU). The memory part of the roof is scaled by ``s + (1 − s)/ρ`` (s: share of the
    working set streaming from DRAM, logistic in log bytes/L2), the compute roof is not; the source's factor
-   is divided out and the target's put in (:func:`~kernelsight.simcore.calibration.cache_gain_ratio`).
+   is divided out and the target's put in (:func:`~kernelsight.simcore.eta_basis.cache_gain_ratio`).
    Without it, A100/H100 (ρ ≈ 1.2) predict the L40S (ρ ≈ 6.6) 2–3× too slow on L2-resident attention.
    GEMMs reuse a smaller share of L2 than attention (weight-streaming shapes of ~⅓ L2 show no benefit even
    on the L40S), so their step sits at ~0.2× L2. The decode L2 step's fitted position (in units of the
@@ -37,14 +37,14 @@ Transfer rule (documented contract):
 7. Collectives: measured latency curves per (backend, op, dtype class, GPU count) are split into a
    bandwidth part (rescaled to the target's link) and a latency part (scaled by the clock ratio), averaged
    (geometric) over the sources whose interconnect class (NVLink-class vs PCIe) matches the target's;
-   otherwise over all, with a PCIe topology prior (:mod:`kernelsight.simcore.comm_fit` states the rule).
+   otherwise over all, with a PCIe topology prior (:mod:`kernelsight.calibrate.fit.comm` states the rule).
    The fallback α–β line (α, achieved-bandwidth fraction) is averaged the same way.
 8. The unsplit decode path of FlashAttention-2 (one query head per KV head: one CTA streams each context alone;
-   :func:`~kernelsight.simcore.calibration.decode_serial_floor_s`) is a property of the kernel vLLM runs, so a
+   :func:`~kernelsight.simcore.eta.decode_serial_floor_s`) is a property of the kernel vLLM runs, so a
    target gets it only if vLLM runs FA2 there (NVIDIA compute capability 8.x): the per-CTA bandwidth measured on
    the sources, × (clock ratio)^0.5 (:data:`DECODE_FLOOR_CLOCK_EXPONENT`).
 
-Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in calibration.py)
+Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in eta_basis.py)
 are global: chosen by leave-one-GPU-out over the three measured GPUs (A100 / H100 / L40S) *jointly*, on the
 mean and the worst per-family MAPE of all folds, never per fold or per target. Tried and not kept: one model
 fitted jointly on all sources' rows in the spec-normalized features (worse than averaging per-GPU models in
@@ -57,18 +57,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kernelsight.calibrate.fit.comm import transfer_comm_curves
+from kernelsight.calibrate.fit.logpoly import device_constants
 from kernelsight.simcore import kernels as K
-from kernelsight.simcore.calibration import (
-    Calibration,
-    DispatchEta,
-    EnsembleEta,
-    EtaModel,
-    LogPolyEta,
-    SwitchEta,
-    default_calibration,
-    switch_key,
-)
+from kernelsight.simcore.calibration import Calibration, default_calibration
 from kernelsight.simcore.comm import CommModel
+from kernelsight.simcore.eta import DispatchEta, EnsembleEta, EtaModel, LogPolyEta, SwitchEta, switch_key
 from kernelsight.simcore.hardware import HardwareSpec
 
 #: Temperature of the similarity weights (units of the log-spec distance).
@@ -126,11 +120,9 @@ def retarget(
     """A source model re-expressed on the target's spec constants, residual lattice dropped.
 
     With the ``source`` spec, the source's L2 benefit is swapped for the target's (ρ of both in the device
-    constants, applied by :func:`~kernelsight.simcore.calibration.cache_gain_ratio`) and the fixed latency is
+    constants, applied by :func:`~kernelsight.simcore.eta_basis.cache_gain_ratio`) and the fixed latency is
     moved by the clock ratio.
     """
-    from kernelsight.simcore.eta_fit import device_constants  # local: eta_fit imports this module's peers
-
     if isinstance(model, LogPolyEta):
         fam = "gemm" if model.basis == "gemm" else family
         dev = device_constants(fam, variant if fam == "gemm" else "2", target)
@@ -217,11 +209,9 @@ def transfer_comm(
 ) -> dict[str, CommModel]:
     """Collective models for ``target``: sources of its link class (NVLink-class vs PCIe-only) if any.
 
-    Curves by the spec-driven rule of :mod:`kernelsight.simcore.comm_fit` (bandwidth part rescaled to the
+    Curves by the spec-driven rule of :mod:`kernelsight.calibrate.fit.comm` (bandwidth part rescaled to the
     target's link, latency part by clock within a class); the fallback α–β line as geometric means.
     """
-    from kernelsight.simcore.comm_fit import transfer_comm_curves
-
     same = [c for c, h in sources if _fast_link(h) == _fast_link(target)]
     pool = same or [c for c, _ in sources]
     curves = transfer_comm_curves(sources, target)
@@ -242,7 +232,7 @@ def runs_fa2_decode(hw: HardwareSpec) -> bool:
 
 def transfer_decode_floor(sources: Sequence[tuple[Calibration, HardwareSpec]],
                           target: HardwareSpec) -> dict[str, float]:
-    """The unsplit decode path's per-CTA bandwidth (``calibration.decode_serial_floor_s``) for an FA2 target: per
+    """The unsplit decode path's per-CTA bandwidth (``simcore.eta.decode_serial_floor_s``) for an FA2 target: per
     variant, the geometric mean over the sources that measured it, × (target clock ÷ source clock)^0.5."""
     if not runs_fa2_decode(target):
         return {}
