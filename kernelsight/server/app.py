@@ -20,28 +20,24 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from kernelsight.server.bridge import EngineBridge, Seq, Submission, admission_done
-from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream, capture_raw_send
-from kernelsight.server.logprobs import MAX_LOGPROBS, LogprobSynth
-from kernelsight.server.metrics import CONTENT_TYPE, ServerMetrics
-from kernelsight.server.protocol import (
-    MAX_COMPLETION_PROMPTS,
-    MAX_STOP_STRINGS,
-    VLLM_VERSION,
+from kernelsight.server.errors import (
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    LoadLoRARequest,
-    TokenizeRequest,
-    UnloadLoRARequest,
+    api_error_handler,
     bad_request,
-    dumps,
     not_found,
     sse_error_event,
     validation_error,
 )
+from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream, capture_raw_send
+from kernelsight.server.logprobs import MAX_LOGPROBS, LogprobSynth
+from kernelsight.server.metrics import CONTENT_TYPE, ServerMetrics
+from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
+from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
+from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from kernelsight.server.protocol.version import MAX_COMPLETION_PROMPTS, MAX_STOP_STRINGS, VLLM_VERSION
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
+from kernelsight.server.wire import dumps, json_response
 from kernelsight.simcore.engine_config import EngineConfig
 
 log = logging.getLogger("kernelsight.server")
@@ -127,10 +123,6 @@ def _cache_config_info(config: EngineConfig) -> dict[str, Any]:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(dumps(obj), status_code=status, media_type="application/json", headers=headers)
-
-
 #: Integer literals orjson would turn into floats (beyond 64 bits) are runs of ≥ 19 digits: found by mapping every
 #: digit to "0" and everything else to " " (a regex scan of a token-id prompt costs more than the parse).
 _DIGIT_RUNS = bytes(48 if 48 <= c <= 57 else 32 for c in range(256))
@@ -391,9 +383,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
     app = FastAPI(lifespan=lifespan, **kwargs)
     app.state.ks = state
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return json_response(exc.body(), exc.status)
+    app.add_exception_handler(APIError, api_error_handler)
 
     # -- plain endpoints ----------------------------------------------------------------------
     @app.get("/health")

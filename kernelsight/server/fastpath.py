@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kernelsight.server.bridge import admission_done, admission_started
-from kernelsight.server.protocol import dumps as _dumps
 from kernelsight.server.turns import turn_gate
+from kernelsight.server.wire import dumps as _dumps
 
 if TYPE_CHECKING:
     from kernelsight.server.bridge import EngineBridge, Submission
