@@ -7,11 +7,9 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -29,12 +27,14 @@ from kernelsight.server.errors import (
     validation_error,
 )
 from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream, capture_raw_send
-from kernelsight.server.logprobs import MAX_LOGPROBS, LogprobSynth
-from kernelsight.server.metrics import CONTENT_TYPE, ServerMetrics
+from kernelsight.server.logprobs import MAX_LOGPROBS
+from kernelsight.server.metrics import CONTENT_TYPE
+from kernelsight.server.options import ServerOptions
 from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
 from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from kernelsight.server.protocol.version import MAX_COMPLETION_PROMPTS, MAX_STOP_STRINGS, VLLM_VERSION
+from kernelsight.server.state import ServerState
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
 from kernelsight.server.wire import dumps, json_response
@@ -42,84 +42,6 @@ from kernelsight.simcore.engine_config import EngineConfig
 
 log = logging.getLogger("kernelsight.server")
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
-
-
-@dataclass
-class ServerOptions:
-    """Serve-only settings (engine settings live in EngineConfig)."""
-
-    served_model_names: list[str]
-    model_root: str
-    api_keys: list[str] = field(default_factory=list)
-    time_scale: float = 1.0
-    output_mode: str = "random"                 # random | echo
-    enable_prompt_tokens_details: bool = False
-    enable_force_include_usage: bool = False
-    enable_request_id_headers: bool = False
-    enable_lora: bool = False
-    max_loras: int = 1
-    lora_modules: dict[str, str] = field(default_factory=dict)
-    allow_runtime_lora_updating: bool = False
-    data_parallel_size: int = 1
-    record_timings: bool = False
-    disable_fastapi_docs: bool = False
-    chat_template: str | None = None
-    max_log_len: int | None = None
-    deadline_spin_us: float = 1500.0
-    stream_fast_path: bool = True
-    return_tokens_as_token_ids: bool = False
-
-
-class ServerState:
-    def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -> None:
-        self.config = config
-        self.opts = opts
-        self.tok = tok
-        self.max_model_len = config.scheduler.max_model_len
-        self.model_name = opts.served_model_names[0]
-        self.loras: dict[str, str] = dict(opts.lora_modules)
-        cache_info = _cache_config_info(config)
-        self.metrics = ServerMetrics(self.model_name, opts.data_parallel_size, self.max_model_len,
-                                     [cache_info] * opts.data_parallel_size, opts.enable_lora, opts.max_loras)
-        self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
-                                     opts.deadline_spin_us * 1e-6) for i in range(opts.data_parallel_size)]
-        self.created = int(time.time())
-        digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
-        tp = config.args.tensor_parallel_size
-        dp = opts.data_parallel_size
-        self.fingerprint = (f"vllm-{VLLM_VERSION}" + (f"-tp{tp}" if tp > 1 else "") + (f"-dp{dp}" if dp > 1 else "")
-                            + f"-{digest}")
-        self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
-        self.logprobs = LogprobSynth(tok)
-
-    def pick_bridge(self, request: Request) -> EngineBridge:
-        """vLLM's DP balancing: the engine with the lowest waiting·4 + running, or X-data-parallel-rank."""
-        if len(self.bridges) == 1:
-            return self.bridges[0]
-        rank = request.headers.get("x-data-parallel-rank")
-        if rank is not None and rank.isdigit() and int(rank) < len(self.bridges):
-            return self.bridges[int(rank)]
-        return min(self.bridges, key=lambda b: 4 * b.engine.num_waiting + b.engine.num_running)
-
-    def check_model(self, model: str | None) -> str | None:
-        """None for the base model; the LoRA name for an adapter; 404 otherwise."""
-        if model is None or model in self.opts.served_model_names:
-            return None
-        if model in self.loras:
-            return model
-        aliases = ", ".join(self.opts.served_model_names)
-        raise not_found(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model")
-
-
-def _cache_config_info(config: EngineConfig) -> dict[str, Any]:
-    s = config.scheduler
-    a = config.args
-    return {"block_size": s.block_size, "cache_dtype": a.kv_cache_dtype, "calculate_kv_scales": False,
-            "cpu_offload_gb": 0, "enable_prefix_caching": s.enable_prefix_caching,
-            "gpu_memory_utilization": a.gpu_memory_utilization, "is_attention_free": False,
-            "kv_sharing_fast_prefill": False, "num_cpu_blocks": None, "num_gpu_blocks": config.num_gpu_blocks,
-            "num_gpu_blocks_override": a.num_gpu_blocks_override, "prefix_caching_hash_algo": "sha256",
-            "sliding_window": None, "swap_space": 4}
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -1040,8 +962,4 @@ def _add_auth_and_ids(app: FastAPI, opts: ServerOptions) -> None:
         return auth
 
     app.build_middleware_stack = build  # type: ignore[method-assign]
-
-
-def env_allows_lora_updates() -> bool:
-    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
 

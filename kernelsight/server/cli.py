@@ -129,7 +129,8 @@ def _lora_modules(items: list[str] | None) -> dict[str, str]:
 def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], Any]:
     """(one FastAPI app per replica, engine config) from parsed serve arguments."""
     from kernelsight.runtime import create_engine_config
-    from kernelsight.server.app import ServerOptions, build_app, env_allows_lora_updates
+    from kernelsight.server.app import build_app
+    from kernelsight.server.options import ServerOptions, env_allows_lora_updates
     from kernelsight.server.tokenizer import load_tokenizer
 
     if ns.model_tag:
