@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
 
+from kernelsight.server.body import parse_body
 from kernelsight.server.bridge import EngineBridge, Seq, Submission, admission_done
 from kernelsight.server.errors import (
     APIError,
@@ -24,9 +22,8 @@ from kernelsight.server.errors import (
     bad_request,
     not_found,
     sse_error_event,
-    validation_error,
 )
-from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream, capture_raw_send
+from kernelsight.server.fastpath import RECV_KEY, FastStream, capture_raw_send
 from kernelsight.server.logprobs import MAX_LOGPROBS
 from kernelsight.server.metrics import CONTENT_TYPE
 from kernelsight.server.options import ServerOptions
@@ -34,6 +31,7 @@ from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
 from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from kernelsight.server.protocol.version import MAX_COMPLETION_PROMPTS, MAX_STOP_STRINGS, VLLM_VERSION
+from kernelsight.server.sse import SSEResponse, await_or_disconnect
 from kernelsight.server.state import ServerState
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
@@ -45,47 +43,6 @@ GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-#: Integer literals orjson would turn into floats (beyond 64 bits) are runs of ≥ 19 digits: found by mapping every
-#: digit to "0" and everything else to " " (a regex scan of a token-id prompt costs more than the parse).
-_DIGIT_RUNS = bytes(48 if 48 <= c <= 57 else 32 for c in range(256))
-_LONG_INT = b"0" * 19
-
-
-def _loads(raw: bytes) -> Any:
-    """A request body as the standard library parses it, but fast: orjson reads a 512-token-id prompt in ~11 µs
-    against ~54 µs, and parsing happens on the admission path. Whatever orjson rejects (NaN, a BOM, lone
-    surrogates, UTF-16...) or could read differently (integers beyond 64 bits) goes to ``json.loads``, whose
-    results and error messages are FastAPI's, i.e. vLLM's."""
-    if _LONG_INT not in raw.translate(_DIGIT_RUNS):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    ctype = request.headers.get("content-type", "")
-    if ctype.split(";")[0].strip().lower() != "application/json":
-        raise APIError("Unsupported Media Type: Only 'application/json' is allowed", "Bad Request", 400)
-    raw = await request.body()
-    try:
-        obj = _loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        pos = getattr(exc, "pos", 0)
-        raise validation_error([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
-                                 "input": {}, "ctx": {"error": str(getattr(exc, "msg", exc))}}]) from None
-    if not isinstance(obj, dict):
-        raise validation_error([{"type": "model_attributes_type", "loc": ("body",),
-                                 "msg": "Input should be a valid dictionary or object to extract fields from",
-                                 "input": obj}])
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        errs = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
-        raise validation_error(errs) from None
-
-
 def _request_base(request: Request, body_id: str | None) -> str:
     hdr = request.headers.get("x-request-id")
     if hdr:
@@ -209,84 +166,6 @@ class _SeqView:
         return self.consumed
 
 
-async def _watch_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-class SSEResponse(Response):
-    """text/event-stream whose generator is cancelled the moment the client disconnects (so the request is
-    aborted at once, even while it waits in the queue and nothing is being written)."""
-
-    media_type = "text/event-stream; charset=utf-8"
-
-    def __init__(self, gen: AsyncIterator[str], headers: dict[str, str] | None = None,
-                 fast: FastStream | None = None) -> None:
-        self.status_code = 200
-        self.background = None
-        self.body = b""
-        raw = [(b"content-type", self.media_type.encode("latin-1"))]
-        raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-        self.raw_headers = raw     # no content-length: the body is streamed
-        self.gen = gen
-        self.fast = fast
-
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
-        me = asyncio.current_task()
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            await _watch_disconnect(receive)
-            if self.fast is not None and self.fast.completed:
-                return                  # uvicorn reports its own end of the response as a disconnect
-            gone = True
-            if me is not None:
-                me.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            if self.fast is not None and await self.fast.run(scope.get(RAW_SEND_KEY), send):
-                return                  # the engine loop wrote everything, the end of the response included
-            async for chunk in self.gen:
-                await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except (asyncio.CancelledError, OSError):
-            if not gone:
-                raise
-            if me is not None:
-                me.uncancel()
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watcher
-            with contextlib.suppress(Exception):
-                await self.gen.aclose()
-
-
-async def _await_or_disconnect(request: Request, sub: Submission, bridge: EngineBridge) -> bool:
-    """Wait for a non-streaming submission; False (and the request aborted) if the client went away."""
-    watcher = asyncio.create_task(_watch_disconnect(request.receive))
-    try:
-        while not sub.done:
-            waiter = asyncio.create_task(sub.event.wait())
-            done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done:
-                waiter.cancel()
-                bridge.abort(sub)
-                return False
-            sub.event.clear()
-        return True
-    except asyncio.CancelledError:
-        bridge.abort(sub)
-        raise
-    finally:
-        watcher.cancel()
-
-
 # -- the app ------------------------------------------------------------------------------------------
 def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -> FastAPI:
     state = ServerState(config, opts, tok)
@@ -366,7 +245,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req: TokenizeRequest = await _parse(request, TokenizeRequest)
+        req: TokenizeRequest = await parse_body(request, TokenizeRequest)
         state.check_model(req.model)
         if req.messages is not None:
             text = tok.render_chat(_normalize_messages(req.messages), req.add_generation_prompt,
@@ -382,7 +261,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req: DetokenizeRequest = await _parse(request, DetokenizeRequest)
+        req: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
         state.check_model(req.model)
         bad = [t for t in req.tokens if t < 0 or t >= tok.vocab_size]
         if bad:
@@ -392,7 +271,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
     if opts.enable_lora and opts.allow_runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
         async def load_lora(request: Request) -> Response:
-            req: LoadLoRARequest = await _parse(request, LoadLoRARequest)
+            req: LoadLoRARequest = await parse_body(request, LoadLoRARequest)
             if not req.lora_name or not req.lora_path:
                 raise APIError("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
             if req.lora_name in opts.served_model_names:
@@ -406,7 +285,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora(request: Request) -> Response:
-            req: UnloadLoRARequest = await _parse(request, UnloadLoRARequest)
+            req: UnloadLoRARequest = await parse_body(request, UnloadLoRARequest)
             if req.lora_name not in state.loras:
                 raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.")
             del state.loras[req.lora_name]
@@ -415,7 +294,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
     # -- generation ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = await _parse(request, CompletionRequest)
+        req: CompletionRequest = await parse_body(request, CompletionRequest)
         await turn_gate().wait(first=True)     # routing and parsing took this turn: the rest takes the next
         lora = state.check_model(req.model)
         stops = _stop_list(req.stop)
@@ -433,7 +312,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         await turn_gate().wait(first=True)     # routing and parsing took this turn: the rest takes the next
         lora = state.check_model(req.model)
         stops = _stop_list(req.stop)
@@ -683,7 +562,7 @@ class _Generation:
             fast = FastStream(self, bridge, sub) if self._fast_eligible() else None
             return SSEResponse(self._stream(bridge, sub), self.headers, fast)
         try:
-            ok = await _await_or_disconnect(self.request, sub, bridge)
+            ok = await await_or_disconnect(self.request, sub, bridge)
         except asyncio.CancelledError:
             raise
         if not ok:
