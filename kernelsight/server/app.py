@@ -8,8 +8,9 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
+from kernelsight.server.auth import add_api_key_auth
 from kernelsight.server.body import parse_body
 from kernelsight.server.errors import (
     APIError,
@@ -33,7 +34,6 @@ from kernelsight.server.wire import json_response
 from kernelsight.simcore.engine_config import EngineConfig
 
 log = logging.getLogger("kernelsight.server")
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
 # -- the app ------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
         gen.plp_k = req.prompt_logprobs
         return await gen.run([(ids, text)], max_tokens, echo_only=False, field_name=field_name)
 
-    _add_auth_and_ids(app, opts)
+    add_api_key_auth(app, opts)
     capture_raw_send(app)
     return app
 
@@ -219,28 +219,3 @@ def _chat_echo(messages: list[dict[str, Any]]) -> str | None:
     if last is not None and last.get("role") == "assistant":
         return last.get("content") or ""
     return None
-
-
-def _add_auth_and_ids(app: FastAPI, opts: ServerOptions) -> None:
-    """Pure-ASGI middleware (BaseHTTPMiddleware would break streaming disconnect detection)."""
-    keys = {f"Bearer {k}" for k in opts.api_keys}
-    if not keys:
-        return
-    inner = app.build_middleware_stack
-
-    def build():
-        downstream = inner()
-
-        async def auth(scope, receive, send):
-            if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
-                    scope["path"].startswith(GUARDED_PREFIXES):
-                hdr = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                if hdr not in keys:
-                    resp = JSONResponse({"error": "Unauthorized"}, status_code=401)
-                    await resp(scope, receive, send)
-                    return
-            await downstream(scope, receive, send)
-        return auth
-
-    app.build_middleware_stack = build  # type: ignore[method-assign]
-
