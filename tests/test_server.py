@@ -254,7 +254,7 @@ async def test_errors(aclient):
 
 
 def test_body_parsing_matches_the_standard_library():
-    from kernelsight.server.app import _loads
+    from kernelsight.server.body import loads as _loads
 
     ids = np.random.default_rng(0).integers(0, 128000, 512).tolist()
     ok = [json.dumps({"prompt": ids, "max_tokens": 64, "temperature": 0.7, "stop": ["\u00e9", "x"]}).encode(),

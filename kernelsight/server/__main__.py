@@ -4,4 +4,5 @@ import sys
 
 from kernelsight.cli import main
 
-sys.exit(main(["serve", *sys.argv[1:]]))
+if __name__ == "__main__":      # importing the module (an import check, a doc tool) must not start a server
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kernelsight.server.bridge import admission_done, admission_started
-from kernelsight.server.protocol import dumps as _dumps
 from kernelsight.server.turns import turn_gate
+from kernelsight.server.wire import dumps as _dumps
 
 if TYPE_CHECKING:
     from kernelsight.server.bridge import EngineBridge, Submission
@@ -76,7 +76,7 @@ _SENT_IDS = [-7_777_777_777]
 class FastStream:
     """One streaming response written by the engine loop (see the module doc).
 
-    ``gen`` is the request's ``_Generation``: ``gen._render(bridge, pending)`` renders the chunk for the
+    ``gen`` is the request's ``Generation``: ``gen._render(bridge, pending)`` renders the chunk for the
     sequence state after the step in flight, and ``gen.tail_done`` tells that [DONE] is rendered. Chunks in the
     middle of a stream (new text, not finished, chat role chunk sent) are filled into a template cut from that
     renderer's own output, so they match it byte for byte at a fraction of the cost."""

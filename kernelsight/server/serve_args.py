@@ -10,7 +10,7 @@ import os
 
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args
-from kernelsight.server.app import ServerOptions, env_allows_lora_updates  # TODO-MERGE: server.options
+from kernelsight.server.options import ServerOptions, env_allows_lora_updates
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
 SERVE_DESCRIPTION = ("A drop-in `vllm serve`: same flags and wire format; tokens are released when the simulated "

@@ -1,0 +1,37 @@
+"""Serve-only settings: ``ServerOptions`` (engine settings live in EngineConfig), and whether the environment
+allows loading LoRA adapters at run time."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerOptions:
+    """Serve-only settings (engine settings live in EngineConfig)."""
+
+    served_model_names: list[str]
+    model_root: str
+    api_keys: list[str] = field(default_factory=list)
+    time_scale: float = 1.0
+    output_mode: str = "random"                 # random | echo
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    enable_request_id_headers: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    allow_runtime_lora_updating: bool = False
+    data_parallel_size: int = 1
+    record_timings: bool = False
+    disable_fastapi_docs: bool = False
+    chat_template: str | None = None
+    max_log_len: int | None = None
+    deadline_spin_us: float = 1500.0
+    stream_fast_path: bool = True
+    return_tokens_as_token_ids: bool = False
+
+
+def env_allows_lora_updates() -> bool:
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")

@@ -1,0 +1,58 @@
+"""/v1/chat/completions: the messages checked, rendered with the chat template and tokenized here, the rest is
+``Generation``'s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kernelsight.server.body import parse_body
+from kernelsight.server.errors import bad_request
+from kernelsight.server.generation import Generation, check_sampling, request_base, stop_list
+from kernelsight.server.prompts import encode_prompt, normalize_messages, too_many_chars
+from kernelsight.server.protocol.openai import ChatCompletionRequest
+from kernelsight.server.state import server_state
+from kernelsight.server.turns import turn_gate
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request) -> Response:
+    state = server_state(request)
+    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    await turn_gate().wait(first=True)     # routing and parsing took this turn: the rest takes the next
+    lora = state.check_model(req.model)
+    stops = stop_list(req.stop)
+    if req.max_completion_tokens is not None:
+        max_tokens, field_name = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, field_name = req.max_tokens, "max_tokens"
+    check_sampling(req, max_tokens, field_name)
+    if not req.messages:
+        raise bad_request("messages must be a non-empty list.", "messages")
+    messages = normalize_messages(req.messages)
+    try:
+        text = state.tok.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
+                                     req.chat_template or state.opts.chat_template, req.chat_template_kwargs)
+    except Exception as exc:  # noqa: BLE001 - a template error is the client's input
+        raise bad_request(f"Error applying the chat template: {exc}") from None
+    if len(text) > state.max_chars:
+        raise too_many_chars(state, len(text))
+    ids = await encode_prompt(state.tok, text, req.add_special_tokens)
+    gen = Generation(state, request, req, "chatcmpl-" + request_base(request, req.request_id), lora, stops,
+                     is_chat=True)
+    gen.echo_text = _chat_echo(messages) if req.echo else None
+    gen.lp_k = (req.top_logprobs or 0) if req.logprobs else None
+    gen.plp_k = req.prompt_logprobs
+    return await gen.run([(ids, text)], max_tokens, echo_only=False, field_name=field_name)
+
+
+def _chat_echo(messages: list[dict[str, Any]]) -> str | None:
+    """What ``echo`` sends first: the last message's content if it is the assistant's (being continued)."""
+    last = messages[-1] if messages else None
+    if last is not None and last.get("role") == "assistant":
+        return last.get("content") or ""
+    return None

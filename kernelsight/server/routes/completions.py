@@ -1,0 +1,36 @@
+"""/v1/completions: the request checked and its prompts tokenized here, the rest is ``Generation``'s."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kernelsight.server.body import parse_body
+from kernelsight.server.errors import bad_request
+from kernelsight.server.generation import Generation, check_sampling, request_base, stop_list
+from kernelsight.server.prompts import completion_prompts
+from kernelsight.server.protocol.openai import CompletionRequest
+from kernelsight.server.state import server_state
+from kernelsight.server.turns import turn_gate
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    req: CompletionRequest = await parse_body(request, CompletionRequest)
+    await turn_gate().wait(first=True)     # routing and parsing took this turn: the rest takes the next
+    lora = state.check_model(req.model)
+    stops = stop_list(req.stop)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    echo_only = bool(req.echo) and max_tokens == 0
+    check_sampling(req, None if echo_only else max_tokens, "max_tokens")
+    if req.suffix is not None:
+        raise bad_request("suffix is not currently supported", "suffix")
+    prompts = await completion_prompts(state, req.prompt, req.add_special_tokens)
+    gen = Generation(state, request, req, "cmpl-" + request_base(request, req.request_id), lora, stops,
+                     is_chat=False)
+    gen.lp_k = req.logprobs
+    gen.plp_k = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
+    return await gen.run(prompts, max_tokens, echo_only=echo_only, field_name="max_tokens")

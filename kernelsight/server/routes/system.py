@@ -1,0 +1,43 @@
+"""vLLM's system endpoints: /health, /ping, /version, /load and the Prometheus /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kernelsight.server.metrics import CONTENT_TYPE
+from kernelsight.server.protocol.version import VLLM_VERSION
+from kernelsight.server.state import server_state
+from kernelsight.server.wire import json_response
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    ok = all(b.is_running for b in server_state(request).bridges)
+    return Response(status_code=200 if ok else 503)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request) -> Response:
+    return await health(request)
+
+
+@router.get("/version")
+async def version() -> Response:
+    return json_response({"version": VLLM_VERSION})
+
+
+@router.get("/load")
+async def load() -> Response:
+    return json_response({"server_load": 0})
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+# not in the schema, as in vLLM (which mounts prometheus_client's app there)
+router.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
+router.add_api_route("/metrics/", metrics_endpoint, methods=["GET"], include_in_schema=False)

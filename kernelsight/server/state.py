@@ -1,0 +1,77 @@
+"""``ServerState``: what one app serves with (options, tokenizer, engine bridges, metrics, LoRA adapters), kept
+as ``app.state.ks``; ``server_state`` gets it from a request."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+from fastapi import Request
+
+from kernelsight.server.bridge import EngineBridge
+from kernelsight.server.errors import not_found
+from kernelsight.server.logprobs import LogprobSynth
+from kernelsight.server.metrics import ServerMetrics
+from kernelsight.server.options import ServerOptions
+from kernelsight.server.protocol.version import VLLM_VERSION
+from kernelsight.server.tokenizer import ServerTokenizer
+from kernelsight.simcore.engine_config import EngineConfig
+
+
+class ServerState:
+    def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -> None:
+        self.config = config
+        self.opts = opts
+        self.tok = tok
+        self.max_model_len = config.scheduler.max_model_len
+        self.model_name = opts.served_model_names[0]
+        self.loras: dict[str, str] = dict(opts.lora_modules)
+        cache_info = _cache_config_info(config)
+        self.metrics = ServerMetrics(self.model_name, opts.data_parallel_size, self.max_model_len,
+                                     [cache_info] * opts.data_parallel_size, opts.enable_lora, opts.max_loras)
+        self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
+                                     opts.deadline_spin_us * 1e-6) for i in range(opts.data_parallel_size)]
+        self.created = int(time.time())
+        digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+        tp = config.args.tensor_parallel_size
+        dp = opts.data_parallel_size
+        self.fingerprint = (f"vllm-{VLLM_VERSION}" + (f"-tp{tp}" if tp > 1 else "") + (f"-dp{dp}" if dp > 1 else "")
+                            + f"-{digest}")
+        self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
+        self.logprobs = LogprobSynth(tok)
+
+    def pick_bridge(self, request: Request) -> EngineBridge:
+        """vLLM's DP balancing: the engine with the lowest waiting·4 + running, or X-data-parallel-rank."""
+        if len(self.bridges) == 1:
+            return self.bridges[0]
+        rank = request.headers.get("x-data-parallel-rank")
+        if rank is not None and rank.isdigit() and int(rank) < len(self.bridges):
+            return self.bridges[int(rank)]
+        return min(self.bridges, key=lambda b: 4 * b.engine.num_waiting + b.engine.num_running)
+
+    def check_model(self, model: str | None) -> str | None:
+        """None for the base model; the LoRA name for an adapter; 404 otherwise."""
+        if model is None or model in self.opts.served_model_names:
+            return None
+        if model in self.loras:
+            return model
+        aliases = ", ".join(self.opts.served_model_names)
+        raise not_found(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model")
+
+
+def _cache_config_info(config: EngineConfig) -> dict[str, Any]:
+    s = config.scheduler
+    a = config.args
+    return {"block_size": s.block_size, "cache_dtype": a.kv_cache_dtype, "calculate_kv_scales": False,
+            "cpu_offload_gb": 0, "enable_prefix_caching": s.enable_prefix_caching,
+            "gpu_memory_utilization": a.gpu_memory_utilization, "is_attention_free": False,
+            "kv_sharing_fast_prefill": False, "num_cpu_blocks": None, "num_gpu_blocks": config.num_gpu_blocks,
+            "num_gpu_blocks_override": a.num_gpu_blocks_override, "prefix_caching_hash_algo": "sha256",
+            "sliding_window": None, "swap_space": 4}
+
+
+def server_state(request: Request) -> ServerState:
+    """The state of the app serving ``request`` (``build_app`` sets ``app.state.ks``)."""
+    return request.app.state.ks
