@@ -33,7 +33,7 @@ from kernelsight.simcore.calibration import calibration_from_dict, default_calib
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, LogPolyEta, SwitchEta
 from kernelsight.simcore.eta_basis import RESIDUAL_COORDS, RESIDUAL_COORDS_SCALAR, basis_matrix, residual_coordinates
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
-from kernelsight.simcore.residual_grid import ResidualGrid, _grid_from_dict
+from kernelsight.simcore.residual_grid import ResidualGrid, grid_from_dict
 from kernelsight.simcore.roofline import kernel_roofline_s
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"
@@ -240,7 +240,7 @@ def test_residual_lattice_is_clamped_outside_and_scalar_agrees():
 
 def test_residual_lattice_json_round_trip():
     grid, F, _ = _synthetic_decode_grid()
-    again = _grid_from_dict(json.loads(json.dumps(grid.to_dict())))
+    again = grid_from_dict(json.loads(json.dumps(grid.to_dict())))
     assert again.coords == "raw" and again.dims == grid.dims and again.shape == grid.shape
     z = RESIDUAL_COORDS["attn_decode"](F)
     np.testing.assert_allclose(again(z), grid(z), atol=1e-3)   # stored as int16 milli-log-ratios
@@ -357,7 +357,7 @@ def test_free_window_puts_non_binding_rows_on_the_full_attention_knots():
     target = np.where(F[:, 6] > 0, 0.3, 0.0)
     grid = fit_residual_grid(free, (0, 1, 5), target, np.ones(len(F)), smooth=1e-4, coords="raw")
     grid = replace(grid, free_window=True)
-    again = _grid_from_dict(json.loads(json.dumps(grid.to_dict())))
+    again = grid_from_dict(json.loads(json.dumps(grid.to_dict())))
     assert again.free_window
     probe = _decode_features([8.0, 8.0, 8.0], [100.0, 100.0, 900.0], 32.0, 8.0, 128.0, [0.0, 128.0, 128.0])
     got = again(again.coordinates("attn_decode", None, probe))

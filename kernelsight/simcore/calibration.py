@@ -21,9 +21,9 @@ from kernelsight.simcore.eta import (
     ConstantEta,
     EtaModel,
     LogisticEta,
-    _eta_overhead_of,
     decode_serial_floor_s,
     eta_model_from_dict,
+    eta_overhead_of,
     switch_key,
 )
 from kernelsight.simcore.overheads import HostModel, LaunchModel
@@ -79,7 +79,7 @@ class Calibration:
         if hit is not None:
             return hit
         model = self.eta.get(family) or self.eta["default"]
-        eta, own = _eta_overhead_of(model, features)
+        eta, own = eta_overhead_of(model, features)
         if len(self._memo) > 200_000:   # bounded: decode contexts make many distinct keys
             self._memo.clear()
         out = (min(max(eta, self.eta_floor), self.eta_max), own)

@@ -18,16 +18,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from kernelsight.simcore.eta_basis import (
-    _TINY,
     RESIDUAL_COORDS,
     RESIDUAL_COORDS_SCALAR,
     SCALAR_BASES,
+    TINY,
     basis_matrix,
     quadratic_design,
     residual_coordinates,
     transfer_eta_factor,
 )
-from kernelsight.simcore.residual_grid import ResidualGrid, _grid_from_dict
+from kernelsight.simcore.residual_grid import ResidualGrid, grid_from_dict
 from kernelsight.simcore.residual_trees import ResidualTrees
 
 
@@ -251,7 +251,7 @@ def _logpoly_from_dict(d: dict[str, Any]) -> LogPolyEta:
         float(d.get("lo", 0.01)),
         float(d.get("hi", 1.5)),
         None if d.get("overhead_s") is None else float(d["overhead_s"]),
-        None if g is None else _grid_from_dict(g),
+        None if g is None else grid_from_dict(g),
         None if d.get("zlo") is None else tuple(float(x) for x in d["zlo"]),
         None if d.get("zhi") is None else tuple(float(x) for x in d["zhi"]),
         None if d.get("trees") is None else ResidualTrees.from_dict(d["trees"]),
@@ -274,7 +274,7 @@ class SwitchEta:
         return self.pick(features).eta(features)
 
     def eta_overhead_scalar(self, features: tuple[float, ...]) -> tuple[float, float | None]:
-        return _eta_overhead_of(self.pick(features), features)
+        return eta_overhead_of(self.pick(features), features)
 
     def overhead(self, features: tuple[float, ...]) -> float | None:
         m = self.pick(features)
@@ -406,7 +406,7 @@ class DispatchEta:
         return eta, ovh
 
     def eta_overhead_scalar(self, features: tuple[float, ...]) -> tuple[float, float | None]:
-        return _eta_overhead_of(self.pick(features), features)
+        return eta_overhead_of(self.pick(features), features)
 
     def eta(self, features: tuple[float, ...]) -> float:
         return self.pick(features).eta(features)
@@ -448,15 +448,15 @@ class EnsembleEta:
             else:
                 e = np.array([m.eta(tuple(f)) for f in F])
                 o = np.full(len(F), 0.0)
-            log_eta += w * np.log(np.maximum(e, _TINY))
+            log_eta += w * np.log(np.maximum(e, TINY))
             log_ovh += w * np.log(np.maximum(o, 1e-12))
         return np.exp(log_eta), np.exp(log_ovh)
 
     def eta_overhead_scalar(self, features: tuple[float, ...]) -> tuple[float, float]:
         log_eta = log_ovh = 0.0
         for m, w in zip(self.members, self.weights, strict=True):
-            e, o = _eta_overhead_of(m, features)
-            log_eta += w * math.log(max(e, _TINY))
+            e, o = eta_overhead_of(m, features)
+            log_eta += w * math.log(max(e, TINY))
             log_ovh += w * math.log(max(o or 0.0, 1e-12))
         return math.exp(log_eta), math.exp(log_ovh)
 
@@ -474,7 +474,7 @@ class EnsembleEta:
         }
 
 
-def _eta_overhead_of(model: EtaModel, features: tuple[float, ...]) -> tuple[float, float | None]:
+def eta_overhead_of(model: EtaModel, features: tuple[float, ...]) -> tuple[float, float | None]:
     """(η, own fixed latency or None) of any η model at one feature tuple, pure Python where possible."""
     if isinstance(model, LogPolyEta):
         e, o = model.eta_overhead_scalar(features)

@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
-_TINY = 1e-30
+#: Floor under logs and divisions (shared by the η models that take logs of it).
+TINY = 1e-30
 
 
 def _log(x: np.ndarray | float) -> np.ndarray:
-    return np.log(np.maximum(np.asarray(x, dtype=float), _TINY))
+    return np.log(np.maximum(np.asarray(x, dtype=float), TINY))
 
 
 def _gemm_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
@@ -172,7 +173,7 @@ def _compute_over_memory(basis: str, z: np.ndarray) -> np.ndarray:
     if ac is None or tc is None:
         return np.zeros(len(z))
     per_sm = np.exp(z[:, tc])
-    return np.exp(z[:, ac]) * np.ceil(per_sm) / np.maximum(per_sm, _TINY)
+    return np.exp(z[:, ac]) * np.ceil(per_sm) / np.maximum(per_sm, TINY)
 
 
 def transfer_eta_factor(basis: str, z: np.ndarray, device: dict[str, float]) -> np.ndarray:
@@ -192,7 +193,7 @@ def transfer_eta_factor(basis: str, z: np.ndarray, device: dict[str, float]) -> 
 
 
 def _lg(x: float) -> float:
-    return math.log(x) if x > _TINY else math.log(_TINY)
+    return math.log(x) if x > TINY else math.log(TINY)
 
 
 def _gemm_basis_scalar(f: tuple[float, ...], dev: dict[str, float]) -> list[float]:

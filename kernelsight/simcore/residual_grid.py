@@ -146,7 +146,7 @@ def knot_coordinates(
     return idx0, frac
 
 
-def _grid_from_dict(g: dict[str, Any]) -> ResidualGrid:
+def grid_from_dict(g: dict[str, Any]) -> ResidualGrid:
     if "knots" in g:
         knots = tuple(tuple(float(x) for x in k) for k in g["knots"])
     else:  # older files: a regular lattice given by lo / step / shape

@@ -61,7 +61,7 @@ from kernelsight.calibrate.fit.comm import transfer_comm_curves
 from kernelsight.calibrate.fit.logpoly import device_constants
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration, default_calibration
-from kernelsight.simcore.comm import CommModel
+from kernelsight.simcore.comm import CommModel, has_fast_interconnect
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, EtaModel, LogPolyEta, SwitchEta, switch_key
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -200,10 +200,6 @@ def _closest_key(key: str, keys: list[str]) -> str:
     return min(keys, key=lambda k: abs(float(k) - float(key)))
 
 
-def _fast_link(hw: HardwareSpec) -> bool:
-    return hw.intra_node_bytes_per_s > 1.5 * hw.pcie_bytes_per_s
-
-
 def transfer_comm(
     sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec
 ) -> dict[str, CommModel]:
@@ -212,7 +208,7 @@ def transfer_comm(
     Curves by the spec-driven rule of :mod:`kernelsight.calibrate.fit.comm` (bandwidth part rescaled to the
     target's link, latency part by clock within a class); the fallback α–β line as geometric means.
     """
-    same = [c for c, h in sources if _fast_link(h) == _fast_link(target)]
+    same = [c for c, h in sources if has_fast_interconnect(h) == has_fast_interconnect(target)]
     pool = same or [c for c, _ in sources]
     curves = transfer_comm_curves(sources, target)
     out: dict[str, CommModel] = {}
