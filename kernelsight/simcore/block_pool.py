@@ -1,0 +1,148 @@
+"""The KV block pool: reference counts, an LRU free queue, and the prefix-cache map from block hash to block.
+
+vLLM V1's ``block_pool``: block 0 is the reserved null block, so ``num_gpu_blocks − 1`` blocks hold KV; freed
+blocks keep their hash and stay reusable until a new allocation evicts them, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class BlockPool:
+    """KV blocks with reference counts, an LRU free queue and the prefix-cache map, in bulk form.
+
+    Block 0 is vLLM's reserved null block. The free queue is a FIFO of *segments*: each release appends
+    one segment (the request's freed blocks, tail first), allocation takes from the oldest segment. A
+    block taken back by a cache hit while free is not searched for: its entry goes stale, recognised by
+    ``ref_cnt > 0`` or by a newer segment id in ``_free_seg``. The prefix-cache map ``hash -> block`` is
+    likewise checked against ``block_hash`` on lookup, so evicting a block is one array write. The order
+    in which blocks are reused is exactly vLLM's LRU order; the bookkeeping is numpy array operations per
+    request instead of Python work per block.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks (one is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int64)
+        self.ref_cnt[0] = 1
+        self.block_hash = np.zeros(num_blocks, dtype=np.uint64)   # 0 = holds no cached content
+        self.cached: dict[int, int] = {}                            # hash -> block (validated on lookup)
+        self._free_seg = np.zeros(num_blocks, dtype=np.int64)      # segment holding the live free entry
+        self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0]])  # [id, blocks, next]
+        self._next_segment = 1
+        self._dirty: set[int] = set()     # segments holding entries taken back by cache hits
+        self.num_free_blocks = num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests (vLLM's ``kv_cache_usage``)."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def free_blocks(self) -> list[int]:
+        """The free queue in eviction order (for inspection; the hot paths never build it)."""
+        out = []
+        ref, fs = self.ref_cnt, self._free_seg
+        for sid, blocks, pos in self._segments:
+            out += [b for b in blocks[pos:] if fs[b] == sid and ref[b] == 0]
+        return out
+
+    def allocate(self, n: int) -> list[int]:
+        """Take the n least recently freed blocks (evicting their cached content). Caller checks n ≤ free."""
+        if n <= 0:
+            return []
+        segs, ref, fs = self._segments, self.ref_cnt, self._free_seg
+        parts = []
+        got = 0
+        while got < n:
+            seg = segs[0]
+            sid, blocks, pos = seg
+            take = blocks[pos:pos + (n - got)]
+            seg[2] = pos + len(take)
+            if seg[2] >= len(blocks):
+                segs.popleft()
+            arr = np.array(take, dtype=np.int64)
+            arr = arr[(fs[arr] == sid) & (ref[arr] == 0)]
+            parts.append(arr)
+            got += len(arr)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        ref[out] = 1
+        self.block_hash[out] = 0
+        self.num_free_blocks -= n
+        return out.tolist()
+
+    def allocate_one(self) -> int | None:
+        """One block, without array overhead (the decode group needs one block at a time)."""
+        segs = self._segments
+        while segs:
+            seg = segs[0]
+            sid, blocks, pos = seg
+            n = len(blocks)
+            if sid not in self._dirty:
+                # no block of this segment was taken back by a cache hit: every remaining entry is live
+                b = blocks[pos]
+                if pos + 1 >= n:
+                    segs.popleft()
+                else:
+                    seg[2] = pos + 1
+                self.ref_cnt[b] = 1
+                self.block_hash[b] = 0
+                self.num_free_blocks -= 1
+                return b
+            ref, fs = self.ref_cnt, self._free_seg
+            while pos < n:
+                b = blocks[pos]
+                pos += 1
+                if fs[b] == sid and ref[b] == 0:
+                    if pos >= n:
+                        segs.popleft()
+                    else:
+                        seg[2] = pos
+                    ref[b] = 1
+                    self.block_hash[b] = 0
+                    self.num_free_blocks -= 1
+                    return b
+            segs.popleft()
+        return None
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on cache-hit blocks; free ones leave the queue (their entry goes stale)."""
+        arr = np.array(blocks, dtype=np.int64)
+        was_free = arr[self.ref_cnt[arr] == 0]
+        if was_free.size:
+            self.num_free_blocks -= int(was_free.size)
+            self._dirty.update(self._free_seg[was_free].tolist())   # their segments now hold stale entries
+        self.ref_cnt[arr] += 1
+
+    def release(self, blocks_in_eviction_order: list[int]) -> None:
+        arr = np.array(blocks_in_eviction_order, dtype=np.int64)
+        ref = self.ref_cnt
+        ref[arr] -= 1
+        zeros = arr[ref[arr] == 0]
+        if zeros.size:
+            sid = self._next_segment
+            self._next_segment += 1
+            self._free_seg[zeros] = sid
+            self._segments.append([sid, zeros.tolist(), 0])
+            self.num_free_blocks += int(zeros.size)
+
+    def lookup(self, h: int) -> int | None:
+        """The block holding content hash h, if any (stale map entries are dropped here)."""
+        b = self.cached.get(h)
+        if b is None:
+            return None
+        if self.block_hash[b] != h:
+            del self.cached[h]
+            return None
+        return b
+
+    def register(self, blocks: list[int], hashes: list[int]) -> None:
+        """Record freshly filled blocks in the prefix cache."""
+        self.block_hash[np.array(blocks, dtype=np.int64)] = np.array(hashes, dtype=np.uint64)
+        self.cached.update(zip(hashes, blocks, strict=True))
+        if len(self.cached) > 8 * self.num_blocks + 4096:   # drop stale entries now and then
+            held = np.flatnonzero(self.block_hash)
+            self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
