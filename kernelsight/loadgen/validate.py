@@ -28,6 +28,8 @@ from kernelsight.engine_args import create_engine_config
 from kernelsight.loadgen.datasets import SampleRequest, trace_dataset
 from kernelsight.loadgen.fastforward import FastForwardResult, run_fast_forward
 from kernelsight.loadgen.metrics import RequestRecord
+from kernelsight.loadgen.plot import cdf_xy, line_chart_svg, page_html
+from kernelsight.loadgen.report import format_table
 from kernelsight.loadgen.vllm_run import engine_args_from_run
 from kernelsight.profiles import bundled_hardware_name
 from kernelsight.simcore.engine_config import EngineConfig
@@ -36,7 +38,8 @@ __all__ = [
     "MeasuredRequest", "Run", "read_meta", "read_requests", "read_timeseries", "read_run", "run_hardware",
     "run_workload_path", "replay_workload", "run_engine_config", "replay", "measured_latency_stats_ms",
     "simulated_latency_stats_ms", "latency_rows", "timeseries_rows", "breakdown_rows", "pct_error", "validate_run",
-    "LATENCY_METRICS", "STATS", "TIMESERIES_COLUMNS",
+    "LATENCY_METRICS", "STATS", "TIMESERIES_COLUMNS", "Validation", "token_times_s", "run_summary_rows",
+    "header_line", "format_validation", "plot_html",
 ]
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -176,7 +179,7 @@ def run_hardware(meta: Mapping[str, Any]) -> str:
     """The bundled profile of the run's GPU: its CUDA device name (``hardware.device_name``) is a profile alias."""
     device = (meta.get("hardware") or {}).get("device_name", "")
     if not device:
-        raise ValueError("meta.json records no GPU (hardware.device_name): pass --hardware")
+        raise ValueError("records no GPU (hardware.device_name): pass --hardware")
     name = bundled_hardware_name(device)
     if name is None:
         raise ValueError(f"no bundled profile for the run's device {device!r}: pass --hardware")
@@ -224,10 +227,10 @@ def replay_workload(run: Run, workload: str | Path | None = None) -> tuple[list[
 def run_engine_config(run: Run, *, hardware: str | None = None, calibration: str | None = None,
                       seed: int | None = None) -> EngineConfig:
     """The engine the run was served with (:func:`engine_args_from_run`), on its GPU unless ``hardware`` is given."""
-    overrides: dict[str, Any] = {"hardware": hardware or run_hardware(run.meta), "calibration": calibration}
-    if seed is not None:
-        overrides["seed"] = seed
     try:
+        overrides: dict[str, Any] = {"hardware": hardware or run_hardware(run.meta), "calibration": calibration}
+        if seed is not None:
+            overrides["seed"] = seed
         return create_engine_config(engine_args_from_run(run.meta, **overrides))
     except ValueError as exc:   # a model or engine setting the simulator does not have
         raise ValueError(f"{run.path / 'meta.json'}: {exc}") from None
@@ -403,3 +406,73 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
                                                               "finish_reasons")},
     }
     return Validation(result, run, res)
+
+
+# -- rendering ----------------------------------------------------------------------------------------------
+_TS_LABELS = {"output_tok_s": "tok/s", "running": "running", "waiting": "waiting", "kv_cache_pct": "kv%"}
+
+
+def header_line(result: Mapping[str, Any]) -> str:
+    """Model, GPU, engine settings and calibration tier of a validation result."""
+    c = result["config"]
+    measured_blocks = result.get("measured_num_gpu_blocks")
+    blocks = f"{c['num_gpu_blocks']} KV blocks" + (f" (measured {measured_blocks})" if measured_blocks else "")
+    return (f"kernelsight validate {result['run']}: {c['model']} on {c['hardware']} (TP {c['tensor_parallel_size']}, "
+            f"{c['dtype']}, kv {c['kv_cache_dtype']}, max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens "
+            f"{c['max_num_batched_tokens']}, prefix caching {'on' if c['enable_prefix_caching'] else 'off'}, "
+            f"async scheduling {'on' if c['async_scheduling'] else 'off'}, {blocks}, seed {c['seed']}), "
+            f"calibration: {c['calibration_tier']}; {result['num_requests']} requests from {result['workload']}")
+
+
+def format_validation(result: Mapping[str, Any]) -> str:
+    """The printed report: header, latency table, run summary, binned timeseries, kernel-family breakdown."""
+    ts = result["timeseries"]
+    names = [k.removeprefix("measured_") for k in (ts["rows"][0] if ts["rows"] else {}) if k.startswith("measured_")]
+    ts_cols = ["t_s"] + [f"{_TS_LABELS.get(n, n)} {side}" for n in names for side in ("meas", "sim")]
+    ts_rows = [{"t_s": f"{r['t_start_s']:g}-{r['t_end_s']:g}",
+                **{f"{_TS_LABELS.get(n, n)} {side}": r[f"{pre}_{n}"] for n in names
+                   for side, pre in (("meas", "measured"), ("sim", "simulated"))}} for r in ts["rows"]]
+    parts = [header_line(result), "",
+             "latency (ms; error = simulated vs measured, %; the run records first and last token times only, so "
+             "of ITL only the mean is measured):",
+             format_table(result["latency"], ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]), "",
+             format_table(result["run_summary"], ["what", "measured", "simulated", "error_pct"]), "",
+             f"timeseries ({ts['bin_s']:g} s bins from the start; time averages):",
+             format_table(ts_rows, ts_cols, float_fmt=".1f"), "",
+             "simulated step time by kernel family:",
+             format_table(result["breakdown"], ["family", "seconds", "percent"])]
+    sim = result["simulator"]
+    parts.append(f"{sim['num_steps']} steps, {sim['num_preemptions']} preemptions, prefix-cache hit rate "
+                 f"{100 * sim['prefix_cache_hit_rate']:.1f}%")
+    return "\n".join(parts)
+
+
+def plot_html(v: Validation) -> str:
+    """``--plot``: measured vs simulated latency CDFs and per-tick timeseries on one self-contained page."""
+    reqs = v.run.requests
+    measured_s = {"TTFT": [r.first_token_s - r.queued_s for r in reqs],
+                  "TPOT": [(r.last_token_s - r.first_token_s) / (r.output_toks - 1) for r in reqs if r.output_toks > 1],
+                  "E2EL": [r.last_token_s - r.queued_s for r in reqs]}
+    ok = [r for r in v.sim.records if r.success]
+    simulated_s = {"TTFT": [r.ttft_s for r in ok],
+                   "TPOT": [(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1],
+                   "E2EL": [r.latency_s for r in ok]}
+    cdfs = []
+    for name in measured_s:
+        series = [(label, *cdf_xy(1e3 * np.asarray(vals, dtype=float)))
+                  for label, vals in (("measured", measured_s[name]), ("simulated", simulated_s[name]))]
+        cdfs.append(line_chart_svg(f"{name} CDF", series, xlabel=f"{name} (ms)", ylabel="fraction", y_max=1.0))
+    _, rows = timeseries_rows(v.run.timeseries, v.run.tick_s, token_times_s(v.sim.records), v.sim.timeline or [],
+                              bin_s=v.run.tick_s)
+    t = [r["t_end_s"] for r in rows]
+    names = [k.removeprefix("measured_") for k in (rows[0] if rows else {}) if k.startswith("measured_")]
+    charts = [line_chart_svg(n, [(side, t, [r[f"{side}_{n}"] for r in rows]) for side in ("measured", "simulated")],
+                             xlabel="time (s)", ylabel=n, step=True) for n in names]
+    r = v.result
+    summary = {"run": r["run"], "model": r["config"]["model"], "hardware": r["config"]["hardware"],
+               "calibration": r["config"]["calibration_tier"], "workload": r["workload"],
+               **{f"{row['metric']} {row['stat']} error %": row["error_pct"] for row in r["latency"]
+                  if row["stat"] == "mean" and row["error_pct"] is not None}}
+    return page_html(f"kernelsight validate: {r['run']}", summary,
+                     [("Latency CDFs, measured vs simulated", cdfs),
+                      (f"Timeseries ({v.run.tick_s:g} s ticks)", charts)])
