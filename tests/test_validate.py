@@ -96,6 +96,9 @@ def test_timeseries_bins_hold_time_averages_of_both_sides():
     assert not any("kv" in k for k in rows[0])
     _, rows = timeseries_rows(measured, 1.0, np.zeros(0), [], num_bins=3)
     assert [r["t_start_s"] for r in rows] == [0.0, 2.0]       # whole ticks per bin, about num_bins bins
+    _, rows = timeseries_rows({"t": np.array([0.0, 1.0]), "running": np.array([2.0, 4.0])}, 1.0, np.zeros(0), [],
+                              bin_s=1.0)
+    assert len(rows) == 1 and rows[0]["measured_running"] > 0     # a row stamped t = 0 lands in the first bin
 
 
 @pytest.mark.parametrize(("file", "content", "message"), [

@@ -317,7 +317,7 @@ def timeseries_rows(measured: Mapping[str, np.ndarray], tick_s: float, token_tim
     n = max(1, math.ceil(end_s / bin_s - 1e-9))
 
     def measured_avg(values: np.ndarray) -> np.ndarray:
-        b = np.minimum(((t - tick_s / 2) // bin_s).astype(np.int64), n - 1)
+        b = np.clip(((t - tick_s / 2) // bin_s).astype(np.int64), 0, n - 1)   # a row at t = 0 goes to bin 0
         return np.bincount(b, weights=values * tick_s, minlength=n)[:n] / bin_s
 
     # A step's gauges hold over the step; its time is attributed to the bin its end falls in.
@@ -457,7 +457,7 @@ def plot_html(v: Validation) -> str:
     simulated_s = {"TTFT": [r.ttft_s for r in ok],
                    "TPOT": [(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1],
                    "E2EL": [r.latency_s for r in ok]}
-    cdfs = []
+    cdfs = []   # no ITL CDF: a run records first and last token times, not each gap
     for name in measured_s:
         series = [(label, *cdf_xy(1e3 * np.asarray(vals, dtype=float)))
                   for label, vals in (("measured", measured_s[name]), ("simulated", simulated_s[name]))]
