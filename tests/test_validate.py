@@ -92,6 +92,9 @@ def test_timeseries_bins_hold_time_averages_of_both_sides():
     assert rows[0] == {"t_start_s": 0.0, "t_end_s": 2.0, "measured_output_tok_s": 15.0,
                        "simulated_output_tok_s": 1.0, "measured_running": 1.5, "simulated_running": 1.0}
     assert rows[1]["measured_output_tok_s"] == 35.0 and rows[1]["simulated_running"] == 1.0
+    # a step across a bin boundary counts in each bin for the time it spent there
+    _, rows = timeseries_rows(measured, 1.0, np.zeros(0), [(2.5, 2, 0, 0.5, 10, 1.0)], bin_s=2.0)
+    assert [r["simulated_running"] for r in rows] == [0.5, 0.5]
     # a KV-cache column at 0 throughout was not recorded: left out rather than compared
     assert not any("kv" in k for k in rows[0])
     _, rows = timeseries_rows(measured, 1.0, np.zeros(0), [], num_bins=3)

@@ -320,11 +320,19 @@ def timeseries_rows(measured: Mapping[str, np.ndarray], tick_s: float, token_tim
         b = np.clip(((t - tick_s / 2) // bin_s).astype(np.int64), 0, n - 1)   # a row at t = 0 goes to bin 0
         return np.bincount(b, weights=values * tick_s, minlength=n)[:n] / bin_s
 
-    # A step's gauges hold over the step; its time is attributed to the bin its end falls in.
-    step_bins = np.minimum((tl[:, 0] // bin_s).astype(np.int64), n - 1) if tl.size else np.zeros(0, np.int64)
+    # A step's gauges hold over the step, [end − step_s, end]; its time is split between the bins it spans (a 2,048
+    # token prefill step straddling a 1 s tick boundary would otherwise put a fifth of a second in the wrong one).
+    edges = np.arange(n + 1) * bin_s
+    if tl.size:
+        # the timeline's rounding (µs ends, 0.1 µs durations) may start a step a hair before the last one ended
+        xs = np.maximum.accumulate(np.column_stack((tl[:, 0] - tl[:, 5], tl[:, 0])).ravel())
 
     def simulated_avg(col: int, scale: float = 1.0) -> np.ndarray:
-        return np.bincount(step_bins, weights=tl[:, col] * tl[:, 5] * scale, minlength=n)[:n] / bin_s
+        if not tl.size:
+            return np.zeros(n)
+        cum = np.cumsum(tl[:, col] * tl[:, 5] * scale)
+        ys = np.column_stack((cum - tl[:, col] * tl[:, 5] * scale, cum)).ravel()   # the integral, piecewise linear
+        return np.diff(np.interp(edges, xs, ys)) / bin_s
 
     series: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for src, name in cols.items():
