@@ -17,17 +17,17 @@ length and its prompt tokens per second, counted alike on both sides.
     python benchmarks/replay_rtx4090.py [--calibration FILE] [--run DIR] [--workload FILE] [--hardware NAME]
 
 Any run in the same schema (``meta.json`` with ``engine_kwargs`` / ``kv_cache`` / ``hardware``, ``requests.jsonl``,
-``timeseries.csv``) replays with ``--run``: the workload defaults to the file ``meta.json``'s ``dataset_path``
-names (beside the run, with or without .gz), the GPU to the profile whose name or alias is the run's CUDA device
-name, and the engine args to the run's (:func:`kernelsight.loadgen.vllm_run.engine_args_from_run`: what vLLM
-resolved them to when ``meta.json`` has ``resolved_config``, else the flags given).
+``timeseries.csv``) replays with ``--run``. Reading the run, choosing what to replay and on what, and the latency
+statistics are :mod:`kernelsight.loadgen.validate`'s (``kernelsight validate RUN_DIR`` is the same comparison for
+any run): the workload is the trace ``meta.json``'s ``dataset_path`` names (beside the run, with or without .gz;
+it must hold the run's requests), the GPU the profile whose name or alias is the run's CUDA device name, and the
+engine args the run's (:func:`kernelsight.loadgen.vllm_run.engine_args_from_run`: what vLLM resolved them to when
+``meta.json`` has ``resolved_config``, else the flags given). This script adds the composition check.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import sys
 from pathlib import Path
@@ -35,41 +35,30 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import SHARED_DATA, pct_error, write_result  # noqa: E402
+from _common import SHARED_DATA, write_result  # noqa: E402
 
-from kernelsight.engine_args import create_engine_config  # noqa: E402
-from kernelsight.loadgen.datasets import trace_dataset  # noqa: E402
-from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
-from kernelsight.loadgen.vllm_run import engine_args_from_run  # noqa: E402
-from kernelsight.profiles import bundled_hardware_name  # noqa: E402
+from kernelsight.loadgen.validate import (  # noqa: E402
+    Run,
+    latency_rows,
+    measured_latency_stats_ms,
+    pct_error,
+    read_run,
+    replay,
+    replay_workload,
+    run_engine_config,
+    simulated_latency_stats_ms,
+)
 
 RUN = SHARED_DATA / "e2e" / "llmservingsim_rtx4090_llama31_8b"
-STATS = (("mean", np.mean), ("median", np.median), ("p90", lambda a: np.percentile(a, 90)),
-         ("p99", lambda a: np.percentile(a, 99)))
+METRICS = ("ttft", "tpot", "e2el")
 
 
-def measured_metrics(run: Path = RUN) -> dict[str, np.ndarray]:
-    ttft, tpot, e2el = [], [], []
-    with open(run / "requests.jsonl") as f:
-        for line in f:
-            r = json.loads(line)
-            ttft.append(r["first_token_ts"] - r["queued_ts"])
-            e2el.append(r["last_token_ts"] - r["queued_ts"])
-            if r["output_toks"] > 1:
-                tpot.append((r["last_token_ts"] - r["first_token_ts"]) / (r["output_toks"] - 1))
-    return {"ttft": np.array(ttft), "tpot": np.array(tpot), "e2el": np.array(e2el)}
-
-
-def measured_decode_steps(run: Path = RUN) -> tuple[np.ndarray, np.ndarray, float]:
+def measured_decode_steps(run: Run) -> tuple[np.ndarray, np.ndarray, float]:
     """(running, step seconds) of the measured seconds that only decoded with the KV cache > 90% full; duration."""
-    with open(run / "timeseries.csv") as f:
-        rows = list(csv.DictReader(f))
-    t = np.array([float(r["t"]) for r in rows])
-    prompt = np.array([float(r["prompt_throughput"]) for r in rows])
-    gen = np.array([float(r["gen_throughput"]) for r in rows])
-    running = np.array([float(r["running"]) for r in rows])
-    kv = np.array([float(r["kv_cache_pct"]) for r in rows])
+    ts = run.timeseries
+    t, prompt, gen, running, kv = (ts[c] for c in ("t", "prompt_throughput", "gen_throughput", "running",
+                                                    "kv_cache_pct"))
     pure = (prompt == 0) & (gen > 0) & (kv > 90.0)
     return running[pure], running[pure] / gen[pure], float(t[-1])
 
@@ -97,19 +86,17 @@ def burst_prefill_tokens_per_s(first_token_s: np.ndarray, arrival_s: np.ndarray,
     return float(prompt_toks[sel].sum()) / (end - start) if end > start else float("nan")
 
 
-def measured_startup(run: Path = RUN) -> tuple[float, int, int, float]:
+def measured_startup(run: Run) -> tuple[float, int, int, float]:
     """(start-up burst seconds, requests, prompt tokens, prefill tokens/s) of the measured run."""
-    with open(run / "requests.jsonl") as f:
-        reqs = [json.loads(line) for line in f]
-    q = np.array([r["queued_ts"] for r in reqs])
+    q = np.array([r.queued_s for r in run.requests])
     sel = q - q.min() < STARTUP_S
-    ft = np.array([r["first_token_ts"] for r in reqs])
-    prompt = np.array([r["input_toks"] for r in reqs])
+    ft = np.array([r.first_token_s for r in run.requests])
+    prompt = np.array([r.input_toks for r in run.requests])
     return startup_burst_s(ft, q), int(sel.sum()), int(prompt[sel].sum()), burst_prefill_tokens_per_s(ft, q, prompt)
 
 
 def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float, startup_tokens_per_s: float,
-                     run: Path = RUN) -> list[dict]:
+                     run: Run) -> list[dict]:
     """Median pure-decode step time, measured vs simulated, by running requests; the start-up burst (prefill) and
     its prefill rate; the run durations."""
     tl = np.asarray(timeline, dtype=float)  # time_s, running, waiting, kv_cache_usage, scheduled_tokens, step_s
@@ -134,48 +121,22 @@ def composition_rows(timeline: list[tuple], duration_s: float, startup_s: float,
     return out
 
 
-def run_hardware(meta: dict) -> str:
-    """The bundled profile of the run's GPU: its CUDA device name is a profile alias."""
-    device = meta.get("hardware", {}).get("device_name", "")
-    name = bundled_hardware_name(device)
-    if name is None:
-        raise SystemExit(f"no bundled profile for the run's device {device!r}: pass --hardware")
-    return name
-
-
-def run_workload(run: Path, meta: dict) -> Path:
-    """The trace meta.json names, beside the run (plain or gzip). Not found: an error, not another run's trace."""
-    name = Path(meta.get("dataset_path", "")).name
-    for cand in (run.parent / name, run.parent / f"{name}.gz"):
-        if name and cand.is_file():
-            return cand
-    raise SystemExit(f"{run}: the workload meta.json names ({name or 'none'}) is not beside the run: pass --workload")
-
-
-def simulated_metrics(calibration: str | None, run: Path = RUN, workload: Path | None = None,
-                      hardware: str | None = None) -> tuple[dict[str, np.ndarray], dict]:
-    meta = json.loads((run / "meta.json").read_text())
-    kv = meta.get("kv_cache") or {}
-    try:
-        cfg = create_engine_config(engine_args_from_run(meta, hardware=hardware or run_hardware(meta),
-                                                        calibration=calibration))
-    except ValueError as exc:   # a model or engine setting the simulator does not have
-        raise SystemExit(f"{run}: {exc}") from None
-    samples = trace_dataset(workload or run_workload(run, meta))
-    res = run_fast_forward(cfg, samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos=True,
-                           record_timeline=True)
-    ok = [r for r in res.records if r.success]
-    out = {"ttft": np.array([r.ttft_s for r in ok]), "e2el": np.array([r.latency_s for r in ok]),
-           "tpot": np.array([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1])}
+def simulated_metrics(calibration: str | None, run: Run, workload: Path | None = None,
+                      hardware: str | None = None) -> tuple[dict, dict, int]:
+    """Simulated latency statistics (ms) of the replay; the config, simulator stats and composition rows; the
+    number of requests simulated."""
+    cfg = run_engine_config(run, hardware=hardware, calibration=calibration)
+    samples, arrivals, _ = replay_workload(run, workload)
+    res = replay(cfg, samples, arrivals)
     first_token_s = np.array([r.start_s + r.ttft_s for r in res.records])
     arrival_s = np.array([r.start_s for r in res.records])
     prompt = np.array([r.prompt_len for r in res.records])
-    info = {"config": cfg.summary(), "measured_num_gpu_blocks": kv.get("num_gpu_blocks"),
+    info = {"config": cfg.summary(), "measured_num_gpu_blocks": (run.meta.get("kv_cache") or {}).get("num_gpu_blocks"),
             "simulator": res.simulator_stats(),
             "composition": composition_rows(res.timeline or [], res.duration_s,
                                             startup_burst_s(first_token_s, arrival_s),
                                             burst_prefill_tokens_per_s(first_token_s, arrival_s, prompt), run)}
-    return out, info
+    return simulated_latency_stats_ms(res.records), info, sum(r.success for r in res.records)
 
 
 def main() -> int:
@@ -185,15 +146,13 @@ def main() -> int:
     ap.add_argument("--workload", type=Path, default=None, help="trace (default: the one meta.json names)")
     ap.add_argument("--hardware", default=None, help="GPU profile (default: the run's CUDA device name)")
     ns = ap.parse_args()
-    real = measured_metrics(ns.run)
-    sim, info = simulated_metrics(ns.calibration, ns.run, ns.workload, ns.hardware)
-    rows = []
-    for metric in ("ttft", "tpot", "e2el"):
-        for stat, fn in STATS:
-            r, s = float(fn(real[metric])) * 1e3, float(fn(sim[metric])) * 1e3
-            rows.append({"metric": metric, "stat": stat, "measured_ms": r, "simulated_ms": s,
-                         "error_pct": pct_error(s, r)})
-    print(f"{ns.run.name} trace replay on {info['config']['hardware']}: {len(sim['ttft'])} requests simulated, "
+    try:
+        run = read_run(ns.run)
+        sim, info, num_simulated = simulated_metrics(ns.calibration, run, ns.workload, ns.hardware)
+    except ValueError as exc:   # a missing or malformed run, or a setting the simulator does not have
+        raise SystemExit(str(exc)) from None
+    rows = latency_rows(measured_latency_stats_ms(run.requests), sim, METRICS)
+    print(f"{ns.run.name} trace replay on {info['config']['hardware']}: {num_simulated} requests simulated, "
           f"calibration tier "
           f"{info['config']['calibration_tier']}, num_gpu_blocks {info['config']['num_gpu_blocks']} "
           f"(measured {info['measured_num_gpu_blocks']})")

@@ -1,4 +1,4 @@
-"""``kernelsight`` command line: serve | bench | simulate | profiles | calibrate | predict."""
+"""``kernelsight`` command line: serve | bench | simulate | validate | profiles | calibrate | predict."""
 
 from __future__ import annotations
 
@@ -108,6 +108,42 @@ def _json_default(o: Any) -> Any:
         return str(o)
 
 
+# -- validate ---------------------------------------------------------------------------------------
+def build_validate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "validate", help="replay a measured vLLM run (shared e2e schema) and compare measured with simulated",
+        description="Replay a measured vLLM run directory (meta.json, requests.jsonl, timeseries.csv) with its "
+                    "engine args and exact requests, and print measured vs simulated latencies (TTFT, TPOT, ITL, "
+                    "E2EL), the timeseries on common bins and the simulated time by kernel family.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    p.add_argument("--hardware", default=None, help="GPU profile (default: the run's CUDA device name in meta.json)")
+    p.add_argument("--calibration", default=None, help="calibration JSON (default: the GPU's bundled one)")
+    p.add_argument("--workload", default=None,
+                   help="the run's request trace (default: the file meta.json's dataset_path names, beside the run; "
+                        "without one, the requests of requests.jsonl with no shared prefixes)")
+    p.add_argument("--seed", type=int, default=None, help="engine seed (default: the run's)")
+    p.add_argument("--result-json", default=None, help="write every table as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.html",
+                   help="measured vs simulated latency CDFs and timeseries on a self-contained page")
+    p.set_defaults(func=cmd_validate)
+
+
+def cmd_validate(ns: argparse.Namespace) -> int:
+    from kernelsight.loadgen.validate import format_validation, plot_html, validate_run
+
+    v = validate_run(ns.run_dir, hardware=ns.hardware, calibration=ns.calibration, seed=ns.seed,
+                     workload=ns.workload)
+    print(format_validation(v.result))
+    print(f"simulated {v.sim.duration_s:.1f} s in {v.sim.wall_s:.2f} s of wall time")
+    if ns.result_json:
+        Path(ns.result_json).write_text(json.dumps(v.result, indent=2, default=_json_default))
+        print(f"wrote {ns.result_json}")
+    if ns.plot:
+        Path(ns.plot).write_text(plot_html(v), encoding="utf-8")
+        print(f"wrote {ns.plot}")
+    return 0
+
+
 # -- profiles ----------------------------------------------------------------------------------------
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
@@ -136,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "kernel-level GPU performance simulator.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     build_simulate_parser(sub)
+    build_validate_parser(sub)
     p = sub.add_parser("profiles", help="list bundled GPUs, models and calibrations")
     p.set_defaults(func=cmd_profiles)
     for attach in _optional_commands():

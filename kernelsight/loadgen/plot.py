@@ -13,7 +13,7 @@ import numpy as np
 
 from kernelsight.loadgen.metrics import RequestRecord
 
-__all__ = ["write_plot_html", "render_plot_html", "line_chart_svg"]
+__all__ = ["write_plot_html", "render_plot_html", "line_chart_svg", "page_html", "cdf_xy"]
 
 _W, _H = 460, 280
 _M_LEFT, _M_RIGHT, _M_TOP, _M_BOTTOM = 62, 16, 34, 44
@@ -143,19 +143,29 @@ def render_plot_html(title: str, records: Sequence[RequestRecord], *, summary: d
         if "scheduled_tokens" in timeline:
             charts.append(line_chart_svg("Scheduled tokens per step", [("tokens", t, timeline["scheduled_tokens"])],
                                          xlabel="time (s)", ylabel="tokens", step=True))
+    timeline_h = timeline_title if len(charts) > 4 else None
+    return page_html(title, summary, [("Latency CDFs", charts[:4]), (timeline_h, charts[4:])])
+
+
+def page_html(title: str, summary: dict | None, sections: Sequence[tuple[str | None, Sequence[str]]]) -> str:
+    """The self-contained page: a title, the ``summary`` table, then each section (heading or None, SVG charts)."""
     rows = ""
     for k, v in (summary or {}).items():
         if isinstance(v, float):
             v = f"{v:.2f}"
         rows += f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
-    timeline_h = f"<h2>{html.escape(timeline_title)}</h2>" if len(charts) > 4 else ""
+    body = "".join((f"<h2>{html.escape(h)}</h2>" if h else "") + f"<div class=\"grid\">{''.join(c)}</div>"
+                   for h, c in sections)
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>" + html.escape(title) + "</title>"
             "<style>body{font-family:sans-serif;margin:20px;color:#222}.grid{display:flex;flex-wrap:wrap;gap:12px}"
             "table{border-collapse:collapse;margin-bottom:16px}th,td{padding:2px 10px;border-bottom:1px solid #ddd;"
             "text-align:left;font-size:13px}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1><table>{rows}</table><h2>Latency CDFs</h2>"
-            f"<div class=\"grid\">{''.join(charts[:4])}</div>{timeline_h}"
-            f"<div class=\"grid\">{''.join(charts[4:])}</div></body></html>")
+            f"<h1>{html.escape(title)}</h1><table>{rows}</table>{body}</body></html>")
+
+
+def cdf_xy(values: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted values and their cumulative fractions (a CDF's points)."""
+    return _cdf(np.asarray(values, dtype=float))
 
 
 def write_plot_html(path: str | Path, title: str, records: Sequence[RequestRecord], **kw) -> None:

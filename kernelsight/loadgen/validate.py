@@ -1,0 +1,486 @@
+"""``kernelsight validate RUN_DIR``: replay a measured vLLM run through the simulator and compare, side by side.
+
+A run is a directory in the shared e2e schema (``../shared/data/README.md``): ``meta.json`` (``engine_kwargs``,
+optional ``resolved_config`` / ``kv_cache`` / ``hardware``, ``dataset_path``, ``tick_seconds``), ``requests.jsonl``
+(one request per line: ``input_toks``, ``output_toks``, ``queued_ts``, ``first_token_ts``, ``last_token_ts``, in
+seconds on one clock) and ``timeseries.csv`` (one row per tick: ``t`` and any of ``gen_throughput``, ``running``,
+``waiting``, ``kv_cache_pct``).
+
+The replay sends exactly the run's requests: the workload trace ``meta.json`` names when it lies beside the run
+(its arrival times and real token ids, so prefix sharing is real), checked against ``requests.jsonl``; else the
+requests themselves (arrivals from ``queued_ts``, distinct synthetic token ids: no prefix sharing). Outputs have
+the measured lengths (``ignore_eos``). Everything below :func:`validate_run` is data in, tables out.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernelsight.engine_args import create_engine_config
+from kernelsight.loadgen.datasets import SampleRequest, trace_dataset
+from kernelsight.loadgen.fastforward import FastForwardResult, run_fast_forward
+from kernelsight.loadgen.metrics import RequestRecord
+from kernelsight.loadgen.plot import cdf_xy, line_chart_svg, page_html
+from kernelsight.loadgen.report import format_table
+from kernelsight.loadgen.vllm_run import engine_args_from_run
+from kernelsight.profiles import bundled_hardware_name
+from kernelsight.simcore.engine_config import EngineConfig
+
+__all__ = [
+    "MeasuredRequest", "Run", "read_meta", "read_requests", "read_timeseries", "read_run", "run_hardware",
+    "run_workload_path", "replay_workload", "run_engine_config", "replay", "measured_latency_stats_ms",
+    "simulated_latency_stats_ms", "latency_rows", "timeseries_rows", "breakdown_rows", "pct_error", "validate_run",
+    "LATENCY_METRICS", "STATS", "TIMESERIES_COLUMNS", "Validation", "token_times_s", "run_summary_rows",
+    "header_line", "format_validation", "plot_html",
+]
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+STATS: tuple[tuple[str, Callable[[np.ndarray], float]], ...] = (
+    ("mean", lambda a: float(np.mean(a))), ("median", lambda a: float(np.median(a))),
+    ("p90", lambda a: float(np.percentile(a, 90))), ("p99", lambda a: float(np.percentile(a, 99))))
+#: timeseries.csv column → (name in the comparison, how a bin aggregates it). All are per-tick rates or gauges, so
+#: a bin holds their time average; the simulated side is computed to the same meaning.
+TIMESERIES_COLUMNS: dict[str, str] = {"gen_throughput": "output_tok_s", "running": "running",
+                                      "waiting": "waiting", "kv_cache_pct": "kv_cache_pct"}
+_REQUEST_FIELDS = ("input_toks", "output_toks", "queued_ts", "first_token_ts", "last_token_ts")
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredRequest:
+    """One request of a measured run; times in seconds on the run's clock."""
+    request_id: str
+    input_toks: int
+    output_toks: int
+    queued_s: float
+    first_token_s: float
+    last_token_s: float
+
+
+@dataclass(slots=True)
+class Run:
+    """A measured run: its directory, ``meta.json``, requests and timeseries (column → values, ``t`` included)."""
+    path: Path
+    meta: dict[str, Any]
+    requests: list[MeasuredRequest]
+    timeseries: dict[str, np.ndarray]
+
+    @property
+    def tick_s(self) -> float:
+        return float(self.meta.get("tick_seconds") or 1.0)
+
+
+def pct_error(simulated: float, measured: float) -> float:
+    """Signed % error of the simulated value against the measured one (nan when the measured one is 0)."""
+    return 100.0 * (simulated - measured) / measured if measured else float("nan")
+
+
+# -- reading a run -------------------------------------------------------------------------------------
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """``meta.json`` as a dict; a one-line ValueError naming the file when it is missing or not a JSON object."""
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found (a run directory holds meta.json, requests.jsonl, timeseries.csv)") \
+            from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    if not isinstance(meta.get("engine_kwargs", {}), dict):
+        raise ValueError(f"{path}: 'engine_kwargs' must be an object")
+    return meta
+
+
+def read_requests(path: str | Path) -> list[MeasuredRequest]:
+    """``requests.jsonl``: one request per line, in file order; a one-line ValueError naming file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found") from None
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path} line {lineno}: expected a JSON object")
+        vals = []
+        for key in _REQUEST_FIELDS:
+            v = obj.get(key)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"{path} line {lineno}: {key!r} must be a number, got {v!r}")
+            vals.append(v)
+        n_in, n_out, queued, first, last = vals
+        if n_in < 1 or n_out < 1 or int(n_in) != n_in or int(n_out) != n_out:
+            raise ValueError(f"{path} line {lineno}: input_toks and output_toks must be positive integers")
+        if not queued <= first <= last:
+            raise ValueError(f"{path} line {lineno}: timestamps out of order (queued ≤ first token ≤ last token)")
+        out.append(MeasuredRequest(str(obj.get("request_id", lineno)), int(n_in), int(n_out), float(queued),
+                                   float(first), float(last)))
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return out
+
+
+def read_timeseries(path: str | Path) -> dict[str, np.ndarray]:
+    """``timeseries.csv``: column → float array; ``t`` (end of each tick, seconds from the run start) is required."""
+    path = Path(path)
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    if "t" not in rows[0]:
+        raise ValueError(f"{path}: no 't' column (columns: {', '.join(rows[0])})")
+    out: dict[str, np.ndarray] = {}
+    for col in rows[0]:
+        try:
+            out[col] = np.array([float(r[col]) for r in rows])
+        except (TypeError, ValueError):
+            bad = next(i for i, r in enumerate(rows, 2) if not _is_float(r[col]))
+            raise ValueError(f"{path} line {bad}: column {col!r} is not a number ({rows[bad - 2][col]!r})") from None
+    return out
+
+
+def _is_float(v: Any) -> bool:
+    try:
+        float(v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def read_run(run_dir: str | Path) -> Run:
+    """The three files of a run directory (errors name the file at fault)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir}: not a directory")
+    return Run(run_dir, read_meta(run_dir / "meta.json"), read_requests(run_dir / "requests.jsonl"),
+               read_timeseries(run_dir / "timeseries.csv"))
+
+
+# -- what to replay, on what -----------------------------------------------------------------------------
+def run_hardware(meta: Mapping[str, Any]) -> str:
+    """The bundled profile of the run's GPU: its CUDA device name (``hardware.device_name``) is a profile alias."""
+    device = (meta.get("hardware") or {}).get("device_name", "")
+    if not device:
+        raise ValueError("records no GPU (hardware.device_name): pass --hardware")
+    name = bundled_hardware_name(device)
+    if name is None:
+        raise ValueError(f"no bundled profile for the run's device {device!r}: pass --hardware")
+    return name
+
+
+def run_workload_path(run_dir: Path, meta: Mapping[str, Any]) -> Path | None:
+    """The trace ``meta.json``'s ``dataset_path`` names, beside the run or in it (plain or gzip); None if absent."""
+    name = Path(str(meta.get("dataset_path") or "")).name
+    if not name:
+        return None
+    for cand in (run_dir.parent / name, run_dir.parent / f"{name}.gz", run_dir / name, run_dir / f"{name}.gz"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def replay_workload(run: Run, workload: str | Path | None = None) -> tuple[list[SampleRequest], list[float], str]:
+    """(samples, arrival seconds, where they came from) replaying exactly the run's requests.
+
+    The trace (``workload``, else the one ``meta.json`` names) must hold the same requests as ``requests.jsonl``
+    (count, and input/output tokens in arrival order): a different trace would be another experiment."""
+    path = Path(workload) if workload is not None else run_workload_path(run.path, run.meta)
+    if path is not None:
+        samples = trace_dataset(path)
+        measured = sorted(run.requests, key=lambda r: r.queued_s)
+        if len(samples) != len(measured):
+            raise ValueError(f"{path}: {len(samples)} requests, but the run's requests.jsonl has {len(measured)}")
+        for i, (s, r) in enumerate(zip(samples, measured, strict=True)):
+            if (s.prompt_len, s.expected_output_len) != (r.input_toks, r.output_toks):
+                raise ValueError(f"{path}: request {i} (by arrival) has {s.prompt_len}/{s.expected_output_len} "
+                                 f"input/output tokens, the run's {r.request_id} {r.input_toks}/{r.output_toks}")
+        return samples, [s.arrival_offset_s or 0.0 for s in samples], f"trace {path.name}"
+    # No trace: the requests themselves, sent when vLLM queued them. Ids are distinct per request (no shared
+    # prefixes), and the run's own token ids are unknown, so a prefix-cache effect cannot be replayed.
+    t0 = min(r.queued_s for r in run.requests)
+    samples, arrivals = [], []
+    for i, r in enumerate(sorted(run.requests, key=lambda r: r.queued_s)):
+        ids = (np.arange(r.input_toks, dtype=np.int64) * 7919 + i * 104729) % 30000 + 100
+        samples.append(SampleRequest(None, r.input_toks, r.output_toks, r.queued_s - t0, token_array=ids))
+        arrivals.append(r.queued_s - t0)
+    return samples, arrivals, "requests.jsonl (no token ids: prefix sharing not replayed)"
+
+
+def run_engine_config(run: Run, *, hardware: str | None = None, calibration: str | None = None,
+                      seed: int | None = None) -> EngineConfig:
+    """The engine the run was served with (:func:`engine_args_from_run`), on its GPU unless ``hardware`` is given."""
+    try:
+        overrides: dict[str, Any] = {"hardware": hardware or run_hardware(run.meta), "calibration": calibration}
+        if seed is not None:
+            overrides["seed"] = seed
+        return create_engine_config(engine_args_from_run(run.meta, **overrides))
+    except ValueError as exc:   # a model or engine setting the simulator does not have
+        raise ValueError(f"{run.path / 'meta.json'}: {exc}") from None
+
+
+def replay(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float]) -> FastForwardResult:
+    """Fast-forward the replay: exact output lengths, the engine timeline recorded."""
+    return run_fast_forward(config, samples, arrivals_s, ignore_eos=True, record_timeline=True)
+
+
+# -- latencies ----------------------------------------------------------------------------------------------
+def _stats_ms(values_s: np.ndarray) -> dict[str, float | None]:
+    if values_s.size == 0:
+        return {stat: None for stat, _ in STATS}
+    return {stat: fn(values_s) * 1e3 for stat, fn in STATS}
+
+
+def measured_latency_stats_ms(requests: Sequence[MeasuredRequest]) -> dict[str, dict[str, float | None]]:
+    """metric → stat → ms, as ``vllm bench serve`` defines them: TTFT = first token − queued, TPOT = (last − first)
+    / (output − 1) over requests of 2+ tokens, E2EL = last − queued. A run records only first and last token times,
+    so of ITL (every gap between tokens) only the mean is known: Σ(last − first) / Σ(output − 1)."""
+    ttft = np.array([r.first_token_s - r.queued_s for r in requests])
+    e2el = np.array([r.last_token_s - r.queued_s for r in requests])
+    multi = [r for r in requests if r.output_toks > 1]
+    tpot = np.array([(r.last_token_s - r.first_token_s) / (r.output_toks - 1) for r in multi])
+    gaps = sum(r.output_toks - 1 for r in multi)
+    itl: dict[str, float | None] = {stat: None for stat, _ in STATS}
+    if gaps:
+        itl["mean"] = 1e3 * sum(r.last_token_s - r.first_token_s for r in multi) / gaps
+    return {"ttft": _stats_ms(ttft), "tpot": _stats_ms(tpot), "itl": itl, "e2el": _stats_ms(e2el)}
+
+
+def simulated_latency_stats_ms(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | None]]:
+    """metric → stat → ms of the simulated requests (successful ones), same definitions; ITL from every gap."""
+    ok = [r for r in records if r.success]
+    itl = np.concatenate([np.asarray(r.itl_s, dtype=float) for r in ok]) if ok else np.zeros(0)
+    return {"ttft": _stats_ms(np.array([r.ttft_s for r in ok])),
+            "tpot": _stats_ms(np.array([(r.latency_s - r.ttft_s) / (r.output_len - 1)
+                                        for r in ok if r.output_len > 1])),
+            "itl": _stats_ms(itl), "e2el": _stats_ms(np.array([r.latency_s for r in ok]))}
+
+
+def latency_rows(measured: Mapping[str, Mapping[str, float | None]],
+                 simulated: Mapping[str, Mapping[str, float | None]],
+                 metrics: Sequence[str] = LATENCY_METRICS) -> list[dict[str, Any]]:
+    """One row per metric × stat: measured_ms, simulated_ms, error_pct (None where either side is unknown)."""
+    rows = []
+    for metric in metrics:
+        for stat, _ in STATS:
+            m, s = measured[metric][stat], simulated[metric][stat]
+            rows.append({"metric": metric, "stat": stat, "measured_ms": m, "simulated_ms": s,
+                         "error_pct": pct_error(s, m) if m is not None and s is not None else None})
+    return rows
+
+
+# -- timeseries -------------------------------------------------------------------------------------------
+def token_times_s(records: Sequence[RequestRecord]) -> np.ndarray:
+    """Every simulated output token's time (seconds from the start): send + TTFT, then the ITLs."""
+    parts = [r.start_s + r.ttft_s + np.concatenate(([0.0], np.cumsum(np.asarray(r.itl_s, dtype=float))))
+             for r in records if r.success]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def timeseries_rows(measured: Mapping[str, np.ndarray], tick_s: float, token_times: np.ndarray,
+                    timeline: Sequence[tuple], *, num_bins: int = 15, bin_s: float | None = None
+                    ) -> tuple[float, list[dict[str, Any]]]:
+    """(bin seconds, rows): the measured timeseries and the simulated run on common time bins from 0.
+
+    A bin holds time averages: tokens per second, and the gauges (running, waiting, KV-cache %) weighted by the
+    time they held; time outside the run counts as idle (0) on both sides. Measured rows cover the tick ending at
+    ``t``; simulated gauges are the engine's after each step (``timeline``: fast-forward's TIMELINE_COLUMNS).
+    Only the columns the measured timeseries has are compared; a KV-cache column that is 0 throughout was not
+    recorded (a run that generated tokens held KV blocks) and is left out."""
+    cols = {src: name for src, name in TIMESERIES_COLUMNS.items() if src in measured}
+    kv = measured.get("kv_cache_pct")
+    if kv is not None and not np.any(kv):
+        cols.pop("kv_cache_pct")
+    t = np.asarray(measured["t"], dtype=float)
+    tl = np.asarray(timeline, dtype=float).reshape(-1, 6)
+    end_s = max(float(t.max()) if t.size else 0.0, float(token_times.max()) if token_times.size else 0.0,
+                float(tl[:, 0].max()) if tl.size else 0.0)
+    if bin_s is None:   # whole ticks, so each measured row falls in one bin
+        bin_s = tick_s * max(1, math.ceil(end_s / (num_bins * tick_s)))
+    n = max(1, math.ceil(end_s / bin_s - 1e-9))
+
+    def measured_avg(values: np.ndarray) -> np.ndarray:
+        b = np.clip(((t - tick_s / 2) // bin_s).astype(np.int64), 0, n - 1)   # a row at t = 0 goes to bin 0
+        return np.bincount(b, weights=values * tick_s, minlength=n)[:n] / bin_s
+
+    # A step's gauges hold over the step, [end − step_s, end]; its time is split between the bins it spans (a 2,048
+    # token prefill step straddling a 1 s tick boundary would otherwise put a fifth of a second in the wrong one).
+    edges = np.arange(n + 1) * bin_s
+    if tl.size:
+        # the timeline's rounding (µs ends, 0.1 µs durations) may start a step a hair before the last one ended
+        xs = np.maximum.accumulate(np.column_stack((tl[:, 0] - tl[:, 5], tl[:, 0])).ravel())
+
+    def simulated_avg(col: int, scale: float = 1.0) -> np.ndarray:
+        if not tl.size:
+            return np.zeros(n)
+        cum = np.cumsum(tl[:, col] * tl[:, 5] * scale)
+        ys = np.column_stack((cum - tl[:, col] * tl[:, 5] * scale, cum)).ravel()   # the integral, piecewise linear
+        return np.diff(np.interp(edges, xs, ys)) / bin_s
+
+    series: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for src, name in cols.items():
+        m = measured_avg(np.asarray(measured[src], dtype=float))
+        if src == "gen_throughput":
+            tb = np.minimum((token_times // bin_s).astype(np.int64), n - 1)
+            s = np.bincount(tb, minlength=n)[:n] / bin_s
+        else:
+            s = simulated_avg({"running": 1, "waiting": 2, "kv_cache_pct": 3}[src],
+                              100.0 if src == "kv_cache_pct" else 1.0)
+        series[name] = (m, s)
+    rows = []
+    for i in range(n):
+        row: dict[str, Any] = {"t_start_s": round(i * bin_s, 6), "t_end_s": round((i + 1) * bin_s, 6)}
+        for name, (m, s) in series.items():
+            row[f"measured_{name}"] = float(m[i])
+            row[f"simulated_{name}"] = float(s[i])
+        rows.append(row)
+    return float(bin_s), rows
+
+
+def breakdown_rows(breakdown_s: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Simulated busy time by kernel family: seconds and percent of the total (families with time only)."""
+    busy = sum(breakdown_s.values()) or 1.0
+    return [{"family": f, "seconds": round(s, 6), "percent": round(100.0 * s / busy, 3)}
+            for f, s in breakdown_s.items() if s > 0]
+
+
+def run_summary_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """Whole-run duration (first arrival to last token) and output token throughput, measured vs simulated."""
+    m_dur = max(r.last_token_s for r in requests) - min(r.queued_s for r in requests)
+    ok = [r for r in records if r.success]
+    s_dur = (max(r.start_s + r.latency_s for r in ok) - min(r.start_s for r in ok)) if ok else 0.0
+    m_tok = sum(r.output_toks for r in requests)
+    s_tok = sum(r.output_len for r in ok)
+    m_rate = m_tok / m_dur if m_dur > 0 else 0.0
+    s_rate = s_tok / s_dur if s_dur > 0 else 0.0
+    return [{"what": "duration_s", "measured": m_dur, "simulated": s_dur, "error_pct": pct_error(s_dur, m_dur)},
+            {"what": "output_tok_s", "measured": m_rate, "simulated": s_rate, "error_pct": pct_error(s_rate, m_rate)},
+            {"what": "completed", "measured": len(requests), "simulated": len(ok),
+             "error_pct": pct_error(len(ok), len(requests))}]
+
+
+# -- the whole comparison ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Validation:
+    """A run's comparison: ``result`` (JSON-ready, deterministic for a seed) and what the plot needs."""
+    result: dict[str, Any]
+    run: Run
+    sim: FastForwardResult
+
+
+def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibration: str | None = None,
+                 seed: int | None = None, workload: str | Path | None = None, num_bins: int = 15) -> Validation:
+    """Read the run, replay it, and compare latencies, timeseries and (simulated) time by kernel family."""
+    run = read_run(run_dir)
+    config = run_engine_config(run, hardware=hardware, calibration=calibration, seed=seed)
+    samples, arrivals, source = replay_workload(run, workload)
+    too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompt(s) are longer than max_model_len={config.scheduler.max_model_len}")
+    res = replay(config, samples, arrivals)
+    bin_s, ts_rows = timeseries_rows(run.timeseries, run.tick_s, token_times_s(res.records), res.timeline or [],
+                                     num_bins=num_bins)
+    stats = res.simulator_stats()
+    result = {
+        "run": run.path.name,
+        "vllm_version": run.meta.get("vllm_version"),
+        "workload": source,
+        "num_requests": len(run.requests),
+        "config": config.summary(),
+        "measured_num_gpu_blocks": (run.meta.get("kv_cache") or {}).get("num_gpu_blocks"),
+        "latency": latency_rows(measured_latency_stats_ms(run.requests), simulated_latency_stats_ms(res.records)),
+        "run_summary": run_summary_rows(run.requests, res.records),
+        "timeseries": {"bin_s": bin_s, "rows": ts_rows},
+        "breakdown": breakdown_rows(res.breakdown_s),
+        # wall-clock figures stay out: the result is identical for a seed
+        "simulator": {k: v for k, v in stats.items() if k in ("num_steps", "num_preemptions", "prefix_cache_hit_rate",
+                                                              "finish_reasons")},
+    }
+    return Validation(result, run, res)
+
+
+# -- rendering ----------------------------------------------------------------------------------------------
+_TS_LABELS = {"output_tok_s": "tok/s", "running": "running", "waiting": "waiting", "kv_cache_pct": "kv%"}
+
+
+def header_line(result: Mapping[str, Any]) -> str:
+    """Model, GPU, engine settings and calibration tier of a validation result."""
+    c = result["config"]
+    measured_blocks = result.get("measured_num_gpu_blocks")
+    blocks = f"{c['num_gpu_blocks']} KV blocks" + (f" (measured {measured_blocks})" if measured_blocks else "")
+    return (f"kernelsight validate {result['run']}: {c['model']} on {c['hardware']} (TP {c['tensor_parallel_size']}, "
+            f"{c['dtype']}, kv {c['kv_cache_dtype']}, max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens "
+            f"{c['max_num_batched_tokens']}, prefix caching {'on' if c['enable_prefix_caching'] else 'off'}, "
+            f"async scheduling {'on' if c['async_scheduling'] else 'off'}, {blocks}, seed {c['seed']}), "
+            f"calibration: {c['calibration_tier']}; {result['num_requests']} requests from {result['workload']}")
+
+
+def format_validation(result: Mapping[str, Any]) -> str:
+    """The printed report: header, latency table, run summary, binned timeseries, kernel-family breakdown."""
+    ts = result["timeseries"]
+    names = [k.removeprefix("measured_") for k in (ts["rows"][0] if ts["rows"] else {}) if k.startswith("measured_")]
+    ts_cols = ["t_s"] + [f"{_TS_LABELS.get(n, n)} {side}" for n in names for side in ("meas", "sim")]
+    ts_rows = [{"t_s": f"{r['t_start_s']:g}-{r['t_end_s']:g}",
+                **{f"{_TS_LABELS.get(n, n)} {side}": r[f"{pre}_{n}"] for n in names
+                   for side, pre in (("meas", "measured"), ("sim", "simulated"))}} for r in ts["rows"]]
+    parts = [header_line(result), "",
+             "latency (ms; error = simulated vs measured, %; the run records first and last token times only, so "
+             "of ITL only the mean is measured):",
+             format_table(result["latency"], ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]), "",
+             format_table(result["run_summary"], ["what", "measured", "simulated", "error_pct"]), "",
+             f"timeseries ({ts['bin_s']:g} s bins from the start; time averages):",
+             format_table(ts_rows, ts_cols, float_fmt=".1f"), "",
+             "simulated step time by kernel family:",
+             format_table(result["breakdown"], ["family", "seconds", "percent"])]
+    sim = result["simulator"]
+    parts.append(f"{sim['num_steps']} steps, {sim['num_preemptions']} preemptions, prefix-cache hit rate "
+                 f"{100 * sim['prefix_cache_hit_rate']:.1f}%")
+    return "\n".join(parts)
+
+
+def plot_html(v: Validation) -> str:
+    """``--plot``: measured vs simulated latency CDFs and per-tick timeseries on one self-contained page."""
+    reqs = v.run.requests
+    measured_s = {"TTFT": [r.first_token_s - r.queued_s for r in reqs],
+                  "TPOT": [(r.last_token_s - r.first_token_s) / (r.output_toks - 1) for r in reqs if r.output_toks > 1],
+                  "E2EL": [r.last_token_s - r.queued_s for r in reqs]}
+    ok = [r for r in v.sim.records if r.success]
+    simulated_s = {"TTFT": [r.ttft_s for r in ok],
+                   "TPOT": [(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1],
+                   "E2EL": [r.latency_s for r in ok]}
+    cdfs = []   # no ITL CDF: a run records first and last token times, not each gap
+    for name in measured_s:
+        series = [(label, *cdf_xy(1e3 * np.asarray(vals, dtype=float)))
+                  for label, vals in (("measured", measured_s[name]), ("simulated", simulated_s[name]))]
+        cdfs.append(line_chart_svg(f"{name} CDF", series, xlabel=f"{name} (ms)", ylabel="fraction", y_max=1.0))
+    _, rows = timeseries_rows(v.run.timeseries, v.run.tick_s, token_times_s(v.sim.records), v.sim.timeline or [],
+                              bin_s=v.run.tick_s)
+    t = [r["t_end_s"] for r in rows]
+    names = [k.removeprefix("measured_") for k in (rows[0] if rows else {}) if k.startswith("measured_")]
+    charts = [line_chart_svg(n, [(side, t, [r[f"{side}_{n}"] for r in rows]) for side in ("measured", "simulated")],
+                             xlabel="time (s)", ylabel=n, step=True) for n in names]
+    r = v.result
+    summary = {"run": r["run"], "model": r["config"]["model"], "hardware": r["config"]["hardware"],
+               "calibration": r["config"]["calibration_tier"], "workload": r["workload"],
+               **{f"{row['metric']} {row['stat']} error %": row["error_pct"] for row in r["latency"]
+                  if row["stat"] == "mean" and row["error_pct"] is not None}}
+    return page_html(f"kernelsight validate: {r['run']}", summary,
+                     [("Latency CDFs, measured vs simulated", cdfs),
+                      (f"Timeseries ({v.run.tick_s:g} s ticks)", charts)])

@@ -1,0 +1,172 @@
+"""``kernelsight validate RUN_DIR``: a run in the shared e2e schema is read, replayed and compared.
+
+Synthetic runs check the reading and the measured statistics against values worked out by hand; the shared RTX 4090
+run checks the whole command end to end (loosely: accuracy is the benchmarks' business, not a test's)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernelsight.cli import main
+from kernelsight.loadgen.validate import (
+    latency_rows,
+    measured_latency_stats_ms,
+    read_run,
+    replay_workload,
+    timeseries_rows,
+    validate_run,
+)
+
+# (input, output, queued, first token, last token): TTFT 200/300/100 ms, TPOT 50/50/- ms, E2EL 700/500/100 ms
+REQUESTS = [(100, 11, 10.0, 10.2, 10.7), (50, 5, 10.5, 10.8, 11.0), (20, 1, 11.0, 11.1, 11.1)]
+META = {"model": "meta-llama/Llama-3.1-8B", "vllm_version": "0.19.0", "tick_seconds": 1.0,
+        "engine_kwargs": {"model": "meta-llama/Llama-3.1-8B", "max_num_seqs": 8, "max_num_batched_tokens": 512,
+                          "max_model_len": 2048, "seed": 1},
+        "hardware": {"device_name": "NVIDIA H100 80GB HBM3"}}
+TIMESERIES = "t,prompt_throughput,gen_throughput,running,waiting,kv_cache_pct\n1.0,170,14,2,0,1.5\n2.0,0,3,0,0,0.0\n"
+
+
+def write_run(root: Path, requests=REQUESTS, meta=META, timeseries=TIMESERIES) -> Path:
+    run = root / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "meta.json").write_text(json.dumps(meta))
+    (run / "requests.jsonl").write_text("".join(
+        json.dumps({"request_id": f"r{i}", "input_toks": a, "output_toks": b, "queued_ts": q, "first_token_ts": f,
+                    "last_token_ts": e}) + "\n" for i, (a, b, q, f, e) in enumerate(requests)))
+    (run / "timeseries.csv").write_text(timeseries)
+    return run
+
+
+def test_a_run_is_read_and_its_measured_statistics_are_those_worked_out_by_hand(tmp_path):
+    run = read_run(write_run(tmp_path))
+    assert [(r.request_id, r.input_toks, r.output_toks) for r in run.requests] == \
+        [("r0", 100, 11), ("r1", 50, 5), ("r2", 20, 1)]
+    assert run.tick_s == 1.0 and list(run.timeseries["gen_throughput"]) == [14.0, 3.0]
+    m = measured_latency_stats_ms(run.requests)
+    assert m["ttft"] == pytest.approx({"mean": 200, "median": 200, "p90": 280, "p99": 298})
+    assert m["tpot"] == pytest.approx({"mean": 50, "median": 50, "p90": 50, "p99": 50})   # r2 has one token
+    assert m["e2el"] == pytest.approx({"mean": 1300 / 3, "median": 500, "p90": 660, "p99": 696})
+    # only first and last token times are recorded: of ITL, the mean over every gap, (0.5 + 0.2) s / (10 + 4)
+    assert m["itl"]["mean"] == pytest.approx(50) and m["itl"]["p90"] is None
+    sim = {k: {s: (None if v is None else 1.1 * v) for s, v in d.items()} for k, d in m.items()}
+    rows = latency_rows(m, sim)
+    assert len(rows) == 16 and rows[0] == {"metric": "ttft", "stat": "mean", "measured_ms": pytest.approx(200),
+                                           "simulated_ms": pytest.approx(220), "error_pct": pytest.approx(10)}
+    assert next(r for r in rows if (r["metric"], r["stat"]) == ("itl", "p99"))["error_pct"] is None
+
+
+def test_without_a_trace_the_requests_themselves_are_replayed_at_their_queue_times(tmp_path):
+    samples, arrivals, source = replay_workload(read_run(write_run(tmp_path)))
+    assert arrivals == pytest.approx([0.0, 0.5, 1.0]) and "requests.jsonl" in source
+    assert [(s.prompt_len, s.expected_output_len) for s in samples] == [(100, 11), (50, 5), (20, 1)]
+    assert samples[0].token_array[:16].tolist() != samples[1].token_array[:16].tolist()   # no shared prefix
+
+
+def test_the_trace_meta_names_is_replayed_and_must_hold_the_same_requests(tmp_path):
+    run_dir = write_run(tmp_path, meta={**META, "dataset_path": "workloads/trace.jsonl"})
+    rows = [{"arrival_time_ns": int(1e9 * (q - 10.0)) + 40_000_000, "input_toks": a, "output_toks": b,
+             "input_tok_ids": list(range(1, a + 1))} for a, b, q, _, _ in REQUESTS]
+    with gzip.open(tmp_path / "trace.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    samples, arrivals, source = replay_workload(read_run(run_dir))
+    assert source == "trace trace.jsonl.gz" and arrivals == pytest.approx([0.04, 0.54, 1.04])
+    assert samples[1].prompt_token_ids[:3] == [1, 2, 3]     # the trace's ids: prefixes are shared as measured
+    with gzip.open(tmp_path / "trace.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows[:2])
+    with pytest.raises(ValueError, match=r"trace.jsonl.gz: 2 requests, but the run's requests.jsonl has 3"):
+        replay_workload(read_run(run_dir))
+
+
+def test_timeseries_bins_hold_time_averages_of_both_sides():
+    measured = {"t": np.array([1.0, 2.0, 3.0, 4.0]), "gen_throughput": np.array([10.0, 20.0, 30.0, 40.0]),
+                "running": np.array([1.0, 2.0, 3.0, 4.0]), "kv_cache_pct": np.zeros(4)}
+    # (time_s, running, waiting, kv_cache_usage, scheduled_tokens, step_s): 2 running for 1 s, then 4 for 0.5 s
+    timeline = [(1.0, 2, 0, 0.5, 10, 1.0), (3.0, 4, 1, 0.25, 10, 0.5)]
+    bin_s, rows = timeseries_rows(measured, 1.0, np.array([0.5, 1.5, 2.5, 2.6]), timeline, bin_s=2.0)
+    assert bin_s == 2.0 and len(rows) == 2
+    assert rows[0] == {"t_start_s": 0.0, "t_end_s": 2.0, "measured_output_tok_s": 15.0,
+                       "simulated_output_tok_s": 1.0, "measured_running": 1.5, "simulated_running": 1.0}
+    assert rows[1]["measured_output_tok_s"] == 35.0 and rows[1]["simulated_running"] == 1.0
+    # a step across a bin boundary counts in each bin for the time it spent there
+    _, rows = timeseries_rows(measured, 1.0, np.zeros(0), [(2.5, 2, 0, 0.5, 10, 1.0)], bin_s=2.0)
+    assert [r["simulated_running"] for r in rows] == [0.5, 0.5]
+    # a KV-cache column at 0 throughout was not recorded: left out rather than compared
+    assert not any("kv" in k for k in rows[0])
+    _, rows = timeseries_rows(measured, 1.0, np.zeros(0), [], num_bins=3)
+    assert [r["t_start_s"] for r in rows] == [0.0, 2.0]       # whole ticks per bin, about num_bins bins
+    _, rows = timeseries_rows({"t": np.array([0.0, 1.0]), "running": np.array([2.0, 4.0])}, 1.0, np.zeros(0), [],
+                              bin_s=1.0)
+    assert len(rows) == 1 and rows[0]["measured_running"] > 0     # a row stamped t = 0 lands in the first bin
+
+
+@pytest.mark.parametrize(("file", "content", "message"), [
+    ("meta.json", None, r"meta.json: not found"),
+    ("meta.json", "{not json", r"meta.json: not valid JSON"),
+    ("meta.json", "[1, 2]", r"meta.json: expected a JSON object"),
+    ("requests.jsonl", "", r"requests.jsonl: no requests"),
+    ("requests.jsonl", '{"input_toks": 5}\n', r"requests.jsonl line 1: 'output_toks' must be a number"),
+    ("requests.jsonl", '{"input_toks": 5, "output_toks": 2, "queued_ts": 2, "first_token_ts": 1, '
+                       '"last_token_ts": 3}\n', r"requests.jsonl line 1: timestamps out of order"),
+    ("requests.jsonl", "{}\n[\n", r"requests.jsonl line 1: 'input_toks' must be a number"),
+    ("timeseries.csv", None, r"timeseries.csv: not found"),
+    ("timeseries.csv", "x,running\n1,2\n", r"timeseries.csv: no 't' column"),
+    ("timeseries.csv", "t,running\n1,2\n2,many\n", r"timeseries.csv line 3: column 'running' is not a number"),
+])
+def test_a_missing_or_malformed_file_is_a_one_line_error_naming_it(tmp_path, file, content, message):
+    run = write_run(tmp_path)
+    if content is None:
+        (run / file).unlink()
+    else:
+        (run / file).write_text(content)
+    with pytest.raises(ValueError, match=message) as exc:
+        read_run(run)
+    assert "\n" not in str(exc.value)
+
+
+def test_the_cli_replays_a_small_run_and_reports_errors_in_one_line(tmp_path, capsys):
+    run = write_run(tmp_path)
+    out_json = tmp_path / "v.json"
+    assert main(["validate", str(run), "--result-json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "meta-llama/Llama-3.1-8B on h100" in out and "calibration: target-measured" in out
+    result = json.loads(out_json.read_text())
+    assert result["simulator"]["finish_reasons"] == {"length": 3}     # outputs have the measured lengths
+    assert [r["what"] for r in result["run_summary"]] == ["duration_s", "output_tok_s", "completed"]
+    assert main(["validate", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip().endswith("nope: not a directory")
+    meta = {k: v for k, v in META.items() if k != "hardware"}
+    (run / "meta.json").write_text(json.dumps(meta))
+    assert main(["validate", str(run)]) == 2
+    assert "meta.json: records no GPU (hardware.device_name): pass --hardware" in capsys.readouterr().err
+
+
+def test_the_shared_rtx4090_run_replays_end_to_end_and_deterministically(shared_data, tmp_path, capsys):
+    run = shared_data / "e2e" / "llmservingsim_rtx4090_llama31_8b"
+    a, b, page = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "v.html"
+    assert main(["validate", str(run), "--seed", "7", "--result-json", str(a), "--plot", str(page)]) == 0
+    out = capsys.readouterr().out
+    for heading in ("latency (ms", "timeseries (", "simulated step time by kernel family", "rtx-4090"):
+        assert heading in out
+    result = json.loads(a.read_text())
+    assert result["num_requests"] == 300 and result["config"]["seed"] == 7
+    means = {r["metric"]: r for r in result["latency"] if r["stat"] == "mean"}
+    for metric in ("ttft", "tpot", "itl", "e2el"):     # physically sensible, not an accuracy claim
+        assert abs(means[metric]["error_pct"]) < 50, means[metric]
+    assert 5 <= len(result["timeseries"]["rows"]) <= 20
+    assert {"measured_kv_cache_pct", "simulated_running"} <= set(result["timeseries"]["rows"][0])
+    assert {r["family"] for r in result["breakdown"]} >= {"gemm", "attn_decode"}
+    html = page.read_text()
+    assert html.count("<svg") == 7 and "<script" not in html      # 3 CDFs + 4 timeseries
+    assert main(["validate", str(run), "--seed", "7", "--result-json", str(b)]) == 0
+    assert a.read_text() == b.read_text()
+
+
+def test_validate_run_takes_the_gpu_from_the_flag_when_meta_has_none(shared_data):
+    run = shared_data / "e2e" / "llmservingsim_rtxpro6000_llama31_8b"
+    with pytest.raises(ValueError, match="meta.json: records no GPU"):
+        validate_run(run)
