@@ -67,6 +67,10 @@ def test_bench_chat_scrape_plot_and_result_keys(tmp_path, capsys):
     sm = r["server_metrics"]
     assert len(sm["time_s"]) >= 3 and max(sm["running"]) >= 1 and max(sm["running"]) <= 4
     assert max(sm["kv_cache_usage"]) > 0
+    # kernelsight serve's release lateness over the run (wall ms; its values depend on the machine's load)
+    lat = r["server_lateness"]
+    assert lat["releases"] > 0 and 0 <= lat["p50_ms"] <= lat["p99_ms"] and lat["virtual_clock_lag_ms_max"] >= 0
+    assert "Server release lateness (wall): p50" in text
     page = plot.read_text()
     assert page.count("<svg") >= 6 and "TTFT CDF" in page and "KV-cache usage" in page and "http" not in \
         page.replace('xmlns="http://www.w3.org/2000/svg"', "")

@@ -37,12 +37,17 @@ from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.loadgen.progress import Progress
 
-__all__ = ["BenchRun", "run_bench", "add_bench_parser", "cmd_bench", "parse_gauges", "SCRAPED_GAUGES"]
+__all__ = ["BenchRun", "run_bench", "add_bench_parser", "cmd_bench", "parse_gauges", "SCRAPED_GAUGES",
+           "LatenessSample", "parse_lateness", "lateness_summary", "histogram_quantile", "format_lateness"]
 
 ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
 SCRAPED_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
                   "vllm:kv_cache_usage_perc": "kv_cache_usage"}
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+# kernelsight serve's own series (absent from real vLLM: then no lateness is reported); wall seconds
+RELEASE_LATENESS = "kernelsight:release_lateness_seconds"
+CLOCK_LAG = "kernelsight:virtual_clock_lag_seconds"
+_LE_RE = re.compile(r'le="([^"]+)"')
 
 
 @dataclass(slots=True)
@@ -55,6 +60,7 @@ class BenchRun:
     wall_s: float = 0.0
     cpu_s: float = 0.0                      # this process's CPU time over the run (client + anything in-process)
     extra: dict[str, Any] = field(default_factory=dict)
+    lateness: dict[str, Any] | None = None  # the server's release lateness over the run (``lateness_summary``)
 
     def client_summary(self) -> dict[str, Any]:
         late_ms = 1e3 * self.send_lateness_s if self.send_lateness_s.size else np.zeros(1)
@@ -81,26 +87,146 @@ def parse_gauges(text: str) -> dict[str, float]:
     return out
 
 
+@dataclass(slots=True)
+class LatenessSample:
+    """kernelsight serve's release-lateness histogram (summed over engines) and clock lag (max over engines) in
+    one /metrics scrape; wall seconds."""
+
+    buckets: dict[float, float]             # upper bound (inf for +Inf) -> cumulative count
+    count: float
+    sum_s: float
+    clock_lag_s: float = 0.0
+
+
+def parse_lateness(text: str) -> LatenessSample | None:
+    """The lateness series of a /metrics text; None when the server does not expose them (real vLLM)."""
+    buckets: dict[float, float] = {}
+    count = sum_s = lag = 0.0
+    found = False
+    for line in text.splitlines():
+        if not line.startswith("kernelsight:"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if name == RELEASE_LATENESS + "_bucket":
+            le = _LE_RE.search(m.group(2) or "")
+            if le:
+                bound = float(le.group(1))          # "+Inf" parses as inf
+                buckets[bound] = buckets.get(bound, 0.0) + value
+                found = True
+        elif name == RELEASE_LATENESS + "_count":
+            count += value
+        elif name == RELEASE_LATENESS + "_sum":
+            sum_s += value
+        elif name == CLOCK_LAG:
+            lag = max(lag, value)
+    return LatenessSample(dict(sorted(buckets.items())), count, sum_s, lag) if found else None
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
+    """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket holding rank q·count (the first
+    bucket starts at 0; a rank in +Inf gives the last finite bound); 0 for an empty histogram."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for b in bounds:
+        cum = buckets[b]
+        if cum >= rank and cum > below:
+            if math.isinf(b):
+                return lower
+            return lower + (b - lower) * (rank - below) / (cum - below)
+        lower, below = (b if not math.isinf(b) else lower), cum
+    return lower
+
+
+def lateness_summary(before: LatenessSample | None, after: LatenessSample | None,
+                     lag_max_s: float = 0.0) -> dict[str, Any] | None:
+    """Release lateness over a run, from the histograms scraped before and after it (ms, wall time): number of
+    step releases, mean (exact), p50/p99 (interpolated in the buckets), the upper bound of the highest occupied
+    bucket (None: beyond the last finite one), and the largest virtual clock lag seen. None without the metrics."""
+    if after is None:
+        return None
+    b0 = before.buckets if before is not None else {}
+    delta = {b: c - b0.get(b, 0.0) for b, c in after.buckets.items()}
+    n = after.count - (before.count if before is not None else 0.0)
+    total_s = after.sum_s - (before.sum_s if before is not None else 0.0)
+    top: float | None = 0.0
+    below = 0.0
+    for b in sorted(delta):
+        if delta[b] > below:
+            top = None if math.isinf(b) else b
+        below = delta[b]
+    lag = max(lag_max_s, after.clock_lag_s, before.clock_lag_s if before is not None else 0.0)
+    return {"releases": int(round(n)), "mean_ms": 1e3 * total_s / n if n > 0 else 0.0,
+            "p50_ms": 1e3 * histogram_quantile(0.5, delta), "p99_ms": 1e3 * histogram_quantile(0.99, delta),
+            "max_ms_at_most": None if top is None else 1e3 * top, "virtual_clock_lag_ms_max": 1e3 * lag}
+
+
+#: A p99 release lateness beyond this (ms) is flagged in the report line: the server's timings were not the GPU's.
+LATENESS_FLAG_MS = 50.0
+
+
+def format_lateness(s: dict[str, Any]) -> str:
+    """The report line of a ``lateness_summary``."""
+    top = "> 120 s" if s["max_ms_at_most"] is None else f"<= {s['max_ms_at_most']:g} ms"
+    line = (f"Server release lateness (wall): p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, max {top}, mean "
+            f"{s['mean_ms']:.2f} ms over {s['releases']} step releases; virtual clock lag max "
+            f"{s['virtual_clock_lag_ms_max']:.2f} ms")
+    if s["p99_ms"] > LATENESS_FLAG_MS:
+        line += " -- token timings did not follow the simulated GPU (server CPU-starved?)"
+    return line
+
+
+async def _get_metrics(s: Any, base_url: str, headers: dict[str, str]) -> str | None:
+    import aiohttp
+
+    try:
+        async with s.get(base_url + "/metrics", headers=headers) as r:
+            return await r.text() if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+
+
 async def _scrape(base_url: str, interval_s: float, t0: float, time_scale: float, into: dict[str, list[float]],
-                  headers: dict[str, str]) -> None:
-    """Sample /metrics every ``interval_s`` wall seconds on its own connection (not the benchmark's pool)."""
+                  headers: dict[str, str], lag_max_s: list[float] | None = None) -> None:
+    """Sample /metrics every ``interval_s`` wall seconds on its own connection (not the benchmark's pool); the
+    largest virtual clock lag seen goes to ``lag_max_s[0]``."""
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1),
                                      timeout=aiohttp.ClientTimeout(total=30)) as s:
         nxt = time.perf_counter()
         while True:
-            try:
-                async with s.get(base_url + "/metrics", headers=headers) as r:
-                    text = await r.text()
+            text = await _get_metrics(s, base_url, headers)
+            if text is not None:
                 t = (time.perf_counter() - t0) * time_scale
                 into["time_s"].append(t)
                 for k, v in parse_gauges(text).items():
                     into[k].append(v)
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                pass
+                if lag_max_s is not None:
+                    lat = parse_lateness(text)
+                    if lat is not None:
+                        lag_max_s[0] = max(lag_max_s[0], lat.clock_lag_s)
             nxt += interval_s
             await asyncio.sleep(max(nxt - time.perf_counter(), 0.0))
+
+
+async def _lateness_sample(base_url: str, headers: dict[str, str]) -> LatenessSample | None:
+    """One scrape of the lateness series (before and after a run)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        text = await _get_metrics(s, base_url, headers)
+    return parse_lateness(text) if text is not None else None
 
 
 def _build_spec(i: int, s: SampleRequest, *, url: str, chat: bool, model: str, ignore_eos: bool,
@@ -138,10 +264,14 @@ async def run_bench(base_url: str, samples: Sequence[SampleRequest], arrivals_s:
     order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     stats = ClientStats()
-    lateness = np.zeros(len(samples))
+    send_late = np.zeros(len(samples))
     records: list[RequestRecord | None] = [None] * len(samples)
     bar = Progress(len(samples), enabled=progress)
     scraped: dict[str, list[float]] | None = None
+    lateness: dict[str, Any] | None = None
+    lag_max_s = [0.0]
+    # the server's release-lateness histogram before the run (its change over the run is what the run caused)
+    late0 = await _lateness_sample(base_url, hdrs) if scrape_interval_s else None
     # Everything alive now (modules, datasets, payloads) is moved out of the cyclic collector's reach: a full
     # collection over a large heap stalls the event loop for tens of ms, which would read as latency.
     gc.collect()
@@ -154,14 +284,15 @@ async def run_bench(base_url: str, samples: Sequence[SampleRequest], arrivals_s:
             scraper = None
             if scrape_interval_s:
                 scraped = {"time_s": [], **{v: [] for v in SCRAPED_GAUGES.values()}}
-                scraper = asyncio.create_task(_scrape(base_url, scrape_interval_s, t0, time_scale, scraped, hdrs))
+                scraper = asyncio.create_task(_scrape(base_url, scrape_interval_s, t0, time_scale, scraped, hdrs,
+                                                      lag_max_s))
 
             async def one(i: int, due: float) -> None:
                 t_task = time.perf_counter()
                 if sem is not None:
                     await sem.acquire()
                 t_go = time.perf_counter()
-                lateness[i] = t_task - due   # the client's own delay: timer wake-up and task start after the schedule
+                send_late[i] = t_task - due   # the client's own delay: timer wake-up and task start after the schedule
                 try:
                     rec = await send_streaming_request(session, specs[i], bench_start_s=t0, queue_s=t_go - t_task,
                                                        time_scale=time_scale, stats=stats, count_tokens=count_tokens)
@@ -187,10 +318,13 @@ async def run_bench(base_url: str, samples: Sequence[SampleRequest], arrivals_s:
                     await scraper
                 except asyncio.CancelledError:
                     pass
+                if late0 is not None:
+                    lateness = lateness_summary(late0, await _lateness_sample(base_url, hdrs), lag_max_s[0])
     finally:
         gc.unfreeze()
     bar.close()
-    return BenchRun([r for r in records if r is not None], wall * time_scale, lateness, stats, scraped, wall, cpu)
+    return BenchRun([r for r in records if r is not None], wall * time_scale, send_late, stats, scraped, wall, cpu,
+                    lateness=lateness)
 
 
 # -- command line ------------------------------------------------------------------------------------------
@@ -225,7 +359,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     o = add_report_args(p, default_metrics="ttft,tpot,itl")
     o.add_argument("--scrape-metrics", nargs="?", type=float, const=0.5, default=None, metavar="SECONDS",
                    help="sample the server's /metrics gauges (running, waiting, KV usage) every SECONDS of wall "
-                        "time (default when given: 0.5) into the result (and the --plot timeline)")
+                        "time (default when given: 0.5) into the result (and the --plot timeline); against "
+                        "kernelsight serve also its release lateness over the run (server_lateness)")
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -308,12 +443,16 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         extra["time_scale"] = ns.time_scale
     if run.scraped is not None:
         extra["server_metrics"] = run.scraped
+    if run.lateness is not None:
+        extra["server_lateness"] = run.lateness
     result = assemble_result(header, stats, run.records, detailed=ns.save_detailed, extra=extra)
     print(format_report(result))
     c = extra["client"]
     print(f"Client: send lateness mean {c['send_lateness_ms']['mean']:.2f} ms, p99 {c['send_lateness_ms']['p99']:.2f} "
           f"ms, max {c['send_lateness_ms']['max']:.2f} ms; {c['handle_us_per_sse_message']:.1f} µs per SSE message "
           f"({c['sse_messages']} messages)")
+    if run.lateness is not None:
+        print(format_lateness(run.lateness))
     errors = [r.error for r in run.records if not r.success]
     if errors:
         print(f"{len(errors)} request(s) failed, first error: {errors[0]}", file=sys.stderr)

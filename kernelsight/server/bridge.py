@@ -9,6 +9,17 @@ writes them itself right at the deadline, before any other bookkeeping. Requests
 arrive while a step is in flight enter the engine's waiting queue with their true (wall-mapped) arrival
 time and are scheduled at the next boundary. When nothing is in flight the engine clock follows wall
 time: a new arrival is stamped with the wall-mapped virtual now, so idle gaps are real.
+
+When the loop falls behind (the process does not get the CPU it needs: other jobs on its cores, a container CPU
+limit, VM steal), the policy is *release as soon as possible, deadlines stay absolute*: a step whose deadline has
+passed is released at once, with no wait and no spin toward it (``_sleep_until`` returns straight away), the read
+window before the next step is skipped (``read_window_s`` subtracts the lag), and the next step keeps its place on
+the virtual clock. Lateness therefore does not accumulate inside a step, but the virtual clock keeps running: a
+loop behind by L seconds stays behind until steps compute faster than they simulate, and every token in between
+goes out up to L late. Nothing is dropped or re-timed. Each release's lateness is observed once per step
+(``observe_release``): ``kernelsight:release_lateness_seconds`` and ``kernelsight:virtual_clock_lag_seconds`` in
+/metrics, and a rate-limited warning on the ``kernelsight.server`` logger (``server/lateness.py``,
+``--lateness-warn-ms``).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
+from kernelsight.server.lateness import LatenessWatch
 from kernelsight.server.metrics import EngineMetrics
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
@@ -205,7 +217,8 @@ class EngineBridge:
     """Drives one simulated engine in real time (scaled by ``time_scale``)."""
 
     def __init__(self, config: EngineConfig, tokenizer: ServerTokenizer, metrics: EngineMetrics | None = None,
-                 time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0015) -> None:
+                 time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0015, *,
+                 lateness_warn_s: float = 0.05, engine_index: int = 0) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.config = config
@@ -227,10 +240,14 @@ class EngineBridge:
         self._closing = False
         self.num_steps = 0
         self.late_s_max = 0.0                 # worst lateness of a release vs its deadline
+        self.lateness = LatenessWatch(lateness_warn_s, str(engine_index))
+        self._released_v = 0.0                # virtual end of the last released step
         self.fast_writes = 0                  # chunks written by the engine loop (stream fast path)
         self.fast_handbacks = 0               # fast streams handed back to their handler (paused transport)
         self._busy_s = 0.0                    # running mean wall time of computing + rendering one step
         self._step_walls_s: deque[float] = deque([0.0], maxlen=8)   # wall durations of the last steps
+        if metrics is not None:
+            metrics.bind_clock_lag(self.virtual_clock_lag_s)
 
     # -- clock ----------------------------------------------------------------------------------
     def virtual_now(self) -> float:
@@ -238,6 +255,14 @@ class EngineBridge:
 
     def wall_of(self, virtual_s: float) -> float:
         return self._wall0 + virtual_s / self.time_scale
+
+    def virtual_clock_lag_s(self) -> float:
+        """Wall seconds the engine's virtual clock (the end of its latest computed step) trails wall time: 0 when
+        idle (nothing in flight, everything released) or when the step in flight is not due yet."""
+        eng = self.engine
+        if not eng.has_unfinished() and self._released_v >= eng.now_s:
+            return 0.0
+        return max(time.perf_counter() - self.wall_of(eng.now_s), 0.0)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -472,11 +497,20 @@ class EngineBridge:
                 time.sleep(min(rest, POLL_NAP_S))
                 if deadline - time.perf_counter() > FINAL_SPIN_S + POLL_NAP_S / 2:
                     await asyncio.sleep(0)
+        # no spin once the deadline has passed: a late loop releases at once (see the module docstring)
         while time.perf_counter() < deadline:
             pass
-        late = time.perf_counter() - deadline
-        if late > self.late_s_max:
-            self.late_s_max = late
+        now = time.perf_counter()
+        self.observe_release(now - deadline, now)
+
+    def observe_release(self, late_s: float, now_s: float) -> None:
+        """A step's tokens go out ``late_s`` wall seconds after their deadline, at ``now_s``: the worst lateness,
+        the /metrics histogram (one observation per step, none per token) and the warning's window."""
+        if late_s > self.late_s_max:
+            self.late_s_max = late_s
+        if self.metrics is not None:
+            self.metrics.on_release(late_s)
+        self.lateness.observe(late_s, now_s)
 
     async def _prepare(self, res: StepResult) -> list[Submission]:
         """Fast-path streams touched by this step render their chunk (nothing is observable until ``_flush``);
@@ -555,7 +589,7 @@ class EngineBridge:
         send their next request; at 256 streams it is ~1 ms of Python, so it goes in slices with a socket read
         between them (arrival stamps), as ``_prepare`` does."""
         self.num_steps += 1
-        end = res.end_s
+        end = self._released_v = res.end_s
         seqs = self._seqs
         subs = self._subs_of
         m = self.metrics

@@ -4,12 +4,17 @@ Every value comes from simulated state and the virtual clock (seconds of simulat
 wall time: under ``--time-scale k`` the histograms still read like the simulated deployment's.
 Each server has its own registry (so several replicas can live in one process); it also carries the
 process/platform/GC collectors that vLLM's default registry exposes.
+
+Two series are kernelsight's own (prefix ``kernelsight:``, same labels) and measure wall time instead: how late the
+engine loop released each step's tokens, and how far its virtual clock trails wall time. They tell when the timings
+above stopped being the simulated GPU's (a CPU-starved server releases tokens late).
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,6 +31,11 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+#: Release lateness: sub-ms jitter on a healthy server up to the minutes a starved one was seen to fall behind.
+LATENESS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0,
+                    120.0)
+RELEASE_LATENESS = "kernelsight:release_lateness_seconds"
+CLOCK_LAG = "kernelsight:virtual_clock_lag_seconds"
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
@@ -104,6 +114,16 @@ class ServerMetrics:
             "kv_computed": h("vllm:request_prefill_kv_computed_tokens",
                              "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
                              tok_buckets),
+            "lateness": h(RELEASE_LATENESS,
+                          "Wall seconds each engine step's tokens were released after the deadline the simulation "
+                          "meant (wall0 + virtual end of the step / time scale); one observation per step. Large "
+                          "values mean token timings no longer follow the simulated GPU (CPU starvation).",
+                          LATENESS_BUCKETS),
+            "clock_lag": g(CLOCK_LAG,
+                           "Wall seconds by which the engine's virtual clock (the end of its latest computed step, "
+                           "divided by the time scale) trails wall time at scrape time: max(0, (wall_now - wall0) - "
+                           "virtual_now / time_scale). 0 when idle or when the step in flight is not yet due; a few "
+                           "ms between steps; grows while the engine loop falls behind."),
         }
         cache_labels = sorted({k for info in cache_info for k in info}) + ["engine"]
         cache_gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", cache_labels,
@@ -142,13 +162,19 @@ class ServerMetrics:
 class EngineMetrics:
     """Hot-path helpers for one engine's labelled children."""
 
-    __slots__ = ("m", "_last_queries", "_last_hits", "_last_preemptions")
+    __slots__ = ("m", "_last_queries", "_last_hits", "_last_preemptions", "on_release")
 
     def __init__(self, children: dict[str, Any]) -> None:
         self.m = children
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
+        # one step released this late (wall s): the histogram's observe itself, bound once (hot path)
+        self.on_release: Callable[[float], None] = children["lateness"].observe
+
+    def bind_clock_lag(self, lag_s: Callable[[], float]) -> None:
+        """Compute ``kernelsight:virtual_clock_lag_seconds`` with ``lag_s()`` at each scrape (nothing per step)."""
+        self.m["clock_lag"].set_function(lag_s)
 
     def on_step(self, running: int, waiting: int, kv_usage: float, scheduled_tokens: int, generated_tokens: int,
                 prefix_queries: int, prefix_hits: int, preemptions: int) -> None:

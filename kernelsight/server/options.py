@@ -31,6 +31,7 @@ class ServerOptions:
     deadline_spin_us: float = 1500.0
     stream_fast_path: bool = True
     return_tokens_as_token_ids: bool = False
+    lateness_warn_ms: float = 50.0             # log when the recent p99 release lateness passes this; 0: never
 
 
 def env_allows_lora_updates() -> bool:

@@ -88,6 +88,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--disable-stream-fast-path", action="store_true",
                      help="render and write every streamed chunk from its request's handler task (the general "
                           "path) instead of from the engine loop at the step deadline")
+    sim.add_argument("--lateness-warn-ms", type=float, default=50.0,
+                     help="log a warning (at most one per 30 s per engine) when the p99 lateness of the last 10 s of "
+                          "token releases passes this many ms: timings then no longer follow the simulated GPU, "
+                          "usually from CPU starvation (default: 50; 0 = never)")
     sim.add_argument("--record-timings", action="store_true",
                      help="keep per-request virtual token times, served at GET /kernelsight/timings")
     ign = p.add_argument_group("accepted for compatibility (no effect in a simulation)")
@@ -156,5 +160,5 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         allow_runtime_lora_updating=env_allows_lora_updates(), data_parallel_size=ns.data_parallel_size,
         record_timings=ns.record_timings, deadline_spin_us=ns.deadline_spin_us,
         stream_fast_path=not ns.disable_stream_fast_path,
-        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids, lateness_warn_ms=ns.lateness_warn_ms,
         disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template)

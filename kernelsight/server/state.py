@@ -32,7 +32,8 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name, opts.data_parallel_size, self.max_model_len,
                                      [cache_info] * opts.data_parallel_size, opts.enable_lora, opts.max_loras)
         self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
-                                     opts.deadline_spin_us * 1e-6) for i in range(opts.data_parallel_size)]
+                                     opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
+                                     engine_index=i) for i in range(opts.data_parallel_size)]
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size
