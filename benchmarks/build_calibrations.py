@@ -1,12 +1,15 @@
 """Regenerate the bundled calibrations in ``kernelsight/profiles/calibration/`` from ``../shared/data``.
 
 * target-measured: a100-sxm, h100-sxm, l40s — fitted on every row of their shared kernel measurements.
-* cross-generation: every other bundled GPU — transferred from those three by the spec-driven rule
-  (:mod:`kernelsight.calibrate.fit.transfer`).
+* cross-generation: every other bundled GPU — transferred from those three (``CROSS_GENERATION_SOURCES``) by the
+  spec-driven rule (:mod:`kernelsight.calibrate.fit.transfer`).
+* target-measured from a GPU's own tables on top of its cross-generation prior: rtx-pro-6000
+  (``rtx_pro_6000_server``), as ``kernelsight calibrate fit`` does; rows of formats the model cannot price yet
+  (NVFP4) are left out and counted in the file's notes.
 
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
-    python benchmarks/build_calibrations.py [--data ../shared/data/kernels]
+    python benchmarks/build_calibrations.py [--data ../shared/data/kernels] [--only GPU ...]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernelsight.calibrate.evaluate import (  # noqa: E402
+    CROSS_GENERATION_SOURCES,
     SHARED_DATA_LICENCE,
     bundled_calibration_dir,
     default_fit_workers,
@@ -28,8 +32,18 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     measured_gpu_dirs,
 )
 from kernelsight.calibrate.fit.transfer import cross_generation_calibration  # noqa: E402
-from kernelsight.calibrate.measurements import read_measurements  # noqa: E402
-from kernelsight.profiles import list_hardware, load_hardware  # noqa: E402
+from kernelsight.calibrate.measurements import describe_skipped, read_measurements  # noqa: E402
+from kernelsight.profiles import list_hardware, load_hardware, read_calibration_file  # noqa: E402
+from kernelsight.simcore.calibration import Calibration  # noqa: E402
+from kernelsight.simcore.hardware import HardwareSpec  # noqa: E402
+
+_TARGET_NOTES = (
+    "target-measured tier: η per family/variant (and per vLLM kernel where several ran, picked by a "
+    "dispatch rule learned from the shapes) = bounded sigmoid of a quadratic in "
+    "spec-normalized log shape features, corrected by boosted residual trees (raw shape axes and "
+    "launch-grid work counts) and a residual lattice (raw shape axes); fitted by kernelsight "
+    "benchmarks/build_calibrations.py"
+)
 
 
 def _source_line(data_dir: Path) -> str:
@@ -41,36 +55,73 @@ def _source_line(data_dir: Path) -> str:
     return f"kernel measurements shared/data/kernels/{data_dir.name} ({src})"
 
 
+def _fit_own_tables(name: str, folder: Path, sources: list[tuple[Calibration, HardwareSpec]]) -> Calibration:
+    """Target-measured fit of one GPU on its own tables, on its cross-generation calibration as prior (fills in
+    what the tables do not measure); rows of unmodelled formats are left out and the count recorded."""
+    hw = load_hardware(name)
+    skipped: dict[str, int] = {}
+    tables = read_measurements(folder, skipped=skipped)
+    prior = cross_generation_calibration(hw, sources)
+    left_out = describe_skipped(skipped)
+    source = _source_line(folder)
+    if skipped:
+        counts = ", ".join(f"{n} {key}" for key, n in sorted(skipped.items()))
+        source += f"; {sum(skipped.values())} rows left out ({counts}: format not modelled yet)"
+    calib, _ = fit_target(tables, hw, source=source, licence=SHARED_DATA_LICENCE,
+                          workers=default_fit_workers(), prior=prior)
+    calib.notes = (
+        _TARGET_NOTES + f", on the cross-generation tier from {', '.join(c.hardware for c, _ in sources)} as prior"
+        + "".join(f"; {line}" for line in left_out)
+    )
+    for line in left_out:
+        print(f"{name}: {line}")
+    return calib
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
     ap.add_argument("-o", "--output-dir", type=Path, default=bundled_calibration_dir())
+    ap.add_argument("--only", action="append", metavar="GPU", default=None,
+                    help="write only this bundled GPU's file (repeatable); the cross-generation sources are then "
+                         "read from the bundled files instead of refitted")
     args = ap.parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    only = None if args.only is None else {load_hardware(g).name for g in args.only}
 
-    # every GPU folder of the schema whose name is a bundled profile (shared: A100, H100, L40S)
-    by_profile = {name: folder for folder, name in measured_gpu_dirs(args.data).items()}
-    measured = []
+    # every GPU folder of the schema whose name is a bundled profile: the cross-generation sources (A100, H100,
+    # L40S) are fitted alone; the rest (RTX PRO 6000) on their cross-generation prior from those sources
+    all_measured = {name: folder for folder, name in measured_gpu_dirs(args.data).items()}
+    by_profile = {n: f for n, f in all_measured.items() if n in CROSS_GENERATION_SOURCES}
+    on_prior = {n: f for n, f in all_measured.items() if n not in CROSS_GENERATION_SOURCES}
+    missing = set(CROSS_GENERATION_SOURCES) - set(by_profile)
+    if missing:
+        raise SystemExit(f"{args.data}: no tables of the cross-generation sources {sorted(missing)}")
+    measured: list[tuple[Calibration, HardwareSpec]] = []
     for name, folder in by_profile.items():
-        t0 = time.perf_counter()
         hw = load_hardware(name)
+        if only is not None and name not in only:   # the bundled file stands in for the fit it was written from
+            measured.append((read_calibration_file(args.output_dir / f"{name}.json"), hw))
+            continue
+        t0 = time.perf_counter()
         tables = read_measurements(args.data / folder)
         calib, _ = fit_target(
             tables, hw, source=_source_line(args.data / folder), licence=SHARED_DATA_LICENCE,
             workers=default_fit_workers(),   # as `kernelsight calibrate fit` does: the same file
         )
-        calib.notes = (
-            "target-measured tier: η per family/variant (and per vLLM kernel where several ran, picked by a "
-            "dispatch rule learned from the shapes) = bounded sigmoid of a quadratic in "
-            "spec-normalized log shape features, corrected by boosted residual trees (raw shape axes and "
-            "launch-grid work counts) and a residual lattice (raw shape axes); fitted by kernelsight "
-            "benchmarks/build_calibrations.py"
-        )
+        calib.notes = _TARGET_NOTES
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
         measured.append((calib, hw))
         print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")
+    for name, folder in on_prior.items():
+        if only is not None and name not in only:
+            continue
+        t0 = time.perf_counter()
+        calib = _fit_own_tables(name, args.data / folder, measured)
+        (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
+        print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")
     for name in list_hardware():
-        if name in by_profile:
+        if name in all_measured or (only is not None and name not in only):
             continue
         hw = load_hardware(name)
         calib = cross_generation_calibration(hw, measured)

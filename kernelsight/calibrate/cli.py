@@ -19,6 +19,7 @@ from kernelsight.calibrate import evaluate as ev
 from kernelsight.calibrate.measurements import (
     SWEEP_INFO_FILE,
     Table,
+    describe_skipped,
     read_measurements,
     read_sweep_info,
     read_table,
@@ -277,10 +278,20 @@ def measured_hardware(measurements: str | Path, hardware: str | None) -> tuple[H
     return _hardware(name), what
 
 
+def _read_priceable(measurements: str | Path) -> dict[str, Table]:
+    """The measurements minus rows of formats the model cannot price yet (e.g. NVFP4), one stderr line per
+    format left out: a real GPU's set often holds them, and they should not stop the rest being fitted."""
+    skipped: dict[str, int] = {}
+    tables = read_measurements(measurements, skipped=skipped)
+    for line in describe_skipped(skipped):
+        print(f"note: {line}", file=sys.stderr)
+    return tables
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     hw, what = measured_hardware(args.measurements, args.hardware)
     t0 = time.perf_counter()
-    tables = read_measurements(args.measurements)
+    tables = _read_priceable(args.measurements)
     calib, report = ev.fit_target(
         tables,
         hw,
@@ -307,7 +318,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     hw, _ = measured_hardware(args.measurements, args.hardware)
-    tables = read_measurements(args.measurements)
+    tables = _read_priceable(args.measurements)
     target = read_calibration_file(args.calibration) if args.calibration else None
     results = ev.evaluate_tiers(
         tables, hw, train_fraction=args.train_fraction, seed=args.seed, target_calibration=target,

@@ -59,9 +59,17 @@ def bundled_calibrations(tier: str | None = "target-measured") -> list[Calibrati
     return out
 
 
+#: The bundled target-measured GPUs the cross-generation tier transfers from. Pinned rather than "every bundled
+#: target-measured file" so that adding a GPU's own table (rtx-pro-6000) does not move every other GPU's
+#: cross-generation η: widening the sources is its own change, with its own accuracy check.
+CROSS_GENERATION_SOURCES: tuple[str, ...] = ("a100-sxm", "h100-sxm", "l40s")
+
+
 def cross_generation_for(hw: HardwareSpec, sources: Sequence[Calibration] | None = None) -> Calibration:
-    """Cross-generation calibration of ``hw`` from measured calibrations of *other* GPUs (default: bundled)."""
-    sources = list(sources) if sources is not None else bundled_calibrations("target-measured")
+    """Cross-generation calibration of ``hw`` from measured calibrations of *other* GPUs (default: the bundled
+    ones of :data:`CROSS_GENERATION_SOURCES`)."""
+    sources = list(sources) if sources is not None else [
+        c for c in bundled_calibrations("target-measured") if c.hardware in CROSS_GENERATION_SOURCES]
     pairs = [(c, load_hardware(c.hardware)) for c in sources]
     return cross_generation_calibration(hw, [(c, h) for c, h in pairs if h.name != hw.name])
 
