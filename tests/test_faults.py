@@ -203,6 +203,25 @@ async def test_best_of_is_an_ignored_extra_field(srv):
             assert r.status_code == 200 and len(r.json()["choices"]) == 1
 
 
+async def test_huge_tokenize_does_not_stall_the_server(srv):
+    """A stream in flight keeps its cadence while another client tokenizes a 2 MB prompt (/tokenize has no length
+    limit, as in vLLM). Before the fix the encode ran on the loop and the stream stalled ~2 s (4 s at 4 MB)."""
+    body = {"model": MODEL, "prompt": "steady", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as c:
+        async with c.stream("POST", CMPL, json=body) as r:
+            it = r.aiter_bytes()
+            await it.__anext__()                                   # the stream is running
+            big = asyncio.create_task(c.post(TOK, content=_j({"prompt": "hello world " * ((2 << 20) // 12)}),
+                                             headers=JSON))
+            gaps, last = [], time.monotonic()
+            async for _ in it:
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+            assert (await big).status_code == 200
+    assert max(gaps) < 0.5, f"the stream stalled {max(gaps):.1f} s behind one /tokenize"
+
+
 def test_bad_input_table_covers_every_route():
     assert {c[1] for c in CASES} == {CMPL, CHAT, TOK, DETOK}
     assert len({c[0] for c in CASES}) == len(CASES)
