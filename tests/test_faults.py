@@ -41,6 +41,12 @@ def gauges(text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in _GAUGE.finditer(text)}
 
 
+def generation_tokens(text: str) -> float:
+    m = re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+    assert m, "vllm:generation_tokens_total missing"
+    return float(m.group(1))
+
+
 async def wait_metrics_idle(c: httpx.AsyncClient, timeout_s: float = 15.0) -> dict[str, float]:
     """Poll /metrics until running = waiting = 0 and KV usage 0 (bounded); return the last gauges."""
     t_end = time.monotonic() + timeout_s
@@ -275,6 +281,7 @@ async def test_disconnect_storm(srv, n_bad, n_good):
                         "ignore_eos": True, "stream": True}
                 return await _disconnect_after(c, body, rng.randint(1, 5))
 
+        gen0 = generation_tokens((await c.get("/metrics")).text)
         bad_tasks = [asyncio.create_task(bad(i)) for i in range(n_bad)]
         good = await asyncio.gather(*[_read_stream(c, good_body) for _ in range(n_good)])
         seen = await asyncio.gather(*bad_tasks)
@@ -287,6 +294,9 @@ async def test_disconnect_storm(srv, n_bad, n_good):
             assert len(text_chunks) == 48
             assert [ch["choices"][0]["finish_reason"] for ch in text_chunks] == [None] * 47 + ["length"]
         await assert_serves_and_idle(srv, c)
+        # the disconnects aborted their requests: run to the end they would have made n_bad * 1500 tokens
+        generated = generation_tokens((await c.get("/metrics")).text) - gen0
+        assert generated < n_bad * 100 + n_good * 48 + 5, generated
 
 
 # -- 3. overload: more concurrent requests than --max-num-seqs -------------------------------------------------------
