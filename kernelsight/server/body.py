@@ -42,10 +42,14 @@ async def parse_body(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
         obj = loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        pos = getattr(exc, "pos", 0)
-        raise validation_error([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
-                                 "input": {}, "ctx": {"error": str(getattr(exc, "msg", exc))}}]) from None
+    except json.JSONDecodeError as exc:
+        raise validation_error([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                 "input": {}, "ctx": {"error": exc.msg}}]) from None
+    except (RecursionError, UnicodeDecodeError):
+        # FastAPI turns any other parse failure (deep nesting overflows json's C scanner; bytes that are not the
+        # detected encoding) into HTTPException(400, "There was an error parsing the body"), which vLLM's handler
+        # answers in its nested shape. A RecursionError used to escape as a bare 500 and drop the connection.
+        raise APIError("There was an error parsing the body", "Bad Request", 400) from None
     if not isinstance(obj, dict):
         raise validation_error([{"type": "model_attributes_type", "loc": ("body",),
                                  "msg": "Input should be a valid dictionary or object to extract fields from",
