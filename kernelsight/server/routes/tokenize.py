@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kernelsight.server.body import parse_body
 from kernelsight.server.errors import bad_request
-from kernelsight.server.prompts import normalize_messages
+from kernelsight.server.prompts import encode_prompt, normalize_messages
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from kernelsight.server.state import server_state
 from kernelsight.server.wire import json_response
 
 router = APIRouter()
-
-_OFF_LOOP_CHARS = 1 << 16
-
-
-async def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
-    """/tokenize has no length limit (as in vLLM), and encoding runs ~1 s per MB: on the loop, one huge prompt stalled
-    every stream for seconds. vLLM tokenizes in an executor; so do we, beyond 64 K characters only (small prompts
-    stay on the loop, as before)."""
-    if len(text) > _OFF_LOOP_CHARS:
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
-    return tok.encode(text, add_special_tokens)
 
 
 @router.post("/tokenize")
@@ -38,9 +25,10 @@ async def tokenize(request: Request) -> Response:
         text = tok.render_chat(normalize_messages(req.messages), req.add_generation_prompt,
                                req.continue_final_message, req.chat_template or state.opts.chat_template,
                                req.chat_template_kwargs)
-        ids = await _encode(tok, text, bool(req.add_special_tokens))
+        # no length limit on /tokenize (as in vLLM): a huge text is encoded off the loop, or every stream would stall
+        ids = await encode_prompt(tok, text, bool(req.add_special_tokens))
     elif req.prompt is not None:
-        ids = await _encode(tok, req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
+        ids = await encode_prompt(tok, req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
     else:
         raise bad_request("Either prompt or messages must be provided.")
     return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
