@@ -131,7 +131,7 @@ def _open_text(path: str | os.PathLike) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
-def _jsonl_objects(path: str | os.PathLike, label: str) -> Iterator[tuple[int, dict]]:
+def jsonl_objects(path: str | os.PathLike, label: str) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-blank line of a JSONL file (gzip or plain); bad lines raise with
     ``label`` and the line number."""
     with _open_text(path) as fh:
@@ -188,7 +188,7 @@ def trace_dataset(
         raise ValueError(f"synth_vocab_size must be > {_SYNTH_LOW_ID}, got {synth_vocab_size}")
 
     rows: list[tuple[int, int, int, int, list[int] | None]] = []  # (arrival_ns, lineno, in, out, ids)
-    for lineno, obj in _jsonl_objects(path, "trace"):
+    for lineno, obj in jsonl_objects(path, "trace"):
         arrival_ns = _req_int(obj, "arrival_time_ns", lineno, 0)
         n_in = _req_int(obj, "input_toks", lineno, 1)
         n_out = _req_int(obj, "output_toks", lineno, 1)
@@ -298,7 +298,7 @@ def custom_dataset(path: str | os.PathLike, num_prompts: int, tokenizer: _Encode
     ``output_tokens``; otherwise every request asks for ``output_len``. ``chat_template(prompt) -> str``
     wraps the prompt (vLLM applies the model's template unless ``--skip-chat-template``)."""
     out: list[SampleRequest] = []
-    for lineno, obj in _jsonl_objects(path, str(path)):
+    for lineno, obj in jsonl_objects(path, str(path)):
         if len(out) >= num_prompts:
             break
         if not isinstance(obj.get("prompt"), str):

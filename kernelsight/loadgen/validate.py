@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kernelsight.engine_args import create_engine_config
-from kernelsight.loadgen.datasets import SampleRequest, trace_dataset
+from kernelsight.loadgen.datasets import SampleRequest, jsonl_objects, trace_dataset
 from kernelsight.loadgen.fastforward import FastForwardResult, run_fast_forward
 from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.loadgen.plot import cdf_xy, line_chart_svg, page_html
@@ -103,20 +103,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def read_requests(path: str | Path) -> list[MeasuredRequest]:
     """``requests.jsonl``: one request per line, in file order; a one-line ValueError naming file and line."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ValueError(f"{path}: not found") from None
+    if not path.is_file():
+        raise ValueError(f"{path}: not found")
     out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path} line {lineno}: expected a JSON object")
+    for lineno, obj in jsonl_objects(path, str(path)):
         vals = []
         for key in _REQUEST_FIELDS:
             v = obj.get(key)
