@@ -150,7 +150,8 @@ def test_the_shared_rtx4090_run_replays_end_to_end_and_deterministically(shared_
     a, b, page = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "v.html"
     assert main(["validate", str(run), "--seed", "7", "--result-json", str(a), "--plot", str(page)]) == 0
     out = capsys.readouterr().out
-    for heading in ("latency (ms", "timeseries (", "simulated step time by kernel family", "rtx-4090"):
+    for heading in ("latency (ms", "timeseries (", "simulated step time by kernel family", "rtx-4090",
+                    "the measured work priced by the step model", "least-squares split"):
         assert heading in out
     result = json.loads(a.read_text())
     assert result["num_requests"] == 300 and result["config"]["seed"] == 7
@@ -160,6 +161,8 @@ def test_the_shared_rtx4090_run_replays_end_to_end_and_deterministically(shared_
     assert 5 <= len(result["timeseries"]["rows"]) <= 20
     assert {"measured_kv_cache_pct", "simulated_running"} <= set(result["timeseries"]["rows"][0])
     assert {r["family"] for r in result["breakdown"]} >= {"gemm", "attn_decode"}
+    busy = result["work_pricing"]["groups"][0]
+    assert busy["ticks"] == "busy, all" and busy["count"] >= 100 and 0.5 < busy["median"] < 2
     html = page.read_text()
     assert html.count("<svg") == 7 and "<script" not in html      # 3 CDFs + 4 timeseries
     assert main(["validate", str(run), "--seed", "7", "--result-json", str(b)]) == 0

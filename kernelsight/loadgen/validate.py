@@ -31,8 +31,9 @@ from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.loadgen.plot import cdf_xy, line_chart_svg, page_html
 from kernelsight.loadgen.report import format_table
 from kernelsight.loadgen.vllm_run import engine_args_from_run
+from kernelsight.loadgen.work_pricing import price_run_work
 from kernelsight.profiles import bundled_hardware_name
-from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.engine_config import EngineConfig, build_step_model
 
 __all__ = [
     "MeasuredRequest", "Run", "read_meta", "read_requests", "read_timeseries", "read_run", "run_hardware",
@@ -399,6 +400,8 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
         "run_summary": run_summary_rows(run.requests, res.records),
         "timeseries": {"bin_s": bin_s, "rows": ts_rows},
         "breakdown": breakdown_rows(res.breakdown_s),
+        "work_pricing": price_run_work(run.requests, run.timeseries, run.tick_s, build_step_model(config),
+                                       config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
         # wall-clock figures stay out: the result is identical for a seed
         "simulator": {k: v for k, v in stats.items() if k in ("num_steps", "num_preemptions", "prefix_cache_hit_rate",
                                                               "finish_reasons")},
@@ -442,6 +445,16 @@ def format_validation(result: Mapping[str, Any]) -> str:
     sim = result["simulator"]
     parts.append(f"{sim['num_steps']} steps, {sim['num_preemptions']} preemptions, prefix-cache hit rate "
                  f"{100 * sim['prefix_cache_hit_rate']:.1f}%")
+    wp = result.get("work_pricing")
+    if wp and wp["groups"][0]["count"]:
+        parts += ["", "the measured work priced by the step model (simulated GPU seconds per measured second, on "
+                      "ticks the GPU was busy throughout; < 1: the step is priced too fast for that work):",
+                  format_table(wp["groups"], ["ticks", "count", "mean", "median", "std"], float_fmt=".3f")]
+        if wp["split"]:
+            sp = wp["split"]
+            parts.append(f"least-squares split over {sp['ticks']} ticks: tick time = {sp['decode_scale']:.3f} x priced "
+                         f"decode + {sp['prefill_scale']:.3f} x priced prefill (rms residual "
+                         f"{sp['rms_residual_s']:.3f} s)")
     return "\n".join(parts)
 
 
