@@ -11,6 +11,7 @@ from typing import Any
 
 from kernelsight.argtypes import OneLineParser
 from kernelsight.engine_args import add_engine_args, create_engine_config, engine_args_from
+from kernelsight.profiles.accuracy import describe_expected_error, expected_error
 
 __all__ = ["build_parser", "main"]
 
@@ -64,12 +65,14 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         "kernel_time_breakdown": {f: {"seconds": round(s, 6), "fraction": round(s / busy, 5)}
                                   for f, s in res.breakdown_s.items()},
         "simulator": res.simulator_stats(),
+        "expected_error_pct": expected_error(config.summary()["calibration_tier"]),
     }
     result = assemble_result(header, stats, res.records, detailed=ns.save_detailed, extra=extra)
 
     s = config.summary()
     print(f"kernelsight simulate: {s['model']} on {s['hardware']} (TP {s['tensor_parallel_size']}, "
           f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {s['calibration_tier']})")
+    print(f"  {describe_expected_error(s['calibration_tier'])}")
     print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens = {s['kv_cache_tokens']} tokens; "
           f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, "
           f"max_model_len {s['max_model_len']}")

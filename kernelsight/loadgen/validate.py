@@ -33,6 +33,7 @@ from kernelsight.loadgen.report import format_table
 from kernelsight.loadgen.vllm_run import engine_args_from_run
 from kernelsight.loadgen.work_pricing import price_run_work
 from kernelsight.profiles import bundled_hardware_name
+from kernelsight.profiles.accuracy import describe_expected_error, expected_error
 from kernelsight.simcore.engine_config import EngineConfig, build_step_model
 
 __all__ = [
@@ -400,6 +401,7 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
         "run_summary": run_summary_rows(run.requests, res.records),
         "timeseries": {"bin_s": bin_s, "rows": ts_rows},
         "breakdown": breakdown_rows(res.breakdown_s),
+        "expected_error_pct": expected_error(config.summary()["calibration_tier"]),
         "work_pricing": price_run_work(run.requests, run.timeseries, run.tick_s, build_step_model(config),
                                        config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
         # wall-clock figures stay out: the result is identical for a seed
@@ -433,7 +435,7 @@ def format_validation(result: Mapping[str, Any]) -> str:
     ts_rows = [{"t_s": f"{r['t_start_s']:g}-{r['t_end_s']:g}",
                 **{f"{_TS_LABELS.get(n, n)} {side}": r[f"{pre}_{n}"] for n in names
                    for side, pre in (("meas", "measured"), ("sim", "simulated"))}} for r in ts["rows"]]
-    parts = [header_line(result), "",
+    parts = [header_line(result), describe_expected_error(result["config"]["calibration_tier"]), "",
              "latency (ms; error = simulated vs measured, %; the run records first and last token times only, so "
              "of ITL only the mean is measured):",
              format_table(result["latency"], ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]), "",

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from kernelsight.profiles.accuracy import describe_expected_error
 from kernelsight.server.serve_args import SERVE_DESCRIPTION, SERVE_HELP, add_serve_args, ignored_flags
 
 
@@ -34,6 +35,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     print(f"kernelsight serve: {s['model']} on {s['hardware']} (TP {s['tensor_parallel_size']}, calibration "
           f"{s['calibration_tier']}), time scale {ns.time_scale:g}; tokenizer: {tok.source.kind} ({tok.source.where})",
           file=sys.stderr)
+    print(f"kernelsight serve: {describe_expected_error(s['calibration_tier'])}", file=sys.stderr)
     print(f"GPU KV cache size: {s['kv_cache_tokens']:,} tokens, Maximum concurrency for {s['max_model_len']:,} tokens "
           f"per request: {s['max_concurrency']:.2f}x", file=sys.stderr)
     servers = []
