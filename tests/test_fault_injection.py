@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 
 from kernelsight.server.faults import (  # noqa: E402
     BUSY_MESSAGE,
+    LLM_D_FAULTS,
     REQUEST_FAULTS,
     TOKEN_BACKLOG_MESSAGE,
     FaultConfig,
@@ -350,6 +351,8 @@ def test_flags_and_llm_d_names():
     assert cfg("--fault-seed", "9", "--seed", "5").seed == 9
     c2 = cfg("--failure-injection-rate", "25", "--failure-types", "rate_limit", "server_error")
     assert (c2.rate, c2.types) == (0.25, ("429", "500"))
+    c3 = cfg("--failure-injection-rate", "10")                        # llm-d: no types = any of its error types
+    assert (c3.rate, c3.types) == (0.1, LLM_D_FAULTS) and not set(c3.types) & {"timeout", "stream-abort"}
     with pytest.raises(ValueError, match="unknown fault type"):
         cfg("--fault-types", "429,teapot")
     with pytest.raises(ValueError, match="not both"):

@@ -31,6 +31,8 @@ STATE_FAULTS = ("slow", "unready")
 FAULT_TYPES = REQUEST_FAULTS + STATE_FAULTS
 #: llm-d-inference-sim's names (``--failure-types``) for the types both have.
 ALIASES = {"rate_limit": "429", "server_error": "500"}
+#: llm-d-inference-sim's failure types (all error answers), in our names.
+LLM_D_FAULTS = ("429", "invalid_api_key", "context_length", "500", "invalid_request", "model_not_found")
 #: Faults that let the request into the engine and break its answer there (the rest never reach the engine).
 IN_ENGINE_FAULTS = ("stream-abort", "stream-stall")
 FAULT_HEADER = "x-kernelsight-fault"

@@ -10,7 +10,7 @@ import os
 
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args
-from kernelsight.server.faults import REQUEST_FAULTS, FaultConfig, parse_types
+from kernelsight.server.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
 from kernelsight.server.options import ServerOptions, env_allows_lora_updates
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
@@ -154,7 +154,8 @@ def fault_config_from(ns: argparse.Namespace) -> FaultConfig:
     items = (ns.fault_types or []) + (ns.failure_types or [])
     types = parse_types(items)
     if not items and rate:
-        types = REQUEST_FAULTS           # a rate without types: any per-request fault
+        # a rate without types: any per-request fault; llm-d-inference-sim's flag means any of its own (error) types
+        types = LLM_D_FAULTS if ns.failure_injection_rate is not None else REQUEST_FAULTS
     return FaultConfig(rate=rate or 0.0, types=types, seed=ns.seed if ns.fault_seed is None else ns.fault_seed,
                        slow_factor=ns.fault_slow_factor, stall_s=ns.fault_stall_s, timeout_s=ns.fault_timeout_s)
 
