@@ -114,6 +114,7 @@ ERRORS = [  # (header, status, type, exact message or None, param)
 async def test_error_fault_as_client_sees_it(srv, c, header, status, etype, msg, param, chat, stream):
     canonical = {"rate_limit": "429", "server_error": "500"}.get(header, header)
     before = await injected(c)
+    m0 = (await c.get("/metrics")).text
     r = await c.post(CHAT if chat else CMPL, json=body(stream, chat=chat), headers={"X-Kernelsight-Fault": header})
     assert r.status_code == status
     assert r.headers["content-type"].startswith("application/json")    # before any stream: a plain error answer
@@ -126,6 +127,10 @@ async def test_error_fault_as_client_sees_it(srv, c, header, status, etype, msg,
     assert after[canonical] == before[canonical] + 1
     assert sum(after.values()) == sum(before.values()) + 1
     await assert_engine_clean(srv, c)
+    # it never reached the engine: vLLM's request series did not move
+    m1 = (await c.get("/metrics")).text
+    for name in ("vllm:request_params_n_count", "vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_count"):
+        assert metric(m1, name) == metric(m0, name), name
 
 
 async def test_invalid_api_key_fault_is_vllms_401(srv, c):
@@ -426,3 +431,21 @@ async def test_max_num_queued_tokens_rejects_while_the_backlog_is_full(limited):
                                           "param": None, "code": 503}}
             assert _rejections((await c.get("/metrics")).text, "max_num_queued_tokens") - rej0 == 1
         await assert_engine_clean(limited, c)
+
+
+async def test_admission_counts_every_data_parallel_engine():
+    """--max-num-queued-reqs is the API server's limit over all DP ranks (vLLM checks it in the frontend)."""
+    import contextlib
+
+    with ServerThread(["--max-model-len", "2048", "--seed", "0", "--data-parallel-size", "2", "--max-num-queued-reqs",
+                       "2", "--num-gpu-blocks-override", "200", "--served-model-name", MODEL]) as s:
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=TIMEOUT,
+                                     limits=httpx.Limits(max_connections=None)) as c:
+            async with contextlib.AsyncExitStack() as stack:
+                for i in range(2):
+                    assert (await _open(c, stack, [40 + i] * 5)).status_code == 200
+                assert s.call(lambda: [b.num_unfinished for b in s.state.bridges]) == [1, 1]    # one per engine
+                r = await c.post(CMPL, json={"prompt": [9] * 5, "max_tokens": 2})
+                assert r.status_code == 503 and r.json()["error"]["message"] == BUSY_MESSAGE
+            r = await c.post(CMPL, json={"prompt": [9] * 5, "max_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200
