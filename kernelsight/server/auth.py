@@ -8,7 +8,8 @@ from fastapi.responses import JSONResponse
 
 from kernelsight.server.options import ServerOptions
 
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+#: vLLM's guarded prefixes, plus kernelsight's fault settings (they turn the replica bad: not for anyone to change)
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/kernelsight/faults")
 
 
 def add_api_key_auth(app: FastAPI, opts: ServerOptions) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
 from kernelsight.server.lateness import LatenessWatch
 from kernelsight.server.metrics import EngineMetrics
+from kernelsight.server.step_scale import ScaledStepModel
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
@@ -289,6 +290,20 @@ class EngineBridge:
     @property
     def num_unfinished(self) -> int:
         return len(self._seqs)
+
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens of the sequences that have no token out yet (vLLM's admission count: the whole prompt,
+        chunks already computed and prefix hits included)."""
+        return sum(s.req.prompt_len for s in self._seqs.values() if s.released == 0 and s.req is not None)
+
+    def set_step_time_factor(self, factor: float) -> None:
+        """Every step computed from now on takes ``factor`` times its simulated time (the "slow" fault)."""
+        eng = self.engine
+        if not isinstance(eng.step_model, ScaledStepModel):
+            if factor == 1.0:
+                return
+            eng.step_model = ScaledStepModel(eng.step_model)
+        eng.step_model.factor = factor
 
     @property
     def is_running(self) -> bool:

@@ -19,10 +19,17 @@ from fastapi.responses import Response
 
 from kernelsight.server.bridge import EngineBridge, Seq, Submission, admission_done
 from kernelsight.server.errors import APIError, bad_request, sse_error_event
-from kernelsight.server.fastpath import RECV_KEY, FastStream
+from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream
+from kernelsight.server.faults import (
+    FAULT_HEADER,
+    IN_ENGINE_FAULTS,
+    UNAUTHORIZED_BODY,
+    drop_connection,
+    request_fault_error,
+)
 from kernelsight.server.logprobs import MAX_LOGPROBS
 from kernelsight.server.protocol.version import MAX_STOP_STRINGS
-from kernelsight.server.sse import SSEResponse, await_or_disconnect
+from kernelsight.server.sse import SSEResponse, await_or_disconnect, watch_disconnect
 from kernelsight.server.state import ServerState
 from kernelsight.server.wire import dumps, json_response
 
@@ -282,6 +289,13 @@ class Generation:
         self.prompts = prompts
         if bad_len is not None:   # streaming: the engine-side check surfaces as an in-stream error
             return SSEResponse(self._error_stream(self._decoder_prompt_error(bad_len)), self.headers)
+        fault = self._decide_fault()
+        if fault is not None and fault not in IN_ENGINE_FAULTS:
+            return await self._fail_before_engine(fault)
+        self.state.check_admission(len(prompts) * req.n)
+        self.fault = fault
+        self._fault_at = max(1, limits[0] // 2)       # stream-abort / stream-stall strike half-way
+        self._raw_send = self.request.scope.get(RAW_SEND_KEY)
         extra = ("lora", self.lora) if self.lora else None
         if req.cache_salt:
             extra = (*(extra or ()), "cache_salt", req.cache_salt)
@@ -293,18 +307,82 @@ class Generation:
         self.views = [_SeqView(s, self.stops, req.include_stop_str_in_output) for s in sub.seqs]
         if req.stream:
             self._text_lens = [0] * len(self.views)      # vLLM's previous_text_lens: generated text only
+            if fault is not None:        # the general path, where the stream can be cut or paused between chunks
+                return SSEResponse(self._faulted_stream(bridge, sub), self.headers)
             fast = FastStream(self, bridge, sub) if self._fast_eligible() else None
             return SSEResponse(self._stream(bridge, sub), self.headers, fast)
+        if fault == "stream-abort":
+            v0 = self.views[0]
+            if await await_or_disconnect(self.request, sub, bridge, until=lambda: v0.seq.released >= self._fault_at):
+                bridge.abort(sub)            # the engine frees the request's blocks; the client gets no answer
+                drop_connection(self._raw_send)
+            return Response(status_code=499)
         try:
             ok = await await_or_disconnect(self.request, sub, bridge)
         except asyncio.CancelledError:
             raise
         if not ok:
             return Response(status_code=499)
+        if fault == "stream-stall":
+            await asyncio.sleep(self.state.faults.config.stall_s)     # the answer is late by the stall
         for v in self.views:
             v.advance(bridge)
         bridge.release(sub)
         return json_response(self._full_response(), headers=self.headers)
+
+    # -- fault injection (server/faults.py) -----------------------------------------------------------------
+    def _decide_fault(self) -> str | None:
+        """This request's injected fault (counted), from its X-Kernelsight-Fault header or the seeded picker."""
+        faults = self.state.faults
+        try:
+            fault = faults.decide(self.request.headers.get(FAULT_HEADER))
+        except ValueError as exc:
+            raise bad_request(f"X-Kernelsight-Fault: {exc}") from None
+        if fault is not None:
+            faults.on_inject(fault)
+        if faults.config.slow:
+            faults.on_inject("slow")
+        return fault
+
+    async def _fail_before_engine(self, fault: str) -> Response:
+        """The faults that never reach the engine: an error answer, or (timeout) no answer at all."""
+        if fault == "timeout":
+            # vLLM has no request timeout: a hung replica simply never answers, and the client's (or the router's)
+            # own timeout decides. Held until the client leaves, at most timeout_s; then the connection is closed
+            # with nothing sent, as when an idle-timeout middlebox or a dying replica cuts it.
+            admission_done(self.request.scope)
+            raw_send = self.request.scope.get(RAW_SEND_KEY)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(watch_disconnect(self.request.receive), self.state.faults.config.timeout_s)
+            drop_connection(raw_send)
+            return Response(status_code=499)        # unsent: the connection is gone
+        if fault == "invalid_api_key":
+            return json_response(UNAUTHORIZED_BODY, 401)
+        err = request_fault_error(fault, self.model, self.state.max_model_len, self.state.opts.served_model_names)
+        assert err is not None, fault
+        raise err
+
+    async def _faulted_stream(self, bridge: EngineBridge, sub: Submission) -> AsyncIterator[str]:
+        """The general stream path with a stream-abort (the connection closes half-way, no [DONE]: the request is
+        aborted in the engine) or a stream-stall (nothing is sent for stall_s half-way; the engine keeps
+        generating, and what it made meanwhile goes out at once after the pause)."""
+        inner = self._stream(bridge, sub)
+        v0 = self.views[0]
+        struck = False
+        try:
+            async for text in inner:
+                if not struck and (v0.consumed >= self._fault_at or self.tail_done):
+                    struck = True
+                    if self.fault == "stream-abort":
+                        break            # this chunk is never sent
+                    yield text
+                    await asyncio.sleep(self.state.faults.config.stall_s)
+                    continue
+                yield text
+        finally:
+            await inner.aclose()         # not run to its end: aborts the request in the engine (frees its blocks)
+        if struck and self.fault == "stream-abort":
+            drop_connection(self._raw_send)
 
     def _priority(self) -> int:
         hdr = self.request.headers.get("x-vllm-priority")

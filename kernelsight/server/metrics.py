@@ -36,6 +36,8 @@ LATENESS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
                     120.0)
 RELEASE_LATENESS = "kernelsight:release_lateness_seconds"
 CLOCK_LAG = "kernelsight:virtual_clock_lag_seconds"
+INJECTED_FAULTS = "kernelsight:injected_faults"
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
@@ -56,7 +58,7 @@ class ServerMetrics:
     """One registry; per-engine children labelled ``model_name`` and ``engine``."""
 
     def __init__(self, model_name: str, num_engines: int, max_model_len: int, cache_info: list[dict[str, Any]],
-                 lora_enabled: bool = False, max_loras: int = 1) -> None:
+                 lora_enabled: bool = False, max_loras: int = 1, fault_types: tuple[str, ...] = ()) -> None:
         self.registry = reg = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
@@ -140,12 +142,41 @@ class ServerMetrics:
             self.engines.append(EngineMetrics(children))
             info = cache_info[min(i, len(cache_info) - 1)]
             cache_gauge.labels(**{k: str(info.get(k, "")) for k in cache_labels if k != "engine"}, engine=eng).set(1)
+        # admission limits (--max-num-queued-reqs / --max-num-queued-tokens) as vLLM 0.33 counts them: per model,
+        # no engine label; and every fault kernelsight injected, by type (both pre-created at 0)
+        self.admission_rejections = Counter("vllm:admission_rejections", "Requests rejected by admission control.",
+                                            ["model_name", "reason"], registry=reg)
+        for reason in ADMISSION_REASONS:
+            self.admission_rejections.labels(model_name, reason)
+        self.injected_faults = Counter(INJECTED_FAULTS, "Faults injected by kernelsight's fault injection "
+                                       "(--fault-rate / X-Kernelsight-Fault / POST /kernelsight/faults), by type: "
+                                       "per-request faults once per request, 'unready' once per failed /health or "
+                                       "/ping, 'slow' once per request admitted while the replica is slow.",
+                                       ["model_name", "type"], registry=reg)
+        self._model_name = model_name
+        for t in fault_types:
+            self.injected_faults.labels(model_name, t)
         self.lora_gauge: Gauge | None = None
         self.max_loras = max_loras
         if lora_enabled:
             self.lora_gauge = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg)
         self._lora_last: tuple[str, str] | None = None
+
+    def on_admission_rejected(self, reason: str) -> None:
+        self.admission_rejections.labels(self._model_name, reason).inc()
+
+    def on_fault(self, fault_type: str) -> None:
+        self.injected_faults.labels(self._model_name, fault_type).inc()
+
+    def faults_injected(self) -> dict[str, int]:
+        """Injected faults so far, by type (``kernelsight:injected_faults_total``)."""
+        out = {}
+        for metric in self.injected_faults.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["type"]] = int(sample.value)
+        return out
 
     def set_lora_state(self, waiting: list[str], running: list[str]) -> None:
         if self.lora_gauge is None:

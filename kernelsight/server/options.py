@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kernelsight.server.faults import FaultConfig
+
 
 @dataclass
 class ServerOptions:
@@ -32,6 +34,9 @@ class ServerOptions:
     stream_fast_path: bool = True
     return_tokens_as_token_ids: bool = False
     lateness_warn_ms: float = 50.0             # log when the recent p99 release lateness passes this; 0: never
+    faults: FaultConfig = field(default_factory=FaultConfig)      # fault injection (off by default)
+    max_num_queued_reqs: int | None = None     # vLLM 0.33's admission limits (None: unlimited)
+    max_num_queued_tokens: int | None = None
 
 
 def env_allows_lora_updates() -> bool:

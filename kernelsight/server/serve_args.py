@@ -10,6 +10,7 @@ import os
 
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args
+from kernelsight.server.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
 from kernelsight.server.options import ServerOptions, env_allows_lora_updates
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
@@ -74,6 +75,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="adapters known at start (NAME=PATH or JSON {\"name\":..,\"path\":..}); nothing is read")
     s.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                    help="N engines behind one endpoint, balanced as vLLM does (metrics engine=\"0\"..)")
+    s.add_argument("--max-num-queued-reqs", type=positive_int, default=None,
+                   help="reject a request with 503 when unfinished requests (waiting + running, n counts n) would "
+                        "exceed this, as vLLM 0.33 (default: no limit)")
+    s.add_argument("--max-num-queued-tokens", type=positive_int, default=None,
+                   help="reject a request with 503 while the prompts of requests still in prefill total at least "
+                        "this many tokens, as vLLM 0.33 (default: no limit)")
     sim = p.add_argument_group("simulator")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="virtual seconds per wall second (default: 1 = real time; 10 = ten times faster)")
@@ -94,6 +101,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                           "usually from CPU starvation (default: 50; 0 = never)")
     sim.add_argument("--record-timings", action="store_true",
                      help="keep per-request virtual token times, served at GET /kernelsight/timings")
+    f = p.add_argument_group("fault injection (off by default; GET/POST /kernelsight/faults changes it live)")
+    f.add_argument("--fault-rate", type=_unit_fraction, default=None,
+                   help="probability that a completion or chat request gets one of the per-request --fault-types "
+                        "(default: 0)")
+    f.add_argument("--fault-types", nargs="+", default=None, metavar="TYPE",
+                   help="comma- or space-separated: per-request 429, 500, 503, timeout, stream-abort, stream-stall, "
+                        "invalid_api_key, context_length, invalid_request, model_not_found (the rate picks among "
+                        "them); replica states slow, unready (on while listed, whatever the rate). Default with "
+                        "--fault-rate: every per-request type")
+    f.add_argument("--fault-seed", type=int, default=None, help="seed of the per-request picks (default: --seed)")
+    f.add_argument("--fault-slow-factor", type=float, default=4.0,
+                   help="'slow' multiplies every simulated step time by this (default: 4)")
+    f.add_argument("--fault-stall-s", type=float, default=5.0,
+                   help="wall seconds a 'stream-stall' pauses its stream half-way (default: 5)")
+    f.add_argument("--fault-timeout-s", type=float, default=60.0,
+                   help="wall seconds a 'timeout' request is held unanswered before its connection is dropped "
+                        "(default: 60)")
+    # llm-d-inference-sim's names, for suites written against it: a rate in percent, its failure type names
+    f.add_argument("--failure-injection-rate", type=float, default=None, help=argparse.SUPPRESS)
+    f.add_argument("--failure-types", nargs="+", default=None, help=argparse.SUPPRESS)
     ign = p.add_argument_group("accepted for compatibility (no effect in a simulation)")
     taken = set(p._option_string_actions)   # engine flags grow over time: never shadow a real one
     for flag in IGNORED_VALUE_FLAGS:
@@ -108,6 +135,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help=argparse.SUPPRESS)
     ign.add_argument("-O", nargs="?", const=True, default=None, dest=_ignored_dest("--compilation-config"),
                      help=argparse.SUPPRESS)
+
+
+def _unit_fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
+def fault_config_from(ns: argparse.Namespace) -> FaultConfig:
+    """The fault settings of parsed ``serve`` flags (ValueError on a bad type or value)."""
+    rate = ns.fault_rate
+    if ns.failure_injection_rate is not None:
+        if rate is not None:
+            raise ValueError("give --fault-rate or --failure-injection-rate, not both")
+        rate = ns.failure_injection_rate / 100.0
+    items = (ns.fault_types or []) + (ns.failure_types or [])
+    types = parse_types(items)
+    if not items and rate:
+        # a rate without types: any per-request fault; llm-d-inference-sim's flag means any of its own (error) types
+        types = LLM_D_FAULTS if ns.failure_injection_rate is not None else REQUEST_FAULTS
+    return FaultConfig(rate=rate or 0.0, types=types, seed=ns.seed if ns.fault_seed is None else ns.fault_seed,
+                       slow_factor=ns.fault_slow_factor, stall_s=ns.fault_stall_s, timeout_s=ns.fault_timeout_s)
 
 
 def serve_parser(prog: str = "kernelsight serve") -> OneLineParser:
@@ -161,4 +211,5 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         record_timings=ns.record_timings, deadline_spin_us=ns.deadline_spin_us,
         stream_fast_path=not ns.disable_stream_fast_path,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids, lateness_warn_ms=ns.lateness_warn_ms,
-        disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template)
+        disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template, faults=fault_config_from(ns),
+        max_num_queued_reqs=ns.max_num_queued_reqs, max_num_queued_tokens=ns.max_num_queued_tokens)

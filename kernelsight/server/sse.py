@@ -73,11 +73,13 @@ class SSEResponse(Response):
                 await self.gen.aclose()
 
 
-async def await_or_disconnect(request: Request, sub: Submission, bridge: EngineBridge) -> bool:
-    """Wait for a non-streaming submission; False (and the request aborted) if the client went away."""
+async def await_or_disconnect(request: Request, sub: Submission, bridge: EngineBridge,
+                              until: Callable[[], bool] | None = None) -> bool:
+    """Wait for a non-streaming submission (or, with ``until``, for that to hold after a release); False (and the
+    request aborted) if the client went away."""
     watcher = asyncio.create_task(watch_disconnect(request.receive))
     try:
-        while not sub.done:
+        while not sub.done and not (until is not None and until()):
             waiter = asyncio.create_task(sub.event.wait())
             done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher in done:

@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import Request
 
 from kernelsight.server.bridge import EngineBridge
-from kernelsight.server.errors import not_found
+from kernelsight.server.errors import APIError, not_found
+from kernelsight.server.faults import BUSY_MESSAGE, FAULT_TYPES, TOKEN_BACKLOG_MESSAGE, FaultConfig, FaultInjector
 from kernelsight.server.logprobs import LogprobSynth
 from kernelsight.server.metrics import ServerMetrics
 from kernelsight.server.options import ServerOptions
@@ -30,7 +31,8 @@ class ServerState:
         self.loras: dict[str, str] = dict(opts.lora_modules)
         cache_info = _cache_config_info(config)
         self.metrics = ServerMetrics(self.model_name, opts.data_parallel_size, self.max_model_len,
-                                     [cache_info] * opts.data_parallel_size, opts.enable_lora, opts.max_loras)
+                                     [cache_info] * opts.data_parallel_size, opts.enable_lora, opts.max_loras,
+                                     fault_types=FAULT_TYPES)
         self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
                                      opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
                                      engine_index=i) for i in range(opts.data_parallel_size)]
@@ -42,6 +44,32 @@ class ServerState:
                             + f"-{digest}")
         self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
         self.logprobs = LogprobSynth(tok)
+        self.faults = FaultInjector(opts.faults, self.metrics.on_fault)
+        self.apply_replica_faults()
+
+    def configure_faults(self, config: FaultConfig, reseed: bool) -> None:
+        """New fault settings, live (the admin endpoint): the picker, and the replica states at once."""
+        self.faults.configure(config, reseed)
+        self.apply_replica_faults()
+
+    def apply_replica_faults(self) -> None:
+        cfg = self.faults.config
+        for b in self.bridges:
+            b.set_step_time_factor(cfg.slow_factor if cfg.slow else 1.0)
+
+    def check_admission(self, n: int) -> None:
+        """vLLM 0.33's admission limits (``AsyncLLM.check_admission``): 503 when ``n`` more sequences would take
+        the unfinished ones (waiting + running, over every engine) past --max-num-queued-reqs, or while the prompts
+        still in prefill total at least --max-num-queued-tokens."""
+        opts = self.opts
+        if opts.max_num_queued_reqs is not None:
+            if sum(b.num_unfinished for b in self.bridges) + n > opts.max_num_queued_reqs:
+                self.metrics.on_admission_rejected("max_num_queued_reqs")
+                raise APIError(BUSY_MESSAGE, "Service Unavailable", 503)
+        if opts.max_num_queued_tokens is not None:
+            if sum(b.num_prefill_tokens() for b in self.bridges) >= opts.max_num_queued_tokens:
+                self.metrics.on_admission_rejected("max_num_queued_tokens")
+                raise APIError(TOKEN_BACKLOG_MESSAGE, "Service Unavailable", 503)
 
     def pick_bridge(self, request: Request) -> EngineBridge:
         """vLLM's DP balancing: the engine with the lowest waiting·4 + running, or X-data-parallel-rank."""

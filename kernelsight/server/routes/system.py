@@ -15,7 +15,11 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    ok = all(b.is_running for b in server_state(request).bridges)
+    state = server_state(request)
+    if state.faults.config.unready:     # injected: answered as vLLM answers when its engine is dead
+        state.metrics.on_fault("unready")
+        return Response(status_code=503)
+    ok = all(b.is_running for b in state.bridges)
     return Response(status_code=200 if ok else 503)
 
 
