@@ -72,8 +72,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-loras", type=positive_int, default=1, help="adapters per batch (reported in metrics)")
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="adapters known at start (NAME=PATH or JSON {\"name\":..,\"path\":..}); nothing is read")
-    s.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
-                   help="N engines behind one endpoint, balanced as vLLM does (metrics engine=\"0\"..)")
     sim = p.add_argument_group("simulator")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="virtual seconds per wall second (default: 1 = real time; 10 = ten times faster)")
