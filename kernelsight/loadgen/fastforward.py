@@ -94,7 +94,9 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        run = _run if config.args.data_parallel_size == 1 else _run_group
+        # one rank of a group served on its own (--data-parallel-rank) is a single engine
+        single = config.args.data_parallel_size == 1 or config.args.data_parallel_rank is not None
+        run = _run if single else _run_group
         return run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0, on_finished)
     finally:
         if gc_was_enabled:
