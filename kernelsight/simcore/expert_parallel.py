@@ -10,7 +10,7 @@ reach their experts:
   (dispatch) and reduce-scatters (or, naive, all-reduces) the expert outputs back (combine); the message is the
   whole group's rows × hidden.
 * the all-to-all kernels (DeepEP, pplx, MoRI, NIXL-EP, FlashInfer): each token travels only to the ranks of its
-  top-k experts and back; the message is rows × top-k × hidden per rank.
+  top-k experts (once per rank) and back; the message is rows × (ranks a token reaches) × hidden per rank.
 
 Costs come from the calibration's collective curves (measured ``all_gather`` / ``reduce_scatter`` /
 ``all_to_all`` rows where the comm tables have them) and are never below bus bytes / link bandwidth
@@ -50,9 +50,10 @@ def dispatch_combine_messages(backend: str, model: ModelSpec, rows_per_rank: int
     if backend in _GATHER_BACKENDS:
         gathered = float(rows_per_rank * ep_size * row_bytes)
         return ("all_gather", gathered), ("all_reduce" if backend == "naive" else "reduce_scatter", gathered)
-    # an all-to-all kernel moves each token to the ranks of its top-k experts (and back): k copies of its row
-    # leave the rank, (ep−1)/ep of them to other ranks (comm_bus_factor accounts for that share)
-    exchanged = float(rows_per_rank * model.experts_per_token * row_bytes)
+    # an all-to-all kernel sends a token's row once to each rank holding one of its top-k experts (and back):
+    # ep·(1 − (1 − 1/ep)^k) ranks on average under uniform routing; comm_bus_factor takes out the local share
+    ranks_per_token = ep_size * (1.0 - (1.0 - 1.0 / ep_size) ** model.experts_per_token)
+    exchanged = float(rows_per_rank * ranks_per_token * row_bytes)
     return ("all_to_all", exchanged), ("all_to_all", exchanged)
 
 
