@@ -13,10 +13,11 @@ from kernelsight.loadgen.fastforward import run_fast_forward
 from kernelsight.loadgen.validate import format_validation, validate_run
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.comm import comm_bus_factor
-from kernelsight.simcore.dp_group import DUMMY_BATCH, DPGroup, LockstepStepModel
+from kernelsight.simcore.dp_group import DUMMY_BATCH, DPGroup, GroupMoEStepModel, LockstepStepModel
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN
 from kernelsight.simcore.engine_config import EngineArgs, build_dp_group, build_engine
 from kernelsight.simcore.expert_parallel import ALL2ALL_BACKENDS, all2all_s, dispatch_combine_messages
+from kernelsight.simcore.step_model import StepModel
 
 DENSE = dict(model="meta-llama/Llama-3.1-8B", hardware="h100", max_model_len=4096, max_num_seqs=16,
              max_num_batched_tokens=1024)
@@ -237,3 +238,18 @@ def test_a_run_directory_of_a_dp2_ep_run_validates(tmp_path):
     assert sum(counts) == 12 and min(counts) >= 4         # a steady stream is shared between the ranks
     assert all(r.success for r in v.sim.records)
     assert "simulated data-parallel ranks" in format_validation(v.result)
+
+
+def test_one_rank_stepped_alone_prices_its_moe_as_the_groups_and_equals_a_lockstep_of_equal_ranks():
+    cfg, group = _moe_group()
+    alone = build_engine(cfg, per_token_events=False)
+    assert isinstance(alone.step_model, GroupMoEStepModel)
+    prompt = list(range(1, 301))
+    for rank in (0, 1):
+        group.add_request(f"r{rank}", prompt, 4, arrival_s=0.0, rank=rank)
+    alone.add_request("r", prompt, 4, arrival_s=0.0)
+    (_, lock), _ = group.step()
+    solo = alone.step()
+    assert solo.end_s == pytest.approx(lock.end_s, rel=1e-12)
+    plain = create_engine_config(EngineArgs(**MOE))      # one GPU: every expert local, no all-to-all
+    assert build_engine(plain).step_model.__class__ is StepModel

@@ -31,8 +31,9 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
     if config.model.is_moe and config.args.data_parallel_size > 1:
         # the bridges run one engine each against wall time; the lockstep group is fast-forward's (dp_group.py)
         logging.getLogger("kernelsight.serve").warning(
-            "data-parallel MoE: serve runs the %d ranks as independent engines; their MoE lockstep (dummy batches, "
-            "all-to-all) is simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
+            "data-parallel MoE: serve steps the %d ranks independently, each rank's MoE layers priced as the group's "
+            "(all-to-all included, the other ranks assumed as busy); the lockstep's waits and dummy batches are "
+            "simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
     apps = [build_app(config, opts, tok) for _ in range(ns.replicas)]
     return apps, config
 

@@ -110,6 +110,23 @@ class MoEGroupTiming:
         return moe_s, comm_s
 
 
+class GroupMoEStepModel(StepModel):
+    """A rank of a MoE data-parallel group stepped on its own clock (``serve``, ``--data-parallel-rank``): its MoE
+    layers are priced as the group's, every rank assumed to run as many rows as this one, dispatch/combine
+    included; the lockstep's waits for a slower rank and dummy batches are not seen from one rank."""
+
+    def __init__(self, *args: Any, moe: MoEGroupTiming, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.moe = moe
+
+    def step(self, batch: BatchShape) -> tuple[np.ndarray, float]:
+        bd, total = super().step(batch)
+        moe_s, comm_s = self.moe.moe_and_comm_s(self, self.graph_mode(batch)[1])
+        total += moe_s - bd[_I_MOE] + comm_s
+        bd[_I_MOE] = moe_s
+        return bd, total
+
+
 @dataclass(slots=True)
 class RankStats:
     """One rank's share of a run: routing, its own work, lockstep overheads, queue and KV over time."""
@@ -308,4 +325,5 @@ def _has_work(e: Engine) -> bool:
     return e.num_running > 0 or e.num_waiting > 0
 
 
-__all__ = ["DUMMY_BATCH", "WAITING_WEIGHT", "DPGroup", "LockstepStepModel", "MoEGroupTiming", "RankStats"]
+__all__ = ["DUMMY_BATCH", "WAITING_WEIGHT", "DPGroup", "GroupMoEStepModel", "LockstepStepModel", "MoEGroupTiming",
+           "RankStats"]

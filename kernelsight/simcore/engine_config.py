@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kernelsight.simcore.calibration import Calibration
-from kernelsight.simcore.dp_group import DPGroup, LockstepStepModel, MoEGroupTiming
+from kernelsight.simcore.dp_group import DPGroup, GroupMoEStepModel, LockstepStepModel, MoEGroupTiming
 from kernelsight.simcore.engine import Engine
 from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
@@ -200,32 +200,40 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
     return EngineConfig(args, model, hw, calib, precision, sched, memory, capture)
 
 
-def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel) -> StepModel:
+def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwargs: Any) -> StepModel:
     return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
-                     StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-                                enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling))
+               StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+                          enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling),
+               **kwargs)
+
+
+def moe_group_timing(cfg: EngineConfig) -> MoEGroupTiming | None:
+    """The MoE group of a data-parallel MoE configuration (None: dense model or one rank)."""
+    a = cfg.args
+    if not (cfg.model.is_moe and a.data_parallel_size > 1):
+        return None
+    tp = a.tensor_parallel_size
+    return MoEGroupTiming(cfg.expert_parallel, a.data_parallel_size * tp, tp, a.all2all_backend,
+                          a.expert_load_imbalance)
 
 
 def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
-    """The one place an engine is built from a resolved configuration (serve, simulate and tests alike).
+    """The one place a single engine is built from a resolved configuration (serve, simulate and tests alike;
+    a data-parallel group's engines: :func:`build_dp_group`).
 
     ``per_token_events``: report every decoded token (the server streams them); fast-forward needs only first
     tokens and finishes."""
-    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, build_step_model(cfg), seed=cfg.args.seed,
+    moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
+    sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
+    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
                   per_token_events=per_token_events)
 
 
 def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
     """The ``data_parallel_size`` engines of a configuration behind vLLM's router (every rank alike, as vLLM
     starts them: same config and seed). A MoE model's ranks step in lockstep (see ``simcore/dp_group.py``)."""
-    a = cfg.args
-    dp = a.data_parallel_size
-    lockstep = cfg.model.is_moe and dp > 1
+    moe = moe_group_timing(cfg)
     engines = [Engine(cfg.scheduler, cfg.memory.num_gpu_blocks,
-                      build_step_model(cfg, LockstepStepModel if lockstep else StepModel), seed=a.seed,
-                      per_token_events=per_token_events) for _ in range(dp)]
-    moe = None
-    if lockstep:
-        tp = a.tensor_parallel_size
-        moe = MoEGroupTiming(cfg.expert_parallel, dp * tp, tp, a.all2all_backend, a.expert_load_imbalance)
+                      build_step_model(cfg, StepModel if moe is None else LockstepStepModel), seed=cfg.args.seed,
+                      per_token_events=per_token_events) for _ in range(cfg.args.data_parallel_size)]
     return DPGroup(engines, moe)
