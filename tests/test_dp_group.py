@@ -253,3 +253,15 @@ def test_one_rank_stepped_alone_prices_its_moe_as_the_groups_and_equals_a_lockst
     assert solo.end_s == pytest.approx(lock.end_s, rel=1e-12)
     plain = create_engine_config(EngineArgs(**MOE))      # one GPU: every expert local, no all-to-all
     assert build_engine(plain).step_model.__class__ is StepModel
+
+
+def test_the_router_sees_counts_published_every_100_ms_plus_its_own_assignments():
+    cfg = create_engine_config(EngineArgs(**DENSE, data_parallel_size=2))
+    group = build_dp_group(cfg)
+    prompt = list(range(1, 20))
+    for rid, t in (("a", 0.0), ("b", 0.05), ("c", 0.15)):
+        group.add_request(rid, prompt, 1, arrival_s=t)
+    times = _drive_group(group)
+    assert times["a"][1] < 0.05              # "a" was done before "b" arrived ...
+    # ... but the front end still counted it waiting on rank 0 until the 0.1 s publication
+    assert group.rank_of == {"a": 0, "b": 1, "c": 0}

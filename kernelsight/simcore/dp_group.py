@@ -2,9 +2,9 @@
 
 Each rank is a whole :class:`~kernelsight.simcore.engine.Engine` (own scheduler, queue and KV cache). The router
 is vLLM's DP load balancer (``DPLBAsyncMPClient.get_core_engine_for_request``): a request goes to the rank with
-the lowest ``4·waiting + running`` (ties: the lowest rank), unless it names its rank. It routes on the ranks'
-state at the request's arrival (vLLM's front end sees counts at most 100 ms old and adds its own assignments to
-them in between, which this approximates).
+the lowest ``4·waiting + running`` (ties: the lowest rank), unless it names its rank. Like vLLM's front end it
+routes on counts the coordinator publishes every 100 ms, plus one waiting request for each assignment it made
+since (the published counts are the ranks' state at the first arrival after each 100 ms boundary).
 
 How the ranks share time depends on the model (vLLM's ``DPEngineCoreProc``):
 
@@ -38,6 +38,9 @@ from kernelsight.simcore.step_model import EAGER, StepModel
 
 #: vLLM's DP load-balancing weight of a waiting request against a running one.
 WAITING_WEIGHT = 4
+#: How often vLLM's DP coordinator publishes the engines' (waiting, running) counts to the front end
+#: (``stats_update_interval_ms``); in between, the front end adds its own assignments to the last counts.
+LB_STATS_INTERVAL_S = 0.1
 _I_MOE = FAMILY_INDEX[K.MOE_GEMM]
 #: A dummy batch (an idle rank of a lockstep group): one decode row whose attention reads one token.
 DUMMY_BATCH = BatchShape((), 1, 1)
@@ -186,16 +189,20 @@ class DPGroup:
         self._pending: list[tuple[float, int, str, tuple, dict[str, Any]]] = []
         self._seq = itertools.count()
         self.now_s = 0.0               # the lockstep clock (independent ranks keep their own)
+        self._lb_counts: list[list[int]] = [[0, 0] for _ in self.engines]   # the front end's (waiting, running)
+        self._lb_next_s = 0.0          # when the coordinator publishes fresh counts next
 
     @property
     def size(self) -> int:
         return len(self.engines)
 
     # -- routing ---------------------------------------------------------------------------------------
-    def pick_rank(self) -> int:
-        """vLLM's choice: lowest 4·waiting + running, the lowest rank among equals."""
-        return min(range(self.size), key=lambda i: (WAITING_WEIGHT * self.engines[i].num_waiting
-                                                    + self.engines[i].num_running, i))
+    def pick_rank(self, counts: Sequence[Sequence[int]] | None = None) -> int:
+        """vLLM's choice: lowest 4·waiting + running over ``counts`` (default: the ranks' current state), the
+        lowest rank among equals."""
+        if counts is None:
+            counts = [(e.num_waiting, e.num_running) for e in self.engines]
+        return min(range(self.size), key=lambda i: (WAITING_WEIGHT * counts[i][0] + counts[i][1], i))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int, *,
                     arrival_s: float, rank: int | None = None, **kwargs: Any) -> None:
@@ -219,7 +226,11 @@ class DPGroup:
                     e.now_s = max(e.now_s, arrival)
             rank = kwargs.pop("rank")
             if rank is None:
-                rank = self.pick_rank()
+                if arrival >= self._lb_next_s:       # a publication since the last routing: fresh counts
+                    self._lb_counts = [[e.num_waiting, e.num_running] for e in self.engines]
+                    self._lb_next_s = (arrival // LB_STATS_INTERVAL_S + 1) * LB_STATS_INTERVAL_S
+                rank = self.pick_rank(self._lb_counts)
+                self._lb_counts[rank][0] += 1
             self.engines[rank].add_request(rid, prompt, max_tokens, arrival_s=arrival, **kwargs)
             self.rank_of[rid] = rank
             self.stats[rank].num_requests += 1
@@ -325,5 +336,5 @@ def _has_work(e: Engine) -> bool:
     return e.num_running > 0 or e.num_waiting > 0
 
 
-__all__ = ["DUMMY_BATCH", "WAITING_WEIGHT", "DPGroup", "GroupMoEStepModel", "LockstepStepModel", "MoEGroupTiming",
-           "RankStats"]
+__all__ = ["DUMMY_BATCH", "LB_STATS_INTERVAL_S", "WAITING_WEIGHT", "DPGroup", "GroupMoEStepModel",
+           "LockstepStepModel", "MoEGroupTiming", "RankStats"]
