@@ -238,6 +238,7 @@ def test_a_run_directory_of_a_dp2_ep_run_validates(tmp_path):
     assert sum(counts) == 12 and min(counts) >= 4         # a steady stream is shared between the ranks
     assert all(r.success for r in v.sim.records)
     assert "simulated data-parallel ranks" in format_validation(v.result)
+    assert v.result["work_pricing"] is None      # one engine's pricing of a tick's work does not apply
 
 
 def test_one_rank_stepped_alone_prices_its_moe_as_the_groups_and_equals_a_lockstep_of_equal_ranks():

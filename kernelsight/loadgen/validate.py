@@ -400,8 +400,10 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
         "run_summary": run_summary_rows(run.requests, res.records),
         "timeseries": {"bin_s": bin_s, "rows": ts_rows},
         "breakdown": breakdown_rows(res.breakdown_s),
-        "work_pricing": price_run_work(run.requests, run.timeseries, run.tick_s, build_step_model(config),
-                                       config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
+        # the tick-by-tick pricing assumes one engine did a tick's work: not a data-parallel run's
+        "work_pricing": None if config.args.data_parallel_size > 1 else price_run_work(
+            run.requests, run.timeseries, run.tick_s, build_step_model(config), config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens),
         # wall-clock figures stay out: the result is identical for a seed
         "simulator": {k: v for k, v in stats.items() if k in ("num_steps", "num_preemptions", "prefix_cache_hit_rate",
                                                               "finish_reasons", "data_parallel_ranks")},
