@@ -187,6 +187,7 @@ class DPGroup:
         self.stats = [RankStats() for _ in self.engines]
         self.rank_of: dict[str, int] = {}
         self._pending: list[tuple[float, int, str, tuple, dict[str, Any]]] = []
+        self._pending_ids: set[str] = set()
         self._seq = itertools.count()
         self.now_s = 0.0               # the lockstep clock (independent ranks keep their own)
         self._lb_counts: list[list[int]] = [[0, 0] for _ in self.engines]   # the front end's (waiting, running)
@@ -210,8 +211,9 @@ class DPGroup:
         if given, as vLLM's ``X-data-parallel-rank``)."""
         if rank is not None and not 0 <= rank < self.size:
             raise ValueError(f"data-parallel rank {rank} out of range [0, {self.size})")
-        if request_id in self.rank_of or any(p[2] == request_id for p in self._pending):
+        if request_id in self.rank_of or request_id in self._pending_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._pending_ids.add(request_id)
         kwargs = dict(kwargs, rank=rank)
         heapq.heappush(self._pending, (float(arrival_s), next(self._seq), request_id, (prompt_token_ids,
                                                                                        max_tokens), kwargs))
@@ -221,6 +223,7 @@ class DPGroup:
         (a busy rank's step ends after it, an idle rank waits for it), so the request joins its waiting queue."""
         while self._pending and self._pending[0][0] <= t:
             arrival, _, rid, (prompt, max_tokens), kwargs = heapq.heappop(self._pending)
+            self._pending_ids.discard(rid)
             for e in self.engines:
                 if not _has_work(e):
                     e.now_s = max(e.now_s, arrival)
