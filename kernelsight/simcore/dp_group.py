@@ -99,16 +99,18 @@ class MoEGroupTiming:
         hit = self._cache.get(rows_per_rank)
         if hit is not None:
             return hit
+        # the TP ranks of one DP rank hold the same rows: the group's distinct rows are DP × rows, gathered over
+        # the DP ranks (each TP column in parallel); the MoE output's TP all-reduce is already in the step model
         model, dp = sm.model, self.group_gpus // self.tp
         if self.expert_parallel:
-            kernels = ep_moe_kernels(model, rows_per_rank, self.group_gpus, 1, sm.precision, self.load_imbalance)
+            kernels = ep_moe_kernels(model, rows_per_rank * dp, self.group_gpus, sm.precision, self.load_imbalance)
             backend = self.backend
         else:   # experts tensor-parallel over all DP×TP GPUs, every rank's rows gathered
             kernels = K.moe_kernels(model, rows_per_rank * dp, self.group_gpus, sm.precision,
                                     model.num_moe_layers)
             backend = "allgather_reducescatter"
         moe_s = sum(sm.kernel_time_s(k) for k in kernels if k.family == K.MOE_GEMM)
-        comm_s = all2all_s(backend, model, rows_per_rank, self.group_gpus, sm.hw, sm.calib.comm, sm.precision)
+        comm_s = all2all_s(backend, model, rows_per_rank, dp, sm.hw, sm.calib.comm, sm.precision)
         self._cache[rows_per_rank] = (moe_s, comm_s)
         return moe_s, comm_s
 

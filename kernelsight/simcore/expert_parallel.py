@@ -59,7 +59,8 @@ def dispatch_combine_messages(backend: str, model: ModelSpec, rows_per_rank: int
 
 def all2all_s(backend: str, model: ModelSpec, rows_per_rank: int, ep_size: int, hw: HardwareSpec,
               comm: Mapping[str, CommModel], precision: Precision) -> float:
-    """Seconds of one step's dispatch + combine over every MoE layer of an EP group of ``ep_size`` GPUs."""
+    """Seconds of one step's dispatch + combine over every MoE layer, exchanged among ``ep_size`` GPUs (the DP
+    ranks: with TP the ranks of one TP column exchange in parallel with the other columns)."""
     if ep_size <= 1 or not model.is_moe:
         return 0.0
     (op_d, msg_d), (op_c, msg_c) = dispatch_combine_messages(backend, model, rows_per_rank, ep_size, precision)
@@ -69,14 +70,15 @@ def all2all_s(backend: str, model: ModelSpec, rows_per_rank: int, ep_size: int, 
     return per_layer * model.num_moe_layers
 
 
-def ep_moe_kernels(model: ModelSpec, rows_per_rank: int, ep_size: int, tp: int, precision: Precision,
+def ep_moe_kernels(model: ModelSpec, group_rows: int, ep_size: int, precision: Precision,
                    load_imbalance: float) -> list[K.Kernel]:
-    """The MoE kernels of the busiest rank of an EP group whose ``ep_size`` ranks each run ``rows_per_rank``
-    (padded) rows: its experts see the group's routed tokens for them, ``load_imbalance`` × the mean share."""
+    """The MoE kernels of the busiest rank of an EP group of ``ep_size`` GPUs (DP × TP) whose data-parallel ranks
+    together run ``group_rows`` (padded) distinct rows: each GPU holds whole experts, ``num_experts / ep_size`` of
+    them, and sees ``load_imbalance`` × the mean share of the routed tokens."""
     n_moe = model.num_moe_layers if model.is_moe else 0
     if not n_moe:
         return []
-    return K.moe_kernels(model, rows_per_rank * ep_size, tp, precision, n_moe, ep_size, load_imbalance)
+    return K.moe_kernels(model, group_rows, 1, precision, n_moe, ep_size, load_imbalance)
 
 
 __all__ = ["ALL2ALL_BACKENDS", "DEFAULT_ALL2ALL_BACKEND", "DEFAULT_EXPERT_LOAD_IMBALANCE", "all2all_s",
