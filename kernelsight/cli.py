@@ -37,7 +37,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_fast_forward, write_timeline
     from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
     from kernelsight.loadgen.progress import Progress
-    from kernelsight.loadgen.report import format_report, format_table
+    from kernelsight.loadgen.report import RANK_COLUMNS, format_report, format_table, rank_rows
     from kernelsight.loadgen.tokenizer import resolve_tokenizer
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
 
@@ -70,7 +70,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     result = assemble_result(header, stats, res.records, detailed=ns.save_detailed, extra=extra)
 
     s = config.summary()
-    print(f"kernelsight simulate: {s['model']} on {s['hardware']} (TP {s['tensor_parallel_size']}, "
+    dp = f"DP {s['data_parallel_size']}{'+EP' if config.expert_parallel else ''}, " if 'data_parallel_size' in s else ""
+    print(f"kernelsight simulate: {s['model']} on {s['hardware']} ({dp}TP {s['tensor_parallel_size']}, "
           f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {s['calibration_tier']})")
     print(f"  {describe_expected_error(s['calibration_tier'])}")
     print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens = {s['kv_cache_tokens']} tokens; "
@@ -81,6 +82,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
             for f, v in result["kernel_time_breakdown"].items() if v["seconds"] > 0]
     print("Step time by kernel family:")
     print(format_table(rows, ["family", "seconds", "percent"]))
+    if res.ranks:
+        print("Data-parallel ranks" + (" (expert-parallel lockstep):" if config.expert_parallel else ":"))
+        print(format_table(rank_rows(res.ranks), list(RANK_COLUMNS)))
     sim = result["simulator"]
     print(f"Simulated {res.duration_s:.1f} s in {sim['wall_s']:.2f} s of wall time ({sim['num_steps']} steps, "
           f"{sim['num_preemptions']} preemptions, prefix-cache hit rate {100 * sim['prefix_cache_hit_rate']:.1f}%)")

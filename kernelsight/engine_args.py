@@ -13,6 +13,11 @@ import argparse
 from kernelsight import profiles
 from kernelsight.argtypes import fraction, non_negative_int, positive_int
 from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
+from kernelsight.simcore.expert_parallel import (
+    ALL2ALL_BACKENDS,
+    DEFAULT_ALL2ALL_BACKEND,
+    DEFAULT_EXPERT_LOAD_IMBALANCE,
+)
 
 __all__ = ["DEFAULT_HARDWARE", "DEFAULT_MODEL", "EngineArgs", "add_engine_args", "create_engine_config",
            "engine_args_from"]
@@ -65,6 +70,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reproduces older releases)")
     g.add_argument("--calibration", default=None,
                    help="calibration JSON (default: the bundled table for the GPU)")
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                   help="N engines (each --tensor-parallel-size GPUs) behind one front end that routes each "
+                        "request to the least loaded (4·waiting + running) as vLLM's DP coordinator; a MoE "
+                        "model's ranks step together (default: 1)")
+    g.add_argument("--data-parallel-rank", "-dpn", type=non_negative_int, default=None,
+                   help="serve only this rank of the group (one rank per process, metrics engine=\"RANK\"; "
+                        "default: every rank)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split a MoE model's experts over the DP×TP ranks instead of tensor-slicing them; the "
+                        "ranks' MoE layers then exchange tokens every step (--all2all-backend)")
+    g.add_argument("--all2all-backend", choices=ALL2ALL_BACKENDS, default=DEFAULT_ALL2ALL_BACKEND,
+                   help="expert-parallel dispatch/combine: allgather_reducescatter (vLLM's default) or naive "
+                        "gather every rank's tokens; the others exchange each token with its top-k experts' "
+                        "ranks (all-to-all) (default: %(default)s)")
+    g.add_argument("--expert-load-imbalance", type=float, default=DEFAULT_EXPERT_LOAD_IMBALANCE,
+                   help="simulator: routed tokens of the busiest expert-parallel rank over the mean; its expert "
+                        "GEMMs set the group's pace (default: %(default)s; 1 = uniform routing)")
     g.add_argument("--seed", type=int, default=0, help="seed for everything random (default: 0)")
 
 
@@ -80,7 +102,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         num_gpu_blocks_override=ns.num_gpu_blocks_override, enforce_eager=ns.enforce_eager,
         max_cudagraph_capture_size=ns.max_cudagraph_capture_size,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, async_scheduling=ns.async_scheduling,
-        calibration=ns.calibration)
+        calibration=ns.calibration, data_parallel_size=ns.data_parallel_size,
+        data_parallel_rank=ns.data_parallel_rank, enable_expert_parallel=ns.enable_expert_parallel,
+        all2all_backend=ns.all2all_backend, expert_load_imbalance=ns.expert_load_imbalance)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:

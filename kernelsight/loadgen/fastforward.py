@@ -21,7 +21,7 @@ import numpy as np
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, StepResult
-from kernelsight.simcore.engine_config import EngineConfig, build_engine
+from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, build_engine
 from kernelsight.simcore.kernels import FAMILIES
 
 #: Steps a decode window may cover at once (bounded so a window's linear attention ramp stays exact).
@@ -39,6 +39,7 @@ class _Tracker:
     finished: bool = False
     finish_reason: str = ""
     num_tokens: int = 0
+    rank: int = 0                                              # data-parallel rank that served it
 
     def add_tokens(self, start: int, count: int) -> None:
         segs = self.segments
@@ -60,15 +61,19 @@ class FastForwardResult:
     prefix_cache_hit_rate: float
     finish_reasons: dict[str, int]
     timeline: list[tuple] | None = None
+    ranks: list[dict[str, Any]] | None = None     # per data-parallel rank (DP > 1): see RankStats.summary
 
     def simulator_stats(self) -> dict[str, Any]:
         wall = max(self.wall_s, 1e-9)
-        return {"wall_s": round(self.wall_s, 4), "num_steps": self.num_steps,
-                "simulated_s_per_wall_s": round(self.duration_s / wall, 2),
-                "steps_per_wall_s": round(self.num_steps / wall, 1),
-                "num_preemptions": self.num_preemptions,
-                "prefix_cache_hit_rate": round(self.prefix_cache_hit_rate, 4),
-                "finish_reasons": self.finish_reasons}
+        out = {"wall_s": round(self.wall_s, 4), "num_steps": self.num_steps,
+               "simulated_s_per_wall_s": round(self.duration_s / wall, 2),
+               "steps_per_wall_s": round(self.num_steps / wall, 1),
+               "num_preemptions": self.num_preemptions,
+               "prefix_cache_hit_rate": round(self.prefix_cache_hit_rate, 4),
+               "finish_reasons": self.finish_reasons}
+        if self.ranks is not None:
+            out["data_parallel_ranks"] = self.ranks
+        return out
 
 
 def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float], *,
@@ -89,7 +94,10 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0, on_finished)
+        # one rank of a group served on its own (--data-parallel-rank) is a single engine
+        single = config.args.data_parallel_size == 1 or config.args.data_parallel_rank is not None
+        run = _run if single else _run_group
+        return run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0, on_finished)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -169,6 +177,91 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
         finish_reasons=reasons, timeline=timeline)
 
 
+def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
+               max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
+               on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
+    """``_run`` for ``data_parallel_size`` > 1: the group routes each request at its arrival; token times are
+    read per rank (each rank numbers its own steps). The timeline is the group's: running and waiting summed over
+    the ranks, KV usage their mean, scheduled tokens of the step(s) ending at that time."""
+    group = build_dp_group(config, per_token_events=False)
+    order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
+    pending = deque(order)
+    trackers: dict[str, _Tracker] = {}
+    limit = max_concurrency if max_concurrency is not None else len(samples) + 1
+    in_flight = 0
+
+    def send(now_s: float) -> None:
+        nonlocal in_flight
+        while pending and in_flight < limit:
+            i = pending.popleft()
+            s = samples[i]
+            send_s = max(float(arrivals_s[i]), now_s)
+            rid = f"ff-{i}"
+            trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]))
+            prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
+            group.add_request(rid, prompt, s.expected_output_len, ignore_eos=ignore_eos, arrival_s=send_s)
+            in_flight += 1
+
+    send(0.0)
+    ends: list[list[float]] = [[] for _ in range(group.size)]
+    timeline: list[tuple] | None = [] if record_timeline else None
+    gauges = [(0, 0, 0.0)] * group.size      # each rank's (running, waiting, KV usage) after its latest step
+    while True:
+        step = group.step(max_steps=MAX_WINDOW_STEPS)
+        if step is None:
+            if not pending:
+                break
+            send(max(e.now_s for e in group.engines))   # only reachable with nothing in flight
+            continue
+        n_before = in_flight
+        freed_at = None
+        for rank, res in step:
+            ends[rank].extend(res.step_end_s)
+            for ev in res.events:
+                tr = trackers[ev.request_id]
+                tr.rank = rank
+                kind = ev.kind
+                if kind == TOKENS:
+                    tr.add_tokens(ev.step_index, ev.num_tokens)
+                elif kind == FIRST_TOKEN:
+                    tr.first_step = ev.step_index
+                    tr.add_tokens(ev.step_index, 1)
+                elif kind == FINISHED:
+                    tr.finished = True
+                    tr.finish_reason = ev.finish_reason or ""
+                    in_flight -= 1
+                    freed_at = res.end_s
+            gauges[rank] = (res.num_running, res.num_waiting, res.kv_usage)
+        if timeline is not None:
+            running, waiting, kv = (sum(g[j] for g in gauges) for j in range(3))
+            tokens = sum(res.num_scheduled_tokens for _, res in step)
+            timeline.extend((end, running, waiting, kv / group.size, tokens) for end in step[0][1].step_end_s)
+        if on_finished is not None and in_flight < n_before:
+            on_finished(n_before - in_flight)
+        if freed_at is not None and pending:
+            send(freed_at)
+
+    if timeline is not None:
+        timeline = _group_timeline(timeline)
+    ends_arr = [np.asarray(e) for e in ends]
+    records = []
+    reasons: dict[str, int] = {}
+    for tr in trackers.values():
+        reasons[tr.finish_reason] = reasons.get(tr.finish_reason, 0) + 1
+        records.append(_record(tr, ends_arr[tr.rank]))
+    hits = sum(e.kv.prefix_hits_tokens for e in group.engines)
+    queries = sum(e.kv.prefix_queries_tokens for e in group.engines)
+    duration = max((r.start_s + r.latency_s for r in records if r.success), default=0.0)
+    breakdown = sum((e.stats.breakdown_s for e in group.engines), np.zeros(len(FAMILIES)))
+    return FastForwardResult(
+        records=records, duration_s=duration, wall_s=time.perf_counter() - wall0,
+        num_steps=sum(e.stats.num_steps for e in group.engines),
+        breakdown_s=dict(zip(FAMILIES, breakdown.tolist(), strict=True)),
+        num_preemptions=sum(e.stats.num_preemptions for e in group.engines),
+        prefix_cache_hit_rate=hits / queries if queries else 0.0, finish_reasons=reasons, timeline=timeline,
+        ranks=[{"rank": i, **st.summary()} for i, st in enumerate(group.stats)])
+
+
 def _record(tr: _Tracker, ends: np.ndarray) -> RequestRecord:
     s = tr.sample
     if not tr.finished or tr.num_tokens == 0:
@@ -190,6 +283,19 @@ def _extend_timeline(rows: list[tuple], res: StepResult) -> None:
         rows.append((round(end, 6), res.num_running, res.num_waiting, round(res.kv_usage, 5),
                      res.num_scheduled_tokens, round(end - prev, 7)))
         prev = end
+
+
+def _group_timeline(rows: list[tuple]) -> list[tuple]:
+    """Rows (end, running, waiting, kv, tokens) of a group's steps → TIMELINE_COLUMNS rows in time order, each
+    row's step_s reaching back to the previous row (independent ranks' steps overlap: the rows tile time)."""
+    rows.sort(key=lambda r: r[0])
+    out = []
+    prev = None
+    for end, running, waiting, kv, tokens in rows:
+        step_s = end - prev if prev is not None else 0.0
+        out.append((round(end, 6), running, waiting, round(kv, 5), tokens, round(step_s, 7)))
+        prev = end
+    return out
 
 
 def write_timeline(path: str | Path, rows: list[tuple]) -> None:

@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Sequence
 
-__all__ = ["format_report", "format_table"]
+__all__ = ["RANK_COLUMNS", "format_report", "format_table", "rank_rows"]
 
 _WIDTH = 50  # total width of the title and section rules
 _LABEL_W = 40
@@ -115,3 +115,15 @@ def format_table(rows: list[dict], columns: list[str], *, float_fmt: str = ".2f"
     out = [fmt_line(columns), "  ".join("-" * w for w in widths)]
     out.extend(fmt_line(row) for row in cells)
     return "\n".join(out)
+
+
+#: Columns of the per-rank table of a data-parallel run (fast-forward's ``data_parallel_ranks``).
+RANK_COLUMNS = ("rank", "requests", "steps", "dummy_steps", "mean_waiting", "mean_running", "peak_kv_%",
+                "own_step_s", "all2all_s", "sync_wait_s")
+
+
+def rank_rows(ranks: Sequence[dict]) -> list[dict]:
+    """Table rows of a data-parallel run's per-rank summaries: queue, KV usage and where the time went (its own
+    work, the MoE all-to-all, waiting for a slower rank of a lockstep group)."""
+    return [{**{k: r[k] for k in RANK_COLUMNS if k in r}, "peak_kv_%": round(100 * r["peak_kv_usage"], 2)}
+            for r in ranks]

@@ -29,7 +29,7 @@ from kernelsight.loadgen.datasets import SampleRequest, jsonl_objects, trace_dat
 from kernelsight.loadgen.fastforward import FastForwardResult, run_fast_forward
 from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.loadgen.plot import cdf_xy, line_chart_svg, page_html
-from kernelsight.loadgen.report import format_table
+from kernelsight.loadgen.report import RANK_COLUMNS, format_table, rank_rows
 from kernelsight.loadgen.vllm_run import engine_args_from_run
 from kernelsight.loadgen.work_pricing import price_run_work
 from kernelsight.profiles import bundled_hardware_name
@@ -402,11 +402,13 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
         "timeseries": {"bin_s": bin_s, "rows": ts_rows},
         "breakdown": breakdown_rows(res.breakdown_s),
         "expected_error_pct": expected_error(config.summary()["calibration_tier"]),
-        "work_pricing": price_run_work(run.requests, run.timeseries, run.tick_s, build_step_model(config),
-                                       config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
+        # the tick-by-tick pricing assumes one engine did a tick's work: not a data-parallel run's
+        "work_pricing": None if config.args.data_parallel_size > 1 else price_run_work(
+            run.requests, run.timeseries, run.tick_s, build_step_model(config), config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens),
         # wall-clock figures stay out: the result is identical for a seed
         "simulator": {k: v for k, v in stats.items() if k in ("num_steps", "num_preemptions", "prefix_cache_hit_rate",
-                                                              "finish_reasons")},
+                                                              "finish_reasons", "data_parallel_ranks")},
     }
     return Validation(result, run, res)
 
@@ -447,6 +449,9 @@ def format_validation(result: Mapping[str, Any]) -> str:
     sim = result["simulator"]
     parts.append(f"{sim['num_steps']} steps, {sim['num_preemptions']} preemptions, prefix-cache hit rate "
                  f"{100 * sim['prefix_cache_hit_rate']:.1f}%")
+    if sim.get("data_parallel_ranks"):
+        parts += ["", "simulated data-parallel ranks (own step time, MoE all-to-all, waiting for the slowest rank):",
+                  format_table(rank_rows(sim["data_parallel_ranks"]), list(RANK_COLUMNS))]
     wp = result.get("work_pricing")
     if wp and wp["groups"][0]["count"]:
         parts += ["", "the measured work priced by the step model (simulated GPU seconds per measured second, on "

@@ -36,6 +36,9 @@ RUN_ARG_SOURCES: dict[str, tuple[tuple[str, str] | None, str]] = {
     "long_prefill_token_threshold": (("scheduler_config", "long_prefill_token_threshold"),
                                      "long_prefill_token_threshold"),
     "async_scheduling": (("scheduler_config", "async_scheduling"), "async_scheduling"),
+    "data_parallel_size": (("parallel_config", "data_parallel_size"), "data_parallel_size"),
+    "enable_expert_parallel": (("parallel_config", "enable_expert_parallel"), "enable_expert_parallel"),
+    "all2all_backend": (("parallel_config", "all2all_backend"), "all2all_backend"),
 }
 
 

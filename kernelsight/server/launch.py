@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 from typing import Any
@@ -27,6 +28,12 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
     config = create_engine_config(engine_args_from(ns))
     tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
     opts = server_options_from(ns)
+    if config.model.is_moe and config.args.data_parallel_size > 1:
+        # the bridges run one engine each against wall time; the lockstep group is fast-forward's (dp_group.py)
+        logging.getLogger("kernelsight.serve").warning(
+            "data-parallel MoE: serve steps the %d ranks independently, each rank's MoE layers priced as the group's "
+            "(all-to-all included, the other ranks assumed as busy); the lockstep's waits and dummy batches are "
+            "simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
     apps = [build_app(config, opts, tok) for _ in range(ns.replicas)]
     return apps, config
 

@@ -58,7 +58,9 @@ class ServerMetrics:
     """One registry; per-engine children labelled ``model_name`` and ``engine``."""
 
     def __init__(self, model_name: str, num_engines: int, max_model_len: int, cache_info: list[dict[str, Any]],
-                 lora_enabled: bool = False, max_loras: int = 1, fault_types: tuple[str, ...] = ()) -> None:
+                 lora_enabled: bool = False, max_loras: int = 1, fault_types: tuple[str, ...] = (),
+                 first_engine: int = 0) -> None:
+        # first_engine: the label of the first engine (a process serving one rank with --data-parallel-rank)
         self.registry = reg = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
@@ -132,7 +134,7 @@ class ServerMetrics:
                             registry=reg)
         self.engines: list[EngineMetrics] = []
         for i in range(num_engines):
-            eng = str(i)
+            eng = str(first_engine + i)
             children = {}
             for key, metric in fam.items():
                 if key == "success":

@@ -73,8 +73,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-loras", type=positive_int, default=1, help="adapters per batch (reported in metrics)")
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="adapters known at start (NAME=PATH or JSON {\"name\":..,\"path\":..}); nothing is read")
-    s.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
-                   help="N engines behind one endpoint, balanced as vLLM does (metrics engine=\"0\"..)")
     s.add_argument("--max-num-queued-reqs", type=positive_int, default=None,
                    help="reject a request with 503 when unfinished requests (waiting + running, n counts n) would "
                         "exceed this, as vLLM 0.33 (default: no limit)")

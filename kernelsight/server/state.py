@@ -30,12 +30,14 @@ class ServerState:
         self.model_name = opts.served_model_names[0]
         self.loras: dict[str, str] = dict(opts.lora_modules)
         cache_info = _cache_config_info(config)
-        self.metrics = ServerMetrics(self.model_name, opts.data_parallel_size, self.max_model_len,
-                                     [cache_info] * opts.data_parallel_size, opts.enable_lora, opts.max_loras,
-                                     fault_types=FAULT_TYPES)
+        # --data-parallel-rank R: this process serves rank R alone (labelled engine="R", as vLLM's external LB mode)
+        rank = config.args.data_parallel_rank
+        first, n = (rank, 1) if rank is not None else (0, opts.data_parallel_size)
+        self.metrics = ServerMetrics(self.model_name, n, self.max_model_len, [cache_info] * n, opts.enable_lora,
+                                     opts.max_loras, fault_types=FAULT_TYPES, first_engine=first)
         self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
                                      opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
-                                     engine_index=i) for i in range(opts.data_parallel_size)]
+                                     engine_index=first + i) for i in range(n)]
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size

@@ -6,7 +6,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.dp_group import DPGroup, GroupMoEStepModel, LockstepStepModel, MoEGroupTiming
 from kernelsight.simcore.engine import Engine
+from kernelsight.simcore.expert_parallel import (
+    ALL2ALL_BACKENDS,
+    DEFAULT_ALL2ALL_BACKEND,
+    DEFAULT_EXPERT_LOAD_IMBALANCE,
+)
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.memory import MemoryPlan, plan_memory
 from kernelsight.simcore.model_spec import ModelSpec
@@ -43,6 +49,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True        # vLLM 0.33 default; older releases scheduled synchronously
     calibration: str | None = None       # path to a calibration JSON (default: the bundled one)
+    data_parallel_size: int = 1          # engines (each TP GPUs) behind one front end
+    data_parallel_rank: int | None = None   # serve one rank of the group in this process (None: all)
+    enable_expert_parallel: bool = False    # MoE experts split over the DP×TP ranks, which then step together
+    all2all_backend: str = DEFAULT_ALL2ALL_BACKEND
+    expert_load_imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE   # busiest EP rank's routed tokens / mean
 
 
 @dataclass(slots=True)
@@ -80,7 +91,25 @@ class EngineConfig:
             "enforce_eager": self.args.enforce_eager, "async_scheduling": self.args.async_scheduling,
             "max_cudagraph_capture_size": self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0,
             "calibration_tier": self.calibration.tier, "seed": self.args.seed,
+            **self.parallel_summary(),
         }
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Expert parallelism in force: asked for, on a MoE model, across more than one data-parallel rank."""
+        return self.args.enable_expert_parallel and self.model.is_moe and self.args.data_parallel_size > 1
+
+    def parallel_summary(self) -> dict[str, Any]:
+        """Data/expert-parallel settings, reported only when there is more than one rank (keeps DP=1 reports as
+        they were)."""
+        a = self.args
+        if a.data_parallel_size == 1 and not a.enable_expert_parallel:
+            return {}
+        out: dict[str, Any] = {"data_parallel_size": a.data_parallel_size,
+                               "enable_expert_parallel": a.enable_expert_parallel}
+        if self.expert_parallel:
+            out.update(all2all_backend=a.all2all_backend, expert_load_imbalance=a.expert_load_imbalance)
+        return out
 
     def args_dict(self) -> dict[str, Any]:
         return asdict(self.args)
@@ -113,6 +142,18 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.scheduling_policy not in (FCFS, PRIORITY):
         raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
+    dp = args.data_parallel_size
+    if dp < 1:
+        raise ValueError(f"data_parallel_size must be ≥ 1, got {dp}")
+    if args.data_parallel_rank is not None and not 0 <= args.data_parallel_rank < dp:
+        raise ValueError(f"data_parallel_rank must be in [0, {dp}), got {args.data_parallel_rank}")
+    if args.all2all_backend not in ALL2ALL_BACKENDS:
+        raise ValueError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {args.all2all_backend!r}")
+    if not args.expert_load_imbalance >= 1.0:
+        raise ValueError(f"expert_load_imbalance must be ≥ 1 (busiest rank / mean), got {args.expert_load_imbalance}")
+    if args.enable_expert_parallel and tp * dp > hw.gpus_per_node:
+        raise ValueError(f"expert parallelism over data_parallel_size×tensor_parallel_size={dp * tp} GPUs exceeds "
+                         f"the {hw.gpus_per_node} GPUs of one {hw.name} node (multi-node EP is not modelled)")
     quant = args.quantization or model.quantization
     precision = resolve_precision(args.dtype if args.dtype != "auto" else model.torch_dtype, quant,
                                   args.kv_cache_dtype)
@@ -145,7 +186,10 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
     memory = plan_memory(model, hw, precision, tp=tp, block_size=args.block_size,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_model_len,
                          max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs,
-                         num_gpu_blocks_override=args.num_gpu_blocks_override)
+                         num_gpu_blocks_override=args.num_gpu_blocks_override,
+                         # a MoE model's experts are split over the DP ranks with or without EP (vLLM
+                         # tensor-slices them over DP×TP when EP is off)
+                         ep_data_parallel=dp if model.is_moe else 1)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                             max_model_len=max_model_len, block_size=args.block_size,
                             enable_prefix_caching=args.enable_prefix_caching,
@@ -156,16 +200,40 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
     return EngineConfig(args, model, hw, calib, precision, sched, memory, capture)
 
 
-def build_step_model(cfg: EngineConfig) -> StepModel:
-    return StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
-                     StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-                                enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling))
+def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwargs: Any) -> StepModel:
+    return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
+               StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+                          enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling),
+               **kwargs)
+
+
+def moe_group_timing(cfg: EngineConfig) -> MoEGroupTiming | None:
+    """The MoE group of a data-parallel MoE configuration (None: dense model or one rank)."""
+    a = cfg.args
+    if not (cfg.model.is_moe and a.data_parallel_size > 1):
+        return None
+    tp = a.tensor_parallel_size
+    return MoEGroupTiming(cfg.expert_parallel, a.data_parallel_size * tp, tp, a.all2all_backend,
+                          a.expert_load_imbalance)
 
 
 def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
-    """The one place an engine is built from a resolved configuration (serve, simulate and tests alike).
+    """The one place a single engine is built from a resolved configuration (serve, simulate and tests alike;
+    a data-parallel group's engines: :func:`build_dp_group`).
 
     ``per_token_events``: report every decoded token (the server streams them); fast-forward needs only first
     tokens and finishes."""
-    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, build_step_model(cfg), seed=cfg.args.seed,
+    moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
+    sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
+    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
                   per_token_events=per_token_events)
+
+
+def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
+    """The ``data_parallel_size`` engines of a configuration behind vLLM's router (every rank alike, as vLLM
+    starts them: same config and seed). A MoE model's ranks step in lockstep (see ``simcore/dp_group.py``)."""
+    moe = moe_group_timing(cfg)
+    engines = [Engine(cfg.scheduler, cfg.memory.num_gpu_blocks,
+                      build_step_model(cfg, StepModel if moe is None else LockstepStepModel), seed=cfg.args.seed,
+                      per_token_events=per_token_events) for _ in range(cfg.args.data_parallel_size)]
+    return DPGroup(engines, moe)

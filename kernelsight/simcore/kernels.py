@@ -231,18 +231,29 @@ def mlp_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     ]
 
 
-def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
-    """Router + grouped expert GEMMs: weight traffic scales with the experts actually hit."""
+def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int, ep_size: int = 1,
+                load_imbalance: float = 1.0) -> list[Kernel]:
+    """Router + grouped expert GEMMs: weight traffic scales with the experts actually hit.
+
+    Expert parallelism over ``ep_size`` ranks: ``m`` is then the whole group's token count (every rank's rows
+    gathered for dispatch), each rank holds ``num_experts / ep_size`` experts and the priced rank, the busiest,
+    receives ``load_imbalance`` times the mean share of the routed tokens; the router and shared experts run on
+    the rank's own ``m / ep_size`` rows. ``ep_size=1`` is the plain (TP-sharded) layer."""
     a, w, g = precision.act_bytes, precision.weight_bytes_per_param, precision.gemm_dtype
     h = model.hidden_size
     e, k = model.num_experts, model.experts_per_token
     inter = model.moe_intermediate_size // tp
     routed = m * k
     active = expected_active_experts(e, k, routed)
+    own_m = m
+    if ep_size > 1:
+        own_m = max(m // ep_size, 1)
+        routed = routed / ep_size * load_imbalance
+        active = min(e / ep_size, active / ep_size * load_imbalance)
     per_expert = routed / max(active, 1.0)
     tile_m = _GEMM_TILE_SMALL_M if per_expert <= _GEMM_TILE_SMALL_M else _GEMM_TILE
     m_tiles = math.ceil(per_expert / tile_m) * max(active, 1.0)
-    out = [gemm_kernel("moe_router", m, e, h, "bf16", 2.0, a, n_layers)]
+    out = [gemm_kernel("moe_router", own_m, e, h, "bf16", 2.0, a, n_layers)]
     for name, n_out, k_in in (("moe_gate_up", 2 * inter, h), ("moe_down", h, inter)):
         flops = 2.0 * routed * n_out * k_in
         bytes_moved = active * k_in * n_out * w + routed * (k_in + n_out) * a
@@ -252,8 +263,8 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     out.append(elementwise_kernel("moe_silu_and_mul", ACTIVATION, 3.0 * routed * inter * a, g, n_layers))
     if model.shared_expert_intermediate_size:
         s = model.shared_expert_intermediate_size // tp
-        out += [gemm_kernel("shared_expert_gate_up", m, 2 * s, h, g, w, a, n_layers),
-                gemm_kernel("shared_expert_down", m, h, s, g, w, a, n_layers)]
+        out += [gemm_kernel("shared_expert_gate_up", own_m, 2 * s, h, g, w, a, n_layers),
+                gemm_kernel("shared_expert_down", own_m, h, s, g, w, a, n_layers)]
     return out
 
 

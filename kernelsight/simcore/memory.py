@@ -40,10 +40,16 @@ def param_counts(model: ModelSpec) -> tuple[int, int]:
     return linear, other
 
 
-def weight_bytes_per_rank(model: ModelSpec, precision: Precision, tp: int) -> float:
-    """Weights one GPU holds: everything is sharded T ways except the (tiny) norms."""
+def weight_bytes_per_rank(model: ModelSpec, precision: Precision, tp: int, ep_data_parallel: int = 1) -> float:
+    """Weights one GPU holds: everything is sharded T ways except the (tiny) norms. With expert parallelism
+    across ``ep_data_parallel`` data-parallel ranks the routed experts are further split that many ways (each
+    rank keeps its own copy of everything else)."""
     linear, other = param_counts(model)
-    return (linear * precision.weight_bytes_per_param + other * 2.0) / tp
+    total = (linear * precision.weight_bytes_per_param + other * 2.0) / tp
+    if ep_data_parallel > 1 and model.is_moe:
+        experts = model.num_moe_layers * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
+        total -= experts * precision.weight_bytes_per_param / tp * (1.0 - 1.0 / ep_data_parallel)
+    return total
 
 
 def kv_bytes_per_token(model: ModelSpec, precision: Precision, tp: int) -> float:
@@ -80,10 +86,11 @@ class MemoryPlan:
 
 def plan_memory(model: ModelSpec, hw: HardwareSpec, precision: Precision, *, tp: int, block_size: int,
                 gpu_memory_utilization: float, max_model_len: int, max_num_batched_tokens: int,
-                max_num_seqs: int, num_gpu_blocks_override: int | None = None) -> MemoryPlan:
+                max_num_seqs: int, num_gpu_blocks_override: int | None = None,
+                ep_data_parallel: int = 1) -> MemoryPlan:
     total = hw.mem_capacity_bytes
     requested = math.ceil(total * gpu_memory_utilization)
-    weights = weight_bytes_per_rank(model, precision, tp)
+    weights = weight_bytes_per_rank(model, precision, tp, ep_data_parallel)
     if weights >= requested:
         raise InsufficientMemoryError(
             f"Model weights take {weights / GIB:.2f} GiB per GPU, more than the {requested / GIB:.2f} GiB "
@@ -92,7 +99,7 @@ def plan_memory(model: ModelSpec, hw: HardwareSpec, precision: Precision, *, tp:
             "or use quantization."
         )
     activation = activation_peak_bytes(model, precision, tp, max_num_batched_tokens, max_num_seqs)
-    non_torch = NON_TORCH_BYTES + (TP_COMM_BUFFER_BYTES if tp > 1 else 0)
+    non_torch = NON_TORCH_BYTES + (TP_COMM_BUFFER_BYTES if tp * ep_data_parallel > 1 else 0)
     kv_bytes = requested - weights - activation - non_torch
     block_bytes = block_size * kv_bytes_per_token(model, precision, tp)
     if kv_bytes <= 0:
