@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kernelsight.engine_args import create_engine_config
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_replicas
 from kernelsight.loadgen.metrics import PERCENTILE_METRICS, compute_bench_metrics
+from kernelsight.plan.prune import create_engine_config
 from kernelsight.simcore.engine_config import EngineArgs
 
 __all__ = ["PlanWorkload", "PointTask", "simulate_point", "point_key", "kernelsight_version"]

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernelsight.engine_args import create_engine_config
+from kernelsight import profiles
 from kernelsight.plan.slo import Slo
 from kernelsight.plan.space import EngineChoice
-from kernelsight.simcore.engine_config import EngineArgs, EngineConfig
+from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
 from kernelsight.simcore.memory import InsufficientMemoryError, param_counts
 
-__all__ = ["Bounds", "WorkloadShape", "resolve_choice", "engine_args_for", "min_replicas", "roofline_bounds",
+__all__ = ["Bounds", "WorkloadShape", "create_engine_config", "resolve_choice", "engine_args_for", "min_replicas",
+           "roofline_bounds",
            "slo_floor_violation",
            "REASON_INVALID", "REASON_MEMORY", "REASON_NO_PRICE", "REASON_ROOFLINE_SLO", "REASON_ROOFLINE_LOAD",
            "REASON_MAX_GPUS", "REASON_DOMINATED", "REASON_MONOTONE"]
@@ -59,6 +60,20 @@ class WorkloadShape:
 class Bounds:
     step_floor_s: float                 # no engine step is shorter (active weights read at datasheet bandwidth)
     max_rate_per_replica: float         # requests/s one replica can at most complete (output-token bound)
+
+
+_PROFILES: dict[tuple, tuple] = {}
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """``engine_args.create_engine_config`` with the loaded profiles kept per process: a calibration table takes
+    ~0.3 s to load, and a search resolves dozens of engines on the same few GPUs."""
+    key = (args.model, args.hardware, args.calibration)
+    if key not in _PROFILES:
+        model = profiles.load_model(args.model)
+        hw = profiles.load_hardware(args.hardware)
+        _PROFILES[key] = (model, hw, profiles.load_calibration(hw.name, args.calibration))
+    return resolve_engine_config(args, *_PROFILES[key])
 
 
 def resolve_choice(choice: EngineChoice, base: EngineArgs, shape: WorkloadShape) -> tuple[EngineConfig | None, str]:

@@ -140,7 +140,8 @@ def _pareto_figure(go: Any, r: PlanResult) -> Any:
         fig.add_trace(go.Scatter(x=[r.chosen["usd_per_mtok"]], y=[r.chosen["goodput_rps"]], mode="markers+text",
                                  marker={"symbol": "star", "size": 18, "color": "#f4a261"}, name="chosen",
                                  text=[r.chosen["label"]], textposition="top left"))
-    fig.add_hline(y=r.request_rate, line_dash="dot", annotation_text="requested load")
+    fig.add_hline(y=r.request_rate, line_dash="dot", annotation_text="requested load",
+                  annotation_position="bottom left")
     fig.update_layout(title="Cost vs goodput (requests/s meeting the SLO)", xaxis_title="USD per million tokens",
                       yaxis_title="goodput (req/s)", height=480)
     return fig
@@ -148,16 +149,21 @@ def _pareto_figure(go: Any, r: PlanResult) -> Any:
 
 def _curves_figure(go: Any, make_subplots: Any, r: PlanResult) -> Any:
     fig = make_subplots(rows=1, cols=2, subplot_titles=("p99 TTFT vs load", "p99 TPOT vs load"))
-    for label, pts in r.curves.items():
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+    for i, (label, pts) in enumerate(r.curves.items()):
         x = [p["request_rate"] for p in pts]
+        line = {"color": palette[i % len(palette)]}     # one colour per deployment in both panels
         fig.add_trace(go.Scatter(x=x, y=[p["p99_ttft_ms"] for p in pts], mode="lines+markers", name=label,
-                                 legendgroup=label), row=1, col=1)
+                                 legendgroup=label, line=line), row=1, col=1)
         fig.add_trace(go.Scatter(x=x, y=[p["p99_tpot_ms"] for p in pts], mode="lines+markers", name=label,
-                                 legendgroup=label, showlegend=False), row=1, col=2)
+                                 legendgroup=label, showlegend=False, line=line), row=1, col=2)
+    rates = sorted({p["request_rate"] for pts in r.curves.values() for p in pts})
     for lim in r.slo.limits:
-        if lim.metric in ("ttft", "tpot") and lim.stat == "p99":
-            fig.add_hline(y=lim.limit_ms, line_dash="dot", row=1, col=1 if lim.metric == "ttft" else 2,
-                          annotation_text="SLO")
+        if lim.metric in ("ttft", "tpot") and lim.stat == "p99" and rates:
+            # a trace, not a layout shape: shapes on a log axis take log10 coordinates
+            fig.add_trace(go.Scatter(x=[rates[0], rates[-1]], y=[lim.limit_ms] * 2, mode="lines", name="SLO",
+                                     line={"dash": "dot", "color": "black"}, showlegend=lim.metric == "ttft"),
+                          row=1, col=1 if lim.metric == "ttft" else 2)
     fig.update_xaxes(title_text="request rate (req/s)")
     fig.update_yaxes(title_text="ms", type="log")
     fig.update_layout(title="Latency vs load (the chosen deployment and its neighbours on the front)", height=460)
