@@ -94,7 +94,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prices", default=None,
                    help="JSON of GPU → USD per GPU-hour over the bundled example prices")
     r = p.add_argument_group("running")
-    r.add_argument("--workers", type=positive_int, default=None, help="processes (default: one per CPU)")
+    r.add_argument("--workers", type=positive_int, default=None,
+                   help="points simulated at once (default: one per CPU of this machine, or of the Ray cluster)")
     r.add_argument("--ray-address", default=None,
                    help="run the points on a Ray cluster (auto, ray://HOST:10001, or local); needs `pip install ray`")
     r.add_argument("--cache-dir", default=None,
@@ -145,9 +146,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                         max_gpus=ns.max_gpus)
     base = EngineArgs(model=ns.model, max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
                       seed=ns.seed)
-    workers = ns.workers or default_workers()
-    executor = (RayExecutor(workload, ns.ray_address, ns.workers) if ns.ray_address
-                else LocalExecutor(workload, workers))
+    if ns.ray_address:
+        executor = RayExecutor(workload, ns.ray_address, ns.workers)
+        workers = ns.workers or executor.cpus()
+    else:
+        workers = ns.workers or default_workers()
+        executor = LocalExecutor(workload, workers)
     cache = ResultCache(None if ns.no_cache else (ns.cache_dir or default_cache_dir()))
     progress = make_progress(ns.progress)
     runner = PointRunner(executor, cache, progress)

@@ -90,6 +90,10 @@ class RayExecutor:
         self._wl = ray.put(workload)
         self._remote = ray.remote(num_cpus=1)(simulate_point)
 
+    def cpus(self) -> int:
+        """The cluster's CPUs: how many points can run at once."""
+        return max(1, int(self._ray.cluster_resources().get("CPU", 1)))
+
     def run(self, tasks: list[PointTask]) -> Iterator[tuple[PointTask, dict[str, Any]]]:
         refs = {self._remote.remote(t, self._wl): t for t in tasks}
         pending = list(refs)
