@@ -28,9 +28,11 @@ def _row(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_plan(r: PlanResult, *, model: str, simulate_command: str) -> str:
+    load = (f"offered load {r.offered_tokens_per_s:,.0f} tokens/s (input + output); cost = GPUs × price ÷ that rate"
+            if r.offered_tokens_per_s > 0 else
+            "closed loop (no request rate); cost = GPUs × price ÷ the tokens/s each deployment served")
     lines = [f"kernelsight plan: {model} at {r.request_rate:g} req/s, SLO {r.slo.text()}",
-             f"  offered load {r.offered_tokens_per_s:,.0f} tokens/s (input + output); cost = GPUs × price ÷ that "
-             f"rate; prices: {r.prices.source}, {r.prices.as_of}"]
+             f"  {load}; prices: {r.prices.source}, {r.prices.as_of}"]
     s = r.summary()
     lines.append(f"  search space {s['space_points']} points: simulated {s['simulated']}, from cache "
                  f"{s['cache_hits']}, pruned {s['pruned']} ({s['wall_s']:.1f} s)")

@@ -49,7 +49,9 @@ class LocalExecutor:
         self._pool: ProcessPoolExecutor | None = None
 
     def run(self, tasks: list[PointTask]) -> Iterator[tuple[PointTask, dict[str, Any]]]:
-        if self.workers == 1 or len(tasks) == 1 and self._pool is None:
+        if not tasks:
+            return
+        if self.workers == 1 or len(tasks) == 1 and self._pool is None:   # no pool started for one point
             for t in tasks:
                 yield t, simulate_point(t, self.workload)
             return

@@ -110,7 +110,9 @@ def evaluate_point(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float,
     failed = m["failed"]
     meets = not violations and failed == 0
     num_gpus = entry["config"]["tensor_parallel_size"] * entry["replicas"]
-    gpu_hours_per_mtok = num_gpus / (offered_tokens_per_s * 3600.0 / 1e6) if offered_tokens_per_s > 0 else math.inf
+    # the offered rate when the load is a rate; a closed loop (--max-concurrency) offers what it served
+    tokens_per_s = offered_tokens_per_s if offered_tokens_per_s > 0 else m["total_token_throughput"]
+    gpu_hours_per_mtok = num_gpus / (tokens_per_s * 3600.0 / 1e6) if tokens_per_s > 0 else math.inf
     out = {
         "label": entry["label"], "key": entry["key"], "replicas": entry["replicas"], "num_gpus": num_gpus,
         "hardware": entry["config"]["hardware"], "tensor_parallel_size": entry["config"]["tensor_parallel_size"],
