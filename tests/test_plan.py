@@ -139,6 +139,10 @@ def test_slo_parsing_and_bad_input(capsys):
             parse_slo(bad)
     assert main([*SMALL[:-1], "--slo", "ttft_p99=1"]) == 2
     assert "--slo takes METRIC_STAT_ms=LIMIT" in capsys.readouterr().err
+    assert main([*SMALL, "--gpus", "h100,tpu-v9", "--no-cache"]) == 2
+    assert "tpu-v9" in capsys.readouterr().err
+    assert main([a for a in SMALL if a not in ("--request-rate", "40")] + ["--no-cache"]) == 2
+    assert "plan needs the load to plan for" in capsys.readouterr().err
 
 
 def test_price_override_and_front(tmp_path):

@@ -137,6 +137,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         last = max(wl.arrivals_s, default=0.0)
         rate = len(wl.arrivals_s) / last if last > 0 else math.inf
     workload = PlanWorkload(wl.samples, list(wl.arrivals_s), float(rate), wl.ignore_eos, ns.max_concurrency)
+    for gpu in ns.gpus:
+        profiles.load_hardware(gpu)        # an unknown name is an error here, not a silently pruned engine
     canonical = {a: profiles.load_hardware(h).name for h in profiles.list_hardware()
                  for a in (h, *profiles.load_hardware(h).aliases)}
     prices = load_prices(ns.prices, canonical)
