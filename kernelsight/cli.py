@@ -44,6 +44,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.tokenizer import resolve_tokenizer
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
 
+    if ns.plot:
+        from kernelsight.loadgen.plot import require_plotly
+
+        require_plotly()    # before the run, not after it
     config = create_engine_config(engine_args_from(ns))
     mopts = metric_options(ns)
     wl = build_workload(ns, config.model.vocab_size, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
@@ -135,6 +139,11 @@ def build_validate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_validate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.validate import format_validation, plot_html, validate_run
+
+    if ns.plot:
+        from kernelsight.loadgen.plot import require_plotly
+
+        require_plotly()
 
     v = validate_run(ns.run_dir, hardware=ns.hardware, calibration=ns.calibration, seed=ns.seed,
                      workload=ns.workload)

@@ -161,7 +161,8 @@ def test_the_shared_rtx4090_run_replays_end_to_end_and_deterministically(shared_
     assert {"measured_kv_cache_pct", "simulated_running"} <= set(result["timeseries"]["rows"][0])
     assert {r["family"] for r in result["breakdown"]} >= {"gemm", "attn_decode"}
     html = page.read_text()
-    assert html.count("<svg") == 7 and "<script" not in html      # 3 CDFs + 4 timeseries
+    assert html.count('class="plotly-graph-div"') == 7               # 3 CDFs + 4 timeseries
+    assert html.count("window.PlotlyConfig") == 1 and "<link" not in html   # plotly.js inlined once
     assert main(["validate", str(run), "--seed", "7", "--result-json", str(b)]) == 0
     assert a.read_text() == b.read_text()
 
