@@ -167,3 +167,27 @@ def test_ray_path_on_a_local_instance(small, tmp_path):
     assert [(p["label"], p["p99_ttft_ms"]) for p in plan["points"]] == \
         [(p["label"], p["p99_ttft_ms"]) for p in first["points"]]
     assert plan["chosen"]["key"] == first["chosen"]["key"]
+
+
+def test_progress_bar_follows_a_shrinking_total_and_stays_off_a_pipe():
+    pytest.importorskip("tqdm")
+    import io
+
+    from kernelsight.loadgen.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    bar = Progress(40, "points", stream=tty)
+    bar.update(3)
+    bar.set_total(5)          # pruning removed 35 points: the bar (and its ETA) are over 5 now
+    bar.update(2)
+    bar.close()
+    assert "5/5" in tty.getvalue() and "100%" in tty.getvalue()
+    pipe = io.StringIO()
+    quiet = Progress(40, "points", stream=pipe)
+    quiet.update(40)
+    quiet.close()
+    assert pipe.getvalue() == "" and not quiet.enabled

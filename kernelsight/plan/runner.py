@@ -2,18 +2,17 @@
 with a progress bar and an ETA.
 
 Ray is imported only when ``--ray-address`` is given; the single-machine path needs nothing beyond the standard
-library. The progress bar is tqdm's when tqdm is installed (it keeps an ETA as the total shrinks under pruning),
-else the dependency-free one of ``loadgen/progress.py``.
+library. The progress bar is ``loadgen/progress.py``'s (tqdm's, when tqdm is installed).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
+from kernelsight.loadgen.progress import Progress
 from kernelsight.plan.cache import ResultCache
 from kernelsight.plan.point import PlanWorkload, PointTask, simulate_point
 
@@ -108,53 +107,15 @@ class RayExecutor:
         pass
 
 
-class _PlainProgress:
-    def __init__(self, enabled: bool) -> None:
-        from kernelsight.loadgen.progress import Progress
-
-        self._bar = Progress(1, "points", enabled=enabled)
-        self.total = 1
-
-    def set_total(self, total: int) -> None:
-        self.total = self._bar.total = max(total, 1)
-
-    def update(self, n: int = 1) -> None:
-        self._bar.update(n)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-class _TqdmProgress:
-    def __init__(self, tqdm_cls: Any, enabled: bool) -> None:
-        self._bar = tqdm_cls(total=1, unit="point", desc="simulating", disable=not enabled, file=sys.stderr,
-                             dynamic_ncols=True)
-
-    def set_total(self, total: int) -> None:
-        if self._bar.total != total:
-            self._bar.total = max(total, self._bar.n, 1)
-            self._bar.refresh()
-
-    def update(self, n: int = 1) -> None:
-        self._bar.update(n)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-def make_progress(enabled: bool) -> _PlainProgress | _TqdmProgress:
-    enabled = enabled and sys.stderr.isatty()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _PlainProgress(enabled)
-    return _TqdmProgress(tqdm, enabled)
+def make_progress(enabled: bool) -> Progress:
+    """tqdm's bar (with an ETA whose total follows the pruning) when tqdm is installed and stderr is a terminal."""
+    return Progress(1, "points simulated", enabled=enabled)
 
 
 class PointRunner:
     """Runs tasks through the cache: cached keys come back at once, the rest from the executor (and are stored)."""
 
-    def __init__(self, executor: LocalExecutor | RayExecutor, cache: ResultCache, progress: Any) -> None:
+    def __init__(self, executor: LocalExecutor | RayExecutor, cache: ResultCache, progress: Progress) -> None:
         self.executor = executor
         self.cache = cache
         self.progress = progress
