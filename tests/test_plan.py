@@ -95,6 +95,12 @@ def test_rerun_hits_the_cache_and_a_widened_search_simulates_only_new_points(sma
     again = run_plan(tmp, "--cache-dir", str(tmp / "cache"), "--workers", "1", name="again.json")
     assert again["search"]["simulated"] == 0 and again["search"]["cache_hits"] == 4
     assert again["points"] == first["points"]
+    # a percentile the cache does not hold is computed from the per-request numbers kept there
+    p80 = run_plan(tmp, "--cache-dir", str(tmp / "cache"), "--workers", "1", "--slo", "ttft_p80_ms=200,"
+                   "tpot_p80_ms=30", name="p80.json")
+    assert p80["search"]["simulated"] == 0      # a looser SLO passes no later than p99 did: every point is cached
+    broken = {v["slo"] for p in p80["points"] for v in p["violations"]}
+    assert broken and broken <= {"ttft_p80_ms", "tpot_p80_ms"}
     # a different SLO is judged on the cached per-request numbers: still nothing simulated
     looser = run_plan(tmp, "--cache-dir", str(tmp / "cache"), "--workers", "1", "--slo", "ttft_p99_ms=2000,"
                       "tpot_p99_ms=80", name="looser.json")
@@ -134,7 +140,7 @@ def test_slo_parsing_and_bad_input(capsys):
     assert slo.goodput_ms() == {"ttft": 500.0, "tpot": 50.0, "e2el": 9000.0}
     assert slo.violations({"p99_ttft_ms": 501.0, "mean_tpot_ms": 50.0, "p90.5_e2el_ms": 1.0}) == [
         {"slo": "ttft_p99_ms", "value_ms": 501.0, "limit_ms": 500.0}]
-    for bad in ("ttft=5", "ttft_p99_ms=abc", "ttft_p99_ms=-1", "queue_p99_ms=3", ""):
+    for bad in ("ttft=5", "ttft_p99_ms=abc", "ttft_p99_ms=-1", "queue_p99_ms=3", "", "itl_p42_ms=5"):
         with pytest.raises(ValueError):
             parse_slo(bad)
     assert main([*SMALL[:-1], "--slo", "ttft_p99=1"]) == 2

@@ -24,8 +24,13 @@ from kernelsight.loadgen.metrics import PERCENTILE_METRICS, compute_bench_metric
 from kernelsight.plan.prune import create_engine_config
 from kernelsight.simcore.engine_config import EngineArgs
 
-__all__ = ["PlanWorkload", "PointTask", "simulate_point", "point_key", "kernelsight_version"]
+__all__ = ["PlanWorkload", "PointTask", "simulate_point", "point_key", "kernelsight_version", "STORED_PERCENTILES"]
 
+#: Percentiles kept in a point's statistics. TTFT, TPOT and E2EL at any other percentile come from the per-request
+#: numbers kept beside them; ITL only at these (its pooled samples are not kept).
+STORED_PERCENTILES = (50, 75, 90, 95, 99, 99.5, 99.9)
+#: Bumped when a cache entry's content changes shape, so entries of an older shape are not read.
+ENTRY_SCHEMA = 2
 #: Timeline rows kept per point (evenly thinned): enough for a plot, small enough for the cache.
 MAX_TIMELINE_ROWS = 1500
 
@@ -78,7 +83,7 @@ def point_key(args: EngineArgs, replicas: int, request_rate: float, workload_dig
         calib = hashlib.sha256(Path(args.calibration).read_bytes()).hexdigest()
     blob = json.dumps({"args": dataclasses.asdict(args), "calibration_sha256": calib, "replicas": replicas,
                        "request_rate": request_rate, "workload": workload_digest,
-                       "kernelsight": kernelsight_version()}, sort_keys=True, default=str)
+                       "kernelsight": kernelsight_version(), "entry_schema": ENTRY_SCHEMA}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -102,7 +107,7 @@ def simulate_point(task: PointTask, workload: PlanWorkload) -> dict[str, Any]:
     res = run_replicas(cfg, workload.samples, arrivals, task.replicas, max_concurrency=workload.max_concurrency,
                        ignore_eos=workload.ignore_eos, record_timeline=True)
     metrics = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=PERCENTILE_METRICS[:4],
-                                    percentiles=(50, 90, 95, 99, 99.9))
+                                    percentiles=STORED_PERCENTILES)
     ok = [r for r in res.records if r.success]
     ttft = np.array([r.ttft_s for r in ok])
     e2el = np.array([r.latency_s for r in ok])

@@ -106,7 +106,7 @@ def evaluate_point(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float,
     for metric, limit_ms in slo.goodput_ms().items():
         good &= np.asarray(pr[f"{metric}_s"]) <= limit_ms / 1000.0
     duration = max(m["duration"], 1e-9)
-    violations = slo.violations(m)
+    violations = slo.violations(_with_slo_stats(m, pr, slo))
     failed = m["failed"]
     meets = not violations and failed == 0
     num_gpus = entry["config"]["tensor_parallel_size"] * entry["replicas"]
@@ -132,6 +132,20 @@ def evaluate_point(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float,
         "failed_requests": failed, "queue": entry["queue"], "engine_args": entry["engine_args"],
     }
     out["why"] = "" if meets else diagnose(out)
+    return out
+
+
+def _with_slo_stats(m: dict[str, Any], pr: dict[str, list], slo: Slo) -> dict[str, Any]:
+    """The statistics, plus any percentile the SLO names that the cached point does not hold (computed from the
+    per-request numbers, as vllm bench serve computes them: TPOT over requests of more than one token)."""
+    out = dict(m)
+    for lim in slo.limits:
+        if lim.result_key in out or lim.percentile is None or lim.metric == "itl":
+            continue
+        vals = np.asarray(pr[f"{lim.metric}_s"], dtype=float)
+        if lim.metric == "tpot":
+            vals = vals[vals > 0]
+        out[lim.result_key] = float(np.percentile(vals if vals.size else np.zeros(1), lim.percentile)) * 1000.0
     return out
 
 

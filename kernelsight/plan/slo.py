@@ -12,6 +12,8 @@ __all__ = ["Slo", "SloLimit", "parse_slo", "SLO_METRICS"]
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 _GOODPUT_METRICS = ("ttft", "tpot", "e2el")          # what vllm bench serve's --goodput accepts
+#: Percentiles a cached point holds for ITL (plan/point.py's STORED_PERCENTILES; slo.py stays free of imports)
+ITL_PERCENTILES = (50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9)
 _KEY = re.compile(r"^(ttft|tpot|itl|e2el)_(mean|median|p\d+(?:\.\d+)?)_ms$")
 
 
@@ -28,7 +30,10 @@ class SloLimit:
     @property
     def result_key(self) -> str:
         """The key of ``compute_bench_metrics``' result that holds this statistic (``p99_ttft_ms``)."""
-        return f"{self.stat}_{self.metric}_ms"
+        stat = self.stat
+        if stat.startswith("p"):       # as metrics.percentile_key spells it: p99, p99.9 (p99.0 → p99)
+            stat = f"p{float(stat[1:]):g}"
+        return f"{stat}_{self.metric}_ms"
 
     @property
     def percentile(self) -> float | None:
@@ -85,6 +90,8 @@ def parse_slo(text: str) -> Slo:
         stat = m.group(2)
         if stat.startswith("p") and not 0 < float(stat[1:]) <= 100:
             raise ValueError(f"--slo {item!r}: percentile must be in (0, 100]")
+        if m.group(1) == "itl" and stat.startswith("p") and float(stat[1:]) not in ITL_PERCENTILES:
+            raise ValueError(f"--slo {item!r}: ITL is kept at p{', p'.join(f'{p:g}' for p in ITL_PERCENTILES)} only")
         limits.append(SloLimit(m.group(1), stat, limit))
     if not limits:
         raise ValueError("--slo names no limit")
