@@ -7,7 +7,7 @@ import math
 import shlex
 from pathlib import Path
 
-from kernelsight.argtypes import positive_int
+from kernelsight.argtypes import fraction, positive_int
 
 __all__ = ["add_plan_parser"]
 
@@ -89,7 +89,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV formats: auto, fp8 (default: auto)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length every engine must hold (default: the model's)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="(default: 0.9)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="fraction of device memory vLLM may use (default: 0.9)")
     g.add_argument("--seed", type=int, default=0, help="seed for the workload and the engines (default: 0)")
     g.add_argument("--prices", default=None,
                    help="JSON of GPU → USD per GPU-hour over the bundled example prices")
