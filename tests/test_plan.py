@@ -197,3 +197,23 @@ def test_progress_bar_follows_a_shrinking_total_and_stays_off_a_pipe():
     quiet.update(40)
     quiet.close()
     assert pipe.getvalue() == "" and not quiet.enabled
+
+
+def test_replicas_split_arrivals_round_robin():
+    from kernelsight.engine_args import create_engine_config
+    from kernelsight.loadgen.datasets import random_dataset
+    from kernelsight.loadgen.fastforward import run_fast_forward, run_replicas
+    from kernelsight.simcore.engine_config import EngineArgs
+
+    cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100"))
+    samples = random_dataset(6, 256, 16, 0.0, cfg.model.vocab_size, seed=0)
+    arrivals = [0.0, 0.0, 0.0, 0.01, 0.01, 0.01]
+    # three engines, six requests: engine r gets requests r and r+3, exactly what one engine does with those two
+    both = run_replicas(cfg, samples, arrivals, 3)
+    for r in range(3):
+        alone = run_fast_forward(cfg, [samples[r], samples[r + 3]], [arrivals[r], arrivals[r + 3]])
+        assert [both.records[r].ttft_s, both.records[r + 3].ttft_s] == [x.ttft_s for x in alone.records]
+    one = run_replicas(cfg, samples, arrivals, 1)
+    assert max(r.ttft_s for r in one.records) > max(r.ttft_s for r in both.records)   # one engine queues them
+    with pytest.raises(ValueError, match="replicas must be"):
+        run_replicas(cfg, samples, arrivals, 0)
