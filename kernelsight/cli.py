@@ -1,4 +1,4 @@
-"""``kernelsight`` command line: serve | bench | simulate | validate | profiles | calibrate | predict."""
+"""``kernelsight`` command line: serve | bench | simulate | validate | plan | profiles | calibrate | predict."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kernelsight.argtypes import OneLineParser
+from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args, create_engine_config, engine_args_from
+from kernelsight.plan.cli import add_plan_parser
 from kernelsight.profiles.accuracy import describe_expected_error, expected_error
 
 __all__ = ["build_parser", "main"]
@@ -30,17 +31,24 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
     o = add_report_args(p, default_metrics="ttft,tpot,itl,e2el")
     o.add_argument("--timeline", default=None,
                    help="CSV per step: time, running, waiting, KV usage, scheduled tokens, step seconds")
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="independent engines behind a round-robin router (request i goes to engine i mod N); "
+                        "the timeline is engine 0's (default: 1)")
     p.set_defaults(func=cmd_simulate)
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
-    from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_fast_forward, write_timeline
+    from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_replicas, write_timeline
     from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
     from kernelsight.loadgen.progress import Progress
     from kernelsight.loadgen.report import RANK_COLUMNS, format_report, format_table, rank_rows
     from kernelsight.loadgen.tokenizer import resolve_tokenizer
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
 
+    if ns.plot:
+        from kernelsight.loadgen.plot import require_plotly
+
+        require_plotly()    # before the run, not after it
     config = create_engine_config(engine_args_from(ns))
     mopts = metric_options(ns)
     wl = build_workload(ns, config.model.vocab_size, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
@@ -50,7 +58,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         raise ValueError(f"{len(too_long)} prompt(s) are longer than max_model_len={config.scheduler.max_model_len} "
                          f"(longest {max(too_long)} tokens)")
     bar = Progress(len(samples), "requests (simulated)", enabled=ns.progress)
-    res = run_fast_forward(config, samples, wl.arrivals_s, max_concurrency=ns.max_concurrency,
+    res = run_replicas(config, samples, wl.arrivals_s, ns.replicas, max_concurrency=ns.max_concurrency,
                            ignore_eos=wl.ignore_eos, record_timeline=ns.timeline is not None or ns.plot is not None,
                            on_finished=bar.update if bar.enabled else None)
     bar.close()
@@ -61,7 +69,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                            request_rate=wl.request_rate, burstiness=ns.burstiness, max_concurrency=ns.max_concurrency)
     busy = sum(res.breakdown_s.values()) or 1.0
     extra: dict[str, Any] = {
-        "config": config.summary(),
+        "config": {**config.summary(), "replicas": ns.replicas},
         "kernel_time_breakdown": {f: {"seconds": round(s, 6), "fraction": round(s / busy, 5)}
                                   for f, s in res.breakdown_s.items()},
         "simulator": res.simulator_stats(),
@@ -71,7 +79,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
     s = config.summary()
     dp = f"DP {s['data_parallel_size']}{'+EP' if config.expert_parallel else ''}, " if 'data_parallel_size' in s else ""
-    print(f"kernelsight simulate: {s['model']} on {s['hardware']} ({dp}TP {s['tensor_parallel_size']}, "
+    replicas = f"{ns.replicas} replicas × " if ns.replicas > 1 else ""
+    print(f"kernelsight simulate: {s['model']} on {replicas}{s['hardware']} ({dp}TP {s['tensor_parallel_size']}, "
           f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {s['calibration_tier']})")
     print(f"  {describe_expected_error(s['calibration_tier'])}")
     print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens = {s['kv_cache_tokens']} tokens; "
@@ -138,6 +147,11 @@ def build_validate_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_validate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.validate import format_validation, plot_html, validate_run
 
+    if ns.plot:
+        from kernelsight.loadgen.plot import require_plotly
+
+        require_plotly()
+
     v = validate_run(ns.run_dir, hardware=ns.hardware, calibration=ns.calibration, seed=ns.seed,
                      workload=ns.workload)
     print(format_validation(v.result))
@@ -180,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     build_simulate_parser(sub)
     build_validate_parser(sub)
+    add_plan_parser(sub)
     p = sub.add_parser("profiles", help="list bundled GPUs, models and calibrations")
     p.set_defaults(func=cmd_profiles)
     for attach in _optional_commands():

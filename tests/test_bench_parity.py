@@ -4,6 +4,7 @@ seed, same numbers; plus the bench command's result JSON, chat endpoint, /metric
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -72,8 +73,8 @@ def test_bench_chat_scrape_plot_and_result_keys(tmp_path, capsys):
     assert lat["releases"] > 0 and 0 <= lat["p50_ms"] <= lat["p99_ms"] and lat["virtual_clock_lag_ms_max"] >= 0
     assert "Server release lateness (wall): p50" in text
     page = plot.read_text()
-    assert page.count("<svg") >= 6 and "TTFT CDF" in page and "KV-cache usage" in page and "http" not in \
-        page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert page.count('class="plotly-graph-div"') >= 6 and "TTFT CDF" in page and "KV-cache usage" in page
+    assert not re.search(r"<script[^>]*\bsrc=", page) and "<link" not in page    # self-contained: nothing fetched
 
 
 def test_bench_unreachable_server_one_line_error(capsys):

@@ -1,5 +1,5 @@
-"""``--plot FILE.html``: self-contained, and a real headless browser renders the charts (skipped without chromium;
-CI installs Debian's: ``apt-get install -y chromium``)."""
+"""``--plot FILE.html``: self-contained (plotly.js inlined once, nothing fetched), and a real headless browser renders
+the charts (skipped without chromium; CI installs Debian's: ``apt-get install -y chromium``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import pytest
 
 from kernelsight.cli import main
 from kernelsight.loadgen.metrics import RequestRecord
-from kernelsight.loadgen.plot import line_chart_svg, render_plot_html
+from kernelsight.loadgen.plot import line_chart, render_plot_html
+
+pytest.importorskip("plotly")
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
@@ -28,16 +30,18 @@ def test_page_is_self_contained():
     page = render_plot_html("t", _records(), summary={"a": 1.5},
                             timeline={"time_s": [0, 1, 2], "running": [1, 3, 2], "waiting": [0, 2, 0],
                                       "kv_cache_usage": [0.1, 0.5, 0.2], "scheduled_tokens": [10, 300, 40]})
-    assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 7   # 4 CDFs + 3 timeline charts
-    assert "<script" not in page and "<link" not in page
-    assert not re.search(r"(?:src|href)=", page)
-    assert set(re.findall(r"https?://[^\"' ]+", page)) == {"http://www.w3.org/2000/svg"}   # the SVG namespace only
+    assert page.startswith("<!DOCTYPE html>")
+    assert page.count('class="plotly-graph-div"') == page.count("Plotly.newPlot") == 7   # 4 CDFs + 3 timeline charts
+    assert page.count("window.PlotlyConfig") == 1, "plotly.js is inlined once, not once per chart"
+    assert not re.search(r"<script[^>]*\bsrc=", page) and "<link" not in page, "nothing is fetched"
 
 
 def test_empty_series_and_degenerate_axes():
-    assert "no data" in line_chart_svg("x", [("a", [], [])], xlabel="x", ylabel="y")
-    svg = line_chart_svg("x", [("a", [1.0, 1.0], [2.0, 2.0])], xlabel="x", ylabel="y")
-    assert "nan" not in svg and "polyline" in svg
+    empty = line_chart("x", [("a", [], [])], xlabel="x", ylabel="y")
+    assert not empty.data and empty.layout.annotations[0].text == "no data"
+    flat = line_chart("x", [("a", [1.0, 1.0], [2.0, 2.0])], xlabel="x", ylabel="y", step=True)
+    assert list(flat.data[0].y) == [2.0, 2.0] and flat.data[0].line.shape == "hv"
+    assert "nan" not in flat.to_json().lower()
 
 
 def _png_rgb(path: Path) -> tuple[int, int, list[bytes]]:
@@ -87,6 +91,7 @@ def test_headless_browser_renders_the_charts(tmp_path):
     proc = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                            "--disable-component-update", "--disable-sync", "--no-first-run",
                            f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars", f"--screenshot={shot}",
+                           "--virtual-time-budget=10000",     # let plotly.js draw before the shot
                            "--window-size=1000,1500", page.as_uri()], capture_output=True, text=True, timeout=90)
     assert shot.is_file(), proc.stderr[-2000:]
     width, height, rows = _png_rgb(shot)

@@ -164,7 +164,8 @@ def test_the_shared_rtx4090_run_replays_end_to_end_and_deterministically(shared_
     busy = result["work_pricing"]["groups"][0]
     assert busy["ticks"] == "busy, all" and busy["count"] >= 100 and 0.5 < busy["median"] < 2
     html = page.read_text()
-    assert html.count("<svg") == 7 and "<script" not in html      # 3 CDFs + 4 timeseries
+    assert html.count('class="plotly-graph-div"') == 7               # 3 CDFs + 4 timeseries
+    assert html.count("window.PlotlyConfig") == 1 and "<link" not in html   # plotly.js inlined once
     assert main(["validate", str(run), "--seed", "7", "--result-json", str(b)]) == 0
     assert a.read_text() == b.read_text()
 

@@ -394,6 +394,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         raise ValueError("kernelsight bench needs aiohttp: pip install 'kernelsight[loadgen]'") from None
+    if ns.plot:
+        from kernelsight.loadgen.plot import require_plotly
+
+        require_plotly()    # before the run, not after it
     from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
     from kernelsight.loadgen.report import format_report
     from kernelsight.loadgen.tokenizer import resolve_tokenizer

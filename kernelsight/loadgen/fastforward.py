@@ -303,3 +303,54 @@ def write_timeline(path: str | Path, rows: list[tuple]) -> None:
         w = csv.writer(f)
         w.writerow(TIMELINE_COLUMNS)
         w.writerows(rows)
+
+
+def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
+                 replicas: int = 1, *, max_concurrency: int | None = None, ignore_eos: bool = True,
+                 record_timeline: bool = False,
+                 on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
+    """``replicas`` independent engines of ``config`` behind a round-robin router: the i-th request in arrival
+    order goes to engine ``i mod replicas``.
+
+    The simulator has no shared front end, so this is the model of data parallelism and replicas alike: no
+    load-aware routing, no cross-replica prefix cache, ``max_concurrency`` split evenly between the engines.
+    Records come back in the order of ``samples``; the duration is the longest engine's; the timeline, when
+    recorded, is engine 0's (the engines see statistically identical streams).
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be ≥ 1, got {replicas}")
+    if replicas == 1:
+        return run_fast_forward(config, samples, arrivals_s, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
+                                record_timeline=record_timeline, on_finished=on_finished)
+    if len(samples) != len(arrivals_s):
+        raise ValueError("one arrival time per sample is required")
+    order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
+    parts = [order[r::replicas] for r in range(replicas)]
+    conc = None if max_concurrency is None else max(1, -(-max_concurrency // replicas))
+    records: list[RequestRecord | None] = [None] * len(samples)
+    wall0 = time.perf_counter()
+    results = []
+    for r, idx in enumerate(parts):
+        if not idx:
+            continue
+        res = run_fast_forward(config, [samples[i] for i in idx], [arrivals_s[i] for i in idx],
+                               max_concurrency=conc, ignore_eos=ignore_eos,
+                               record_timeline=record_timeline and r == 0, on_finished=on_finished)
+        for i, rec in zip(idx, res.records, strict=True):
+            records[i] = rec
+        results.append((len(idx), res))
+    n_total = sum(n for n, _ in results)
+    reasons: dict[str, int] = {}
+    breakdown = dict.fromkeys(FAMILIES, 0.0)
+    for _, res in results:
+        for k, v in res.finish_reasons.items():
+            reasons[k] = reasons.get(k, 0) + v
+        for k, v in res.breakdown_s.items():
+            breakdown[k] += v
+    return FastForwardResult(
+        records=[r for r in records if r is not None], duration_s=max(res.duration_s for _, res in results),
+        wall_s=time.perf_counter() - wall0, num_steps=sum(res.num_steps for _, res in results),
+        breakdown_s=breakdown, num_preemptions=sum(res.num_preemptions for _, res in results),
+        # weighted by requests: each engine's own hit rate is over its own token queries
+        prefix_cache_hit_rate=sum(n * res.prefix_cache_hit_rate for n, res in results) / max(n_total, 1),
+        finish_reasons=reasons, timeline=results[0][1].timeline)

@@ -1,44 +1,36 @@
-"""``--plot FILE.html``: one self-contained page (inline SVG, no script, no CDN) with the latency CDFs and,
-when there is one, the timeline of running / waiting requests, KV-cache usage and scheduled tokens
-(simulate: every engine step; bench: the server's /metrics gauges sampled during the run)."""
+"""``--plot FILE.html``: one self-contained page with the latency CDFs and, when there is one, the timeline of
+running / waiting requests, KV-cache usage and scheduled tokens (simulate: every engine step; bench: the server's
+/metrics gauges sampled during the run).
+
+Charts are plotly's (zoom, hover, toggling series), with plotly.js inlined once in the page, so the file opens
+offline and references nothing. plotly is an optional extra (``pip install 'kernelsight[plot]'``).
+"""
 
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from kernelsight.loadgen.metrics import RequestRecord
 
-__all__ = ["write_plot_html", "render_plot_html", "line_chart_svg", "page_html", "cdf_xy"]
+__all__ = ["write_plot_html", "render_plot_html", "line_chart", "page_html", "cdf_xy", "require_plotly"]
 
 _W, _H = 460, 280
-_M_LEFT, _M_RIGHT, _M_TOP, _M_BOTTOM = 62, 16, 34, 44
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
 _MAX_POINTS = 800  # per series: enough for a smooth line, small enough for a light page
 
 
-def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
-        hi = lo + 1.0
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + k * step for k in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def _fmt(v: float) -> str:
-    if v == 0:
-        return "0"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    if abs(v) >= 10:
-        return f"{v:.0f}"
-    return f"{v:.3g}"
+def require_plotly() -> Any:
+    """``plotly.graph_objects``, or a one-line error saying how to install it."""
+    try:
+        import plotly.graph_objects as go
+    except ImportError:
+        raise ValueError("--plot needs plotly: pip install 'kernelsight[plot]' (or pip install plotly)") from None
+    return go
 
 
 def _thin(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,65 +40,37 @@ def _thin(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xs[idx], ys[idx]
 
 
-def line_chart_svg(title: str, series: Sequence[tuple[str, Sequence[float], Sequence[float]]], *,
-                   xlabel: str, ylabel: str, step: bool = False, y_max: float | None = None) -> str:
-    """One SVG chart: ``series`` = (name, xs, ys) lines sharing the axes."""
+def line_chart(title: str, series: Sequence[tuple[str, Sequence[float], Sequence[float]]], *,
+               xlabel: str, ylabel: str, step: bool = False, y_max: float | None = None) -> Any:
+    """One chart (a plotly Figure): ``series`` = (name, xs, ys) lines sharing the axes; ``step`` holds each value
+    until the next sample (a staircase, as gauges behave)."""
+    go = require_plotly()
+    fig = go.Figure()
     data = [(name, np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)) for name, xs, ys in series]
     data = [(n, x, y) for n, x, y in data if x.size]
-    pw, ph = _W - _M_LEFT - _M_RIGHT, _H - _M_TOP - _M_BOTTOM
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{_W}" height="{_H}" '
-             f'viewBox="0 0 {_W} {_H}" role="img" aria-label="{html.escape(title)}">',
-             f'<rect width="{_W}" height="{_H}" fill="white"/>',
-             f'<text x="{_W / 2}" y="20" text-anchor="middle" font-size="14" font-weight="bold">'
-             f'{html.escape(title)}</text>']
-    if not data:
-        parts.append(f'<text x="{_W / 2}" y="{_H / 2}" text-anchor="middle" fill="#888">no data</text></svg>')
-        return "".join(parts)
-    x_lo = min(float(x.min()) for _, x, _ in data)
-    x_hi = max(float(x.max()) for _, x, _ in data)
-    y_lo = min(0.0, min(float(y.min()) for _, _, y in data))
-    y_hi = y_max if y_max is not None else max(float(y.max()) for _, _, y in data)
-    if x_hi <= x_lo:
-        x_hi = x_lo + 1.0
-    if y_hi <= y_lo:
-        y_hi = y_lo + 1.0
-    y_hi *= 1.04 if y_max is None else 1.0
-
-    def sx(v: np.ndarray | float) -> np.ndarray | float:
-        return _M_LEFT + (np.asarray(v) - x_lo) / (x_hi - x_lo) * pw
-
-    def sy(v: np.ndarray | float) -> np.ndarray | float:
-        return _M_TOP + ph - (np.asarray(v) - y_lo) / (y_hi - y_lo) * ph
-
-    for t in _nice_ticks(x_lo, x_hi):
-        x = float(sx(t))
-        parts.append(f'<line x1="{x:.1f}" y1="{_M_TOP}" x2="{x:.1f}" y2="{_M_TOP + ph}" stroke="#eee"/>'
-                     f'<text x="{x:.1f}" y="{_M_TOP + ph + 16}" text-anchor="middle" font-size="11">{_fmt(t)}</text>')
-    for t in _nice_ticks(y_lo, y_hi):
-        y = float(sy(t))
-        parts.append(f'<line x1="{_M_LEFT}" y1="{y:.1f}" x2="{_M_LEFT + pw}" y2="{y:.1f}" stroke="#eee"/>'
-                     f'<text x="{_M_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11">{_fmt(t)}</text>')
-    parts.append(f'<rect x="{_M_LEFT}" y="{_M_TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
-    parts.append(f'<text x="{_M_LEFT + pw / 2}" y="{_H - 8}" text-anchor="middle" font-size="12">'
-                 f'{html.escape(xlabel)}</text>')
-    parts.append(f'<text transform="translate(14 {_M_TOP + ph / 2}) rotate(-90)" text-anchor="middle" '
-                 f'font-size="12">{html.escape(ylabel)}</text>')
     for k, (name, xs, ys) in enumerate(data):
         xs, ys = _thin(xs, ys)
-        px, py = sx(xs), sy(ys)
-        if step:  # hold each value until the next sample (a staircase, like the gauges behave)
-            px = np.repeat(px, 2)[1:]
-            py = np.repeat(py, 2)[:-1]
-        pts = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px, py, strict=True))
-        color = _COLORS[k % len(_COLORS)]
-        parts.append(f'<polyline class="series" fill="none" stroke="{color}" stroke-width="1.6" points="{pts}"/>')
-        # CDFs climb to the top right: their legend goes bottom right, the timelines' top right
-        ly = (_M_TOP + ph - 8 - 15 * (len(data) - 1 - k)) if y_max == 1.0 else (_M_TOP + 14 + 15 * k)
-        parts.append(f'<line x1="{_M_LEFT + pw - 120}" y1="{ly - 4}" x2="{_M_LEFT + pw - 104}" y2="{ly - 4}" '
-                     f'stroke="{color}" stroke-width="2"/><text x="{_M_LEFT + pw - 100}" y="{ly}" font-size="11">'
-                     f'{html.escape(name)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+        fig.add_trace(go.Scatter(x=xs, y=ys, name=name, mode="lines",
+                                 line={"color": _COLORS[k % len(_COLORS)], "width": 2,
+                                       "shape": "hv" if step else "linear"}))
+    if not data:
+        fig.add_annotation(text="no data", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                           font={"color": "#888"})
+    fig.update_layout(title={"text": title, "x": 0.5}, width=_W, height=_H, template="simple_white",
+                      margin={"l": 60, "r": 16, "t": 40, "b": 44}, showlegend=bool(data),
+                      # CDFs climb to the top right: their legend goes bottom right, the timelines' top right
+                      legend={"x": 1, "xanchor": "right", "y": 0 if y_max == 1.0 else 1,
+                              "yanchor": "bottom" if y_max == 1.0 else "top", "bgcolor": "rgba(255,255,255,0.6)"})
+    # axes under the lines: a series at 0 (an empty waiting queue) stays visible over the x axis
+    fig.update_xaxes(title_text=xlabel, showgrid=True, gridcolor="#eee", layer="below traces")
+    if y_max is None:   # a little room below 0, so a series at 0 is drawn inside the plot, not clipped by its edge
+        hi = max((float(np.nanmax(y)) for _, _, y in data), default=1.0)
+        hi = hi if hi > 0 else 1.0
+        y_range = [-0.03 * hi, 1.05 * hi]
+    else:
+        y_range = [0, y_max]
+    fig.update_yaxes(title_text=ylabel, showgrid=True, gridcolor="#eee", layer="below traces", range=y_range)
+    return fig
 
 
 def _cdf(values_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -130,32 +94,39 @@ def render_plot_html(title: str, records: Sequence[RequestRecord], *, summary: d
     charts = []
     for name, vals in latency_samples_ms(records).items():
         xs, ys = _cdf(vals)
-        charts.append(line_chart_svg(f"{name} CDF", [(name, xs, ys)], xlabel=f"{name} (ms)", ylabel="fraction",
+        charts.append(line_chart(f"{name} CDF", [(name, xs, ys)], xlabel=f"{name} (ms)", ylabel="fraction",
                                      y_max=1.0))
     if timeline and len(timeline.get("time_s", ())):
         t = timeline["time_s"]
         reqs = [(k, t, timeline[k]) for k in ("running", "waiting") if k in timeline]
         if reqs:
-            charts.append(line_chart_svg("Requests", reqs, xlabel="time (s)", ylabel="requests", step=True))
+            charts.append(line_chart("Requests", reqs, xlabel="time (s)", ylabel="requests", step=True))
         if "kv_cache_usage" in timeline:
-            charts.append(line_chart_svg("KV-cache usage", [("KV usage %", t, 100 * np.asarray(
+            charts.append(line_chart("KV-cache usage", [("KV usage %", t, 100 * np.asarray(
                 timeline["kv_cache_usage"], dtype=float))], xlabel="time (s)", ylabel="percent", step=True))
         if "scheduled_tokens" in timeline:
-            charts.append(line_chart_svg("Scheduled tokens per step", [("tokens", t, timeline["scheduled_tokens"])],
-                                         xlabel="time (s)", ylabel="tokens", step=True))
+            charts.append(line_chart("Scheduled tokens per step", [("tokens", t, timeline["scheduled_tokens"])],
+                                     xlabel="time (s)", ylabel="tokens", step=True))
     timeline_h = timeline_title if len(charts) > 4 else None
     return page_html(title, summary, [("Latency CDFs", charts[:4]), (timeline_h, charts[4:])])
 
 
-def page_html(title: str, summary: dict | None, sections: Sequence[tuple[str | None, Sequence[str]]]) -> str:
-    """The self-contained page: a title, the ``summary`` table, then each section (heading or None, SVG charts)."""
+def page_html(title: str, summary: dict | None, sections: Sequence[tuple[str | None, Sequence[Any]]]) -> str:
+    """The self-contained page: a title, the ``summary`` table, then each section (heading or None, figures).
+    plotly.js is inlined once, before the first chart."""
     rows = ""
     for k, v in (summary or {}).items():
         if isinstance(v, float):
             v = f"{v:.2f}"
         rows += f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
-    body = "".join((f"<h2>{html.escape(h)}</h2>" if h else "") + f"<div class=\"grid\">{''.join(c)}</div>"
-                   for h, c in sections)
+    first = True
+    body = ""
+    for heading, figs in sections:
+        charts = []
+        for fig in figs:
+            charts.append(fig.to_html(full_html=False, include_plotlyjs=first, config={"displayModeBar": False}))
+            first = False
+        body += (f"<h2>{html.escape(heading)}</h2>" if heading else "") + f"<div class=\"grid\">{''.join(charts)}</div>"
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>" + html.escape(title) + "</title>"
             "<style>body{font-family:sans-serif;margin:20px;color:#222}.grid{display:flex;flex-wrap:wrap;gap:12px}"
             "table{border-collapse:collapse;margin-bottom:16px}th,td{padding:2px 10px;border-bottom:1px solid #ddd;"

@@ -28,7 +28,7 @@ from kernelsight.engine_args import create_engine_config
 from kernelsight.loadgen.datasets import SampleRequest, jsonl_objects, trace_dataset
 from kernelsight.loadgen.fastforward import FastForwardResult, run_fast_forward
 from kernelsight.loadgen.metrics import RequestRecord
-from kernelsight.loadgen.plot import cdf_xy, line_chart_svg, page_html
+from kernelsight.loadgen.plot import cdf_xy, line_chart, page_html
 from kernelsight.loadgen.report import RANK_COLUMNS, format_table, rank_rows
 from kernelsight.loadgen.vllm_run import engine_args_from_run
 from kernelsight.loadgen.work_pricing import price_run_work
@@ -479,13 +479,13 @@ def plot_html(v: Validation) -> str:
     for name in measured_s:
         series = [(label, *cdf_xy(1e3 * np.asarray(vals, dtype=float)))
                   for label, vals in (("measured", measured_s[name]), ("simulated", simulated_s[name]))]
-        cdfs.append(line_chart_svg(f"{name} CDF", series, xlabel=f"{name} (ms)", ylabel="fraction", y_max=1.0))
+        cdfs.append(line_chart(f"{name} CDF", series, xlabel=f"{name} (ms)", ylabel="fraction", y_max=1.0))
     _, rows = timeseries_rows(v.run.timeseries, v.run.tick_s, token_times_s(v.sim.records), v.sim.timeline or [],
                               bin_s=v.run.tick_s)
     t = [r["t_end_s"] for r in rows]
     names = [k.removeprefix("measured_") for k in (rows[0] if rows else {}) if k.startswith("measured_")]
-    charts = [line_chart_svg(n, [(side, t, [r[f"{side}_{n}"] for r in rows]) for side in ("measured", "simulated")],
-                             xlabel="time (s)", ylabel=n, step=True) for n in names]
+    charts = [line_chart(n, [(side, t, [r[f"{side}_{n}"] for r in rows]) for side in ("measured", "simulated")],
+                         xlabel="time (s)", ylabel=n, step=True) for n in names]
     r = v.result
     summary = {"run": r["run"], "model": r["config"]["model"], "hardware": r["config"]["hardware"],
                "calibration": r["config"]["calibration_tier"], "workload": r["workload"],

@@ -1,0 +1,316 @@
+"""The search: static pruning, then deployments simulated cheapest first, in waves as wide as the workers.
+
+Cost per hour grows with replicas, and latency at a fixed total load falls with them (each replica gets 1/R of
+the arrivals: monotone in load). So, per engine choice, the replica counts form a line on which one failing point
+decides every smaller count and one passing point every larger one; and once any deployment meets the SLO, every
+costlier one is dominated (it cannot beat that goodput by more than the requests it already serves, at a higher
+cost). Only the points left undecided are simulated; the rest are counted, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kernelsight.plan.pareto import cheapest_meeting, pareto_front
+from kernelsight.plan.point import PlanWorkload, PointTask, point_key
+from kernelsight.plan.prices import PriceTable
+from kernelsight.plan.prune import (
+    REASON_DOMINATED,
+    REASON_MAX_GPUS,
+    REASON_MONOTONE,
+    REASON_NO_PRICE,
+    REASON_ROOFLINE_LOAD,
+    WorkloadShape,
+    engine_args_for,
+    min_replicas,
+    resolve_choice,
+    roofline_bounds,
+    slo_floor_violation,
+)
+from kernelsight.plan.runner import PointRunner
+from kernelsight.plan.slo import Slo
+from kernelsight.plan.space import Deployment, EngineChoice, SearchSpace
+from kernelsight.simcore.engine_config import EngineArgs
+
+__all__ = ["PlanResult", "run_plan", "evaluate_point", "diagnose"]
+
+
+@dataclass(slots=True)
+class _Line:
+    """One engine choice's replica counts still in play."""
+
+    choice: EngineChoice
+    args: EngineArgs
+    usd_per_gpu_hour: float
+    candidates: list[int]
+    fail_max: int = 0
+    pass_min: int = 1 << 30
+    last_goodput: float = 0.0
+    simulated: set[int] = field(default_factory=set)
+
+    def undecided(self) -> list[int]:
+        return [r for r in self.candidates if self.fail_max < r < self.pass_min and r not in self.simulated]
+
+    def usd_per_hour(self, replicas: int) -> float:
+        return self.usd_per_gpu_hour * self.choice.tensor_parallel_size * replicas
+
+    def next_probe(self, request_rate: float) -> int | None:
+        u = self.undecided()
+        if not u:
+            return None
+        if self.pass_min < 1 << 30:           # a jump passed: bisect the gap below it
+            return u[len(u) // 2]
+        if self.fail_max == 0 or self.last_goodput <= 0 or not math.isfinite(request_rate):
+            return u[0]
+        # the goodput of the failed count says roughly how many replicas the load needs; never jump past 2×
+        est = min(math.ceil(self.fail_max * request_rate / self.last_goodput), 2 * self.fail_max)
+        return next((r for r in u if r >= est), u[-1])
+
+
+@dataclass(slots=True)
+class PlanResult:
+    points: list[dict[str, Any]]                 # every simulated point at the requested rate, evaluated
+    front: list[dict[str, Any]]
+    chosen: dict[str, Any] | None
+    curves: dict[str, list[dict[str, Any]]]      # deployment label → points at other rates, rate ascending
+    pruned: Counter
+    pruned_examples: dict[str, list[str]]
+    space_size: int
+    simulated: int
+    cache_hits: int
+    wall_s: float
+    request_rate: float
+    offered_tokens_per_s: float
+    slo: Slo
+    prices: PriceTable
+    chosen_timeline: dict[str, list] = field(default_factory=dict)   # engine 0's, of the chosen deployment
+
+    def summary(self) -> dict[str, Any]:
+        return {"space_points": self.space_size, "simulated": self.simulated, "cache_hits": self.cache_hits,
+                "pruned": sum(self.pruned.values()), "pruned_by_reason": dict(self.pruned),
+                "wall_s": round(self.wall_s, 2)}
+
+
+def evaluate_point(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float,
+                   offered_tokens_per_s: float) -> dict[str, Any]:
+    """A cached result judged against ``slo``: pass/fail and why, goodput, cost."""
+    m = entry["metrics"]
+    pr = entry["per_request"]
+    good = np.ones(len(pr["ttft_s"]), dtype=bool)
+    for metric, limit_ms in slo.goodput_ms().items():
+        good &= np.asarray(pr[f"{metric}_s"]) <= limit_ms / 1000.0
+    duration = max(m["duration"], 1e-9)
+    violations = slo.violations(_with_slo_stats(m, pr, slo))
+    failed = m["failed"]
+    meets = not violations and failed == 0
+    num_gpus = entry["config"]["tensor_parallel_size"] * entry["replicas"]
+    # the offered rate when the load is a rate; a closed loop (--max-concurrency) offers what it served
+    tokens_per_s = offered_tokens_per_s if offered_tokens_per_s > 0 else m["total_token_throughput"]
+    gpu_hours_per_mtok = num_gpus / (tokens_per_s * 3600.0 / 1e6) if tokens_per_s > 0 else math.inf
+    out = {
+        "label": entry["label"], "key": entry["key"], "replicas": entry["replicas"], "num_gpus": num_gpus,
+        "hardware": entry["config"]["hardware"], "tensor_parallel_size": entry["config"]["tensor_parallel_size"],
+        "quantization": entry["config"]["quantization"], "kv_cache_dtype": entry["config"]["kv_cache_dtype"],
+        "max_num_seqs": entry["config"]["max_num_seqs"],
+        "max_num_batched_tokens": entry["config"]["max_num_batched_tokens"],
+        "request_rate": entry["request_rate"], "meets_slo": meets, "violations": violations,
+        # requests/s that meet the SLO out of the offered rate (a short run's drain tail would deflate vLLM's
+        # good-requests-over-duration, kept as bench_goodput_rps)
+        "goodput_rps": (int(good.sum()) / (good.size + m["failed"]) * entry["request_rate"]
+                        if good.size and math.isfinite(entry["request_rate"]) else int(good.sum()) / duration),
+        "bench_goodput_rps": int(good.sum()) / duration, "throughput_rps": m["request_throughput"],
+        "usd_per_hour": usd_per_gpu_hour * num_gpus, "gpu_hours_per_mtok": gpu_hours_per_mtok,
+        "usd_per_mtok": gpu_hours_per_mtok * usd_per_gpu_hour,
+        **{k: round(m[k], 3) for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms",
+                                       "p99_e2el_ms")},
+        "failed_requests": failed, "queue": entry["queue"], "engine_args": entry["engine_args"],
+    }
+    out["why"] = "" if meets else diagnose(out)
+    return out
+
+
+def _with_slo_stats(m: dict[str, Any], pr: dict[str, list], slo: Slo) -> dict[str, Any]:
+    """The statistics, plus any percentile the SLO names that the cached point does not hold (computed from the
+    per-request numbers, as vllm bench serve computes them: TPOT over requests of more than one token)."""
+    out = dict(m)
+    for lim in slo.limits:
+        if lim.result_key in out or lim.percentile is None or lim.metric == "itl":
+            continue
+        vals = np.asarray(pr[f"{lim.metric}_s"], dtype=float)
+        if lim.metric == "tpot":
+            vals = vals[vals > 0]
+        out[lim.result_key] = float(np.percentile(vals if vals.size else np.zeros(1), lim.percentile)) * 1000.0
+    return out
+
+
+def diagnose(p: dict[str, Any]) -> str:
+    """Which SLO fails and where the queue builds (engine 0's waiting queue, batch, KV cache)."""
+    parts = [", ".join(f"{v['slo']} {v['value_ms']:.0f} > {v['limit_ms']:g}" for v in p["violations"])]
+    if p["failed_requests"]:
+        parts.append(f"{p['failed_requests']} requests did not finish")
+    q = p["queue"]
+    slow = {v["slo"].split("_")[0] for v in p["violations"]}
+    if q["num_preemptions"] or q["peak_kv_usage"] >= 0.99:
+        where = (f"KV cache full (peak {100 * q['peak_kv_usage']:.0f}%, {q['num_preemptions']} preemptions): "
+                 "requests wait for blocks")
+    elif q["peak_running"] >= q["max_num_seqs"]:
+        where = f"batch full at max_num_seqs={q['max_num_seqs']}: requests wait for a slot"
+    elif q["peak_waiting"] > 0:
+        where = f"waiting queue peaks at {q['peak_waiting']} behind prefill chunks (token budget)"
+    elif slow == {"ttft"}:
+        where = (f"no waiting queue: prompts are prefilled in steps shared with a decode batch of up to "
+                 f"{q['peak_running']}, and those steps are too slow")
+    else:
+        where = f"no waiting queue: the steps themselves are too slow at a batch of up to {q['peak_running']}"
+    if q["waiting_at_last_arrival"] >= max(5, q["peak_waiting"] // 2) and q["peak_waiting"] > 0:
+        where += f"; still {q['waiting_at_last_arrival']} waiting at the last arrival (arrivals outrun the engine)"
+    parts.append(where)
+    return "; ".join(x for x in parts if x)
+
+
+def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkload, prices: PriceTable,
+             runner: PointRunner, *, workers: int, curve_loads: tuple[float, ...] = (),
+             curve_deployments: int = 6) -> PlanResult:
+    t0 = time.perf_counter()
+    shape = WorkloadShape.of([s.prompt_len for s in workload.samples],
+                             [s.expected_output_len for s in workload.samples])
+    rate = workload.request_rate
+    digest = workload.digest()
+    offered = (sum(s.prompt_len + s.expected_output_len for s in workload.samples) / len(workload.samples) * rate
+               if math.isfinite(rate) and workload.samples else 0.0)
+    pruned: Counter = Counter()
+    examples: dict[str, list[str]] = {}
+
+    def prune(reason: str, label: str, n: int = 1) -> None:
+        head = reason.split(":")[0]
+        pruned[head] += n
+        ex = examples.setdefault(head, [])
+        if len(ex) < 5:
+            ex.append(f"{label}: {reason}")
+
+    lines: list[_Line] = []
+    for choice in space.engine_choices():
+        n_r = len(space.replicas)
+        price = prices.price(_canonical(choice.hardware))
+        if price is None:
+            prune(REASON_NO_PRICE, choice.label(), n_r)
+            continue
+        cfg, why = resolve_choice(choice, base, shape)
+        if cfg is None:
+            prune(why, choice.label(), n_r)
+            continue
+        choice = EngineChoice(cfg.hardware.name, *[getattr(choice, f) for f in
+                              ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "quantization",
+                               "kv_cache_dtype")])
+        bounds = roofline_bounds(cfg, shape)
+        why = slo_floor_violation(bounds, slo, shape)
+        if why:
+            prune(why, choice.label(), n_r)
+            continue
+        r_min = min_replicas(bounds, rate)
+        cands = []
+        for r in space.replicas:
+            if r * choice.tensor_parallel_size > space.max_gpus:
+                prune(REASON_MAX_GPUS, Deployment(choice, r).label())
+            elif r < r_min:
+                prune(f"{REASON_ROOFLINE_LOAD}: at most {bounds.max_rate_per_replica:.2f} req/s per replica, "
+                      f"{r_min} needed", Deployment(choice, r).label())
+            else:
+                cands.append(r)
+        if cands:
+            lines.append(_Line(choice, engine_args_for(choice, base), price, cands))
+
+    def task(line: _Line, replicas: int, at_rate: float) -> PointTask:
+        return PointTask(line.args, replicas, at_rate, point_key(line.args, replicas, at_rate, digest),
+                         Deployment(line.choice, replicas).label())
+
+    evaluated: dict[str, dict[str, Any]] = {}
+    timelines: dict[str, dict[str, list]] = {}
+    best_usd_h = math.inf
+    runner.progress.set_total(sum(len(ln.candidates) for ln in lines))
+    while True:
+        probes = []
+        for ln in lines:
+            r = ln.next_probe(rate)
+            if r is None:
+                continue
+            if ln.usd_per_hour(r) > best_usd_h:
+                for rr in ln.undecided():
+                    prune(REASON_DOMINATED, Deployment(ln.choice, rr).label())
+                    ln.simulated.add(rr)   # decided
+                continue
+            probes.append((ln.usd_per_hour(r), ln.choice.label(), r, ln))
+        if not probes:
+            break
+        probes.sort(key=lambda x: x[:3])
+        wave = probes[:max(1, workers)]
+        tasks = {}
+        for _, _, r, ln in wave:
+            ln.simulated.add(r)
+            tasks[task(ln, r, rate).key] = (ln, r)
+        results = runner.run(task(ln, r, rate) for ln, r in tasks.values())
+        for key, (ln, r) in tasks.items():
+            p = evaluate_point(results[key], slo, ln.usd_per_gpu_hour, offered)
+            evaluated[key] = p
+            timelines[key] = results[key]["timeline"]
+            if p["meets_slo"]:
+                ln.pass_min = min(ln.pass_min, r)
+                best_usd_h = min(best_usd_h, p["usd_per_hour"])
+            else:
+                ln.fail_max = max(ln.fail_max, r)
+                ln.last_goodput = p["goodput_rps"]
+        left = sum(len(ln.undecided()) for ln in lines)
+        runner.progress.set_total(runner.done + left)
+    for ln in lines:       # counts decided by a neighbour (a failing smaller or passing larger count), not simulated
+        for r in ln.candidates:
+            if r not in ln.simulated:
+                prune(REASON_MONOTONE, Deployment(ln.choice, r).label())
+
+    points = sorted(evaluated.values(), key=lambda p: (p["usd_per_mtok"], -p["goodput_rps"], p["label"]))
+    front = pareto_front(points)
+    chosen = cheapest_meeting(points)
+
+    curves: dict[str, list[dict[str, Any]]] = {}
+    if curve_loads and math.isfinite(rate):
+        shown = _curve_deployments(front, chosen, curve_deployments)
+        by_label = {Deployment(ln.choice, r).label(): (ln, r) for ln in lines for r in ln.candidates}
+        ctasks = [(p["label"], task(*by_label[p["label"]], rate * m), by_label[p["label"]][0])
+                  for p in shown for m in curve_loads if m != 1.0]
+        runner.progress.set_total(runner.done + len(ctasks))
+        results = runner.run(t for _, t, _ in ctasks)
+        for p in shown:
+            curves[p["label"]] = [p]
+        for label, t, ln in ctasks:
+            curves[label].append(evaluate_point(results[t.key], slo, ln.usd_per_gpu_hour, offered))
+        for v in curves.values():
+            v.sort(key=lambda p: p["request_rate"])
+    return PlanResult(points, front, chosen, curves, pruned, examples, space.size(), runner.simulated,
+                      runner.cache.hits, time.perf_counter() - t0, rate, offered, slo, prices,
+                      timelines[chosen["key"]] if chosen else {})
+
+
+def _curve_deployments(front: list[dict[str, Any]], chosen: dict[str, Any] | None, n: int) -> list[dict[str, Any]]:
+    """The chosen deployment and the front points nearest it in cost (n in all)."""
+    pool = list(front)
+    if chosen is not None and all(p["key"] != chosen["key"] for p in pool):
+        pool.append(chosen)
+    if chosen is None:
+        return pool[-n:]
+    pool.sort(key=lambda p: (abs(math.log(max(p["usd_per_mtok"], 1e-12) / max(chosen["usd_per_mtok"], 1e-12))),
+                             p["label"]))
+    return pool[:n]
+
+
+def _canonical(name: str) -> str:
+    from kernelsight import profiles
+
+    try:
+        return profiles.load_hardware(name).name
+    except (ValueError, FileNotFoundError):
+        return name
