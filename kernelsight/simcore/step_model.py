@@ -17,6 +17,7 @@ import numpy as np
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import allreduce_s
+from kernelsight.simcore.gemm_dispatch import BLOCK_KERNELS, block_time_ratio
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel
 from kernelsight.simcore.model_spec import ModelSpec
@@ -92,6 +93,11 @@ class StepModel:
         self._attn_peak_flops_per_s = hw.peak_flops_per_s("bf16")   # attention kernels run in bf16
         self._sampling_cache: dict[int, tuple[np.ndarray, float]] = {}
         self._n_families = len(FAMILIES)
+        # Where the GPU has FP8 tensor cores but its calibration never timed (under CUDA graphs) the fp8 kernel vLLM
+        # runs — every fp8 GEMM of a transferred table, block-scaled ones everywhere — an fp8 GEMM is priced no
+        # slower than the same GEMM in the 16-bit dtype (see _fp8_linear_s).
+        self._fp8_tc = hw.fp8_flops_per_s is not None
+        self._fp8_measured = calib.tier == "target-measured"
 
     # -- single kernels --------------------------------------------------------------------------
     def kernel_time_s(self, k: Kernel) -> float:
@@ -107,7 +113,33 @@ class StepModel:
         t = roof / eta + self.calib.kernel_overhead_s(k.family, features)
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
+        if k.impl and k.dtype == "fp8":
+            t = max(self._fp8_linear_s(k, t), roof)
         return t * k.count
+
+    def _fp8_linear_s(self, k: Kernel, t: float) -> float:
+        """One launch of a W8A8 linear layer whose per-tensor fp8 model gives ``t``, as the kernel vLLM runs.
+
+        Block-scaled kernels take their GPU-bound time ratio to the per-tensor kernel (``gemm_dispatch``), by which
+        fp8 roof binds. Where that kernel's GPU time was not measured on this GPU (a transferred table, or a
+        block-scaled kernel, whose tables time eager dispatch) and the GPU has FP8 tensor cores, the time is capped
+        at the same GEMM's in the 16-bit dtype: half the weight bytes at twice the peak are not slower, and the
+        per-tensor model would otherwise carry the measured CUTLASS kernel's own tile-config steps (H100: 1.3-1.5x
+        bf16 for m 129-256 at n 2560) onto kernels that do not have them. The caller floors the result at the
+        kernel's roofline: in a forward pass each layer's weights come from DRAM, while the L40S fp8 tables (96 MB
+        L2) timed weights of up to ~13 MB faster than DRAM delivers them (0.6-0.8x the roof).
+        """
+        if k.impl in BLOCK_KERNELS:
+            wave_u = math.ceil(max(k.tiles, 1) / self.hw.num_sms) * self.hw.num_sms / max(k.tiles, 1)
+            compute_bound = (k.flops * wave_u / self.hw.peak_flops_per_s("fp8")
+                             >= k.bytes_moved / self.hw.usable_mem_bytes_per_s)
+            t *= block_time_ratio(k.impl, compute_bound)
+        if self._fp8_tc and (k.impl in BLOCK_KERNELS or not self._fp8_measured):
+            m, n, kk = (int(x) for x in k.features[:3])
+            a = self.precision.act_bytes
+            twin = K.gemm_kernel(k.name, m, n, kk, self.precision.act_dtype, a, a)
+            t = min(t, self.kernel_time_s(twin))
+        return t
 
     # -- graph mode and padding --------------------------------------------------------------------
     def graph_mode(self, batch: BatchShape) -> tuple[str, int]:
