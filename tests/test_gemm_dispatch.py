@@ -186,3 +186,21 @@ def test_fp8_gemm_time_at_least_its_roofline(hardware, model) -> None:
             if k.family == K.GEMM and k.impl:
                 roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, cfg.hardware) * k.count
                 assert sm.kernel_time_s(k) >= roof, (k.name, k.impl, m)
+
+
+def test_gpu_bound_block_gemms_priced_from_their_own_rows(shared_data: Path) -> None:
+    """Prefill-sized block GEMMs on H100 (m = 8192, well above the eager floor) take DeepGEMM's measured time."""
+    hw = profiles.load_hardware("h100")
+    qwen = profiles.load_model("Qwen/Qwen3-32B-FP8")
+    cfg = make_config(model="Qwen/Qwen3-32B-FP8", tensor_parallel_size=2)
+    sm = build_step_model(cfg)
+    with gzip.open(shared_data / "kernels" / "h100_sxm" / "gemm.csv.gz", "rt") as f:
+        rows = [r for r in csv.DictReader(f) if r["dtype"] == "fp8_block" and r["m"] == "8192"
+                and r["kernel"] == D.DEEPGEMM_BLOCK and int(r["n"]) >= 4096 and int(r["k"]) >= 4096]
+    assert len(rows) > 50 and qwen.fp8_scheme == BLOCK128
+    errors = []
+    for r in rows:
+        k = K.linear_kernel("gemm", 8192, int(r["n"]), int(r["k"]), cfg.precision)
+        errors.append(abs(sm.kernel_time_s(k) * 1e6 / float(r["latency_us"]) - 1.0))
+        assert kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, hw) <= sm.kernel_time_s(k)
+    assert sum(errors) / len(errors) < 0.05
