@@ -204,3 +204,22 @@ def test_gpu_bound_block_gemms_priced_from_their_own_rows(shared_data: Path) -> 
         errors.append(abs(sm.kernel_time_s(k) * 1e6 / float(r["latency_us"]) - 1.0))
         assert kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, hw) <= sm.kernel_time_s(k)
     assert sum(errors) / len(errors) < 0.05
+
+
+@pytest.mark.parametrize(("config", "kv"), [
+    ({"quant_method": "fp8", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, "fp8"),        # ModelOpt
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}},
+     "fp8"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None),
+    (None, None),
+])
+def test_checkpoint_kv_cache_dtype(config, kv) -> None:
+    assert D.kv_cache_dtype_from_quant_config(config) == kv
+
+
+def test_kv_cache_dtype_auto_is_the_checkpoints() -> None:
+    """vLLM's --kv-cache-dtype auto resolves to a ModelOpt checkpoint's FP8 KV cache; an explicit dtype wins."""
+    nvidia = "nvidia/Llama-3.1-70B-Instruct-FP8"
+    assert make_config(model=nvidia, tensor_parallel_size=4).precision.kv_dtype == "fp8"
+    assert make_config(model=nvidia, tensor_parallel_size=4, kv_cache_dtype="bf16").precision.kv_dtype == "bf16"
+    assert make_config(model="Qwen/Qwen3-32B-FP8", tensor_parallel_size=2).precision.kv_dtype == "bf16"

@@ -116,8 +116,11 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
     quant = args.quantization or model.quantization
     # an fp8 checkpoint keeps its own scale types under --quantization fp8 too (vLLM reads them from its config)
+    # --kv-cache-dtype auto is the checkpoint's KV quantization when it has one (vLLM resolve_kv_cache_dtype_string)
+    kv_cache_dtype = model.kv_cache_dtype if args.kv_cache_dtype == "auto" and model.kv_cache_dtype else \
+        args.kv_cache_dtype
     precision = resolve_precision(args.dtype if args.dtype != "auto" else model.torch_dtype, quant,
-                                  args.kv_cache_dtype, fp8_scheme=model.fp8_scheme,
+                                  kv_cache_dtype, fp8_scheme=model.fp8_scheme,
                                   compute_capability=hw.compute_capability)
 
     max_model_len = args.max_model_len or model.max_position_embeddings

@@ -144,6 +144,22 @@ def fp8_scheme_from_quant_config(config: dict[str, Any] | None) -> Fp8Scheme | N
     return Fp8Scheme(TENSOR, STATIC_TENSOR if static else DYNAMIC_TOKEN)
 
 
+def kv_cache_dtype_from_quant_config(config: dict[str, Any] | None) -> str | None:
+    """The KV-cache dtype a checkpoint asks for (``"fp8"``), which vLLM's ``--kv-cache-dtype auto`` resolves to
+    (``resolve_kv_cache_dtype_string``): ModelOpt's ``kv_cache_quant_algo: FP8`` or a compressed-tensors
+    ``kv_cache_scheme`` of static 8-bit floats. None when it asks for none."""
+    if not isinstance(config, dict):
+        return None
+    algo = config.get("kv_cache_quant_algo")
+    if isinstance(algo, str) and algo.upper().startswith("FP8"):
+        return "fp8"
+    scheme = config.get("kv_cache_scheme")
+    if (isinstance(scheme, dict) and scheme.get("type") == "float" and int(scheme.get("num_bits", 0) or 0) == 8
+            and not scheme.get("dynamic", False)):
+        return "fp8"
+    return None
+
+
 def capability_number(compute_capability: str) -> int | None:
     """``"9.0"`` → 90, ``"12.0"`` → 120; None for a non-CUDA device (``"gfx942"``)."""
     major, _, minor = compute_capability.partition(".")
@@ -208,5 +224,6 @@ __all__ = [
     "capability_number",
     "fp8_linear_kernel",
     "fp8_scheme_from_quant_config",
+    "kv_cache_dtype_from_quant_config",
     "priced_format",
 ]

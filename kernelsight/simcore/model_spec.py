@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernelsight.simcore.gemm_dispatch import Fp8Scheme, fp8_scheme_from_quant_config
+from kernelsight.simcore.gemm_dispatch import Fp8Scheme, fp8_scheme_from_quant_config, kv_cache_dtype_from_quant_config
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -42,6 +42,7 @@ class ModelSpec:
     torch_dtype: str = "bfloat16"
     quantization: str | None = None  # from the config's quantization_config, e.g. "fp8"
     fp8_scheme: Fp8Scheme | None = None  # an fp8 checkpoint's weight/activation scale types (picks vLLM's kernel)
+    kv_cache_dtype: str | None = None    # the KV-cache dtype the checkpoint asks for ("fp8"): --kv-cache-dtype auto
 
     @property
     def is_moe(self) -> bool:
@@ -188,4 +189,5 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
         quantization=quantization,
         fp8_scheme=fp8_scheme,
+        kv_cache_dtype=kv_cache_dtype_from_quant_config(quant),
     )
