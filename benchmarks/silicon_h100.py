@@ -16,6 +16,7 @@ prefill chunk c that would explain that gap if the prompt ran c tokens per step 
 (TTFT ≈ s + (isl / c)·d).
 Usage: python benchmarks/silicon_h100.py [--calibration FILE] [--rounds R] [--limit N] [--table FILE]
        [--max-num-batched-tokens N] [--long-prefill-token-threshold N]   (the deployment's engine args, if known)
+       [--fp8-checkpoints] [--precision fp8]
 """
 
 from __future__ import annotations
@@ -42,15 +43,23 @@ TABLE = SHARED_DATA / "e2e" / "aic_silicon_vllm_h100.csv"
 
 #: The table's precision column → (vLLM --quantization, --dtype). Other precisions are reported and skipped.
 PRECISIONS = {"bf16": (None, "bfloat16"), "fp16": (None, "float16"), "fp8": ("fp8", "bfloat16")}
+#: With --fp8-checkpoints, fp8 rows run these bundled FP8 checkpoints (their own scale types: Qwen3-32B-FP8 is
+#: block-scaled 128x128, NVIDIA's Llama-3.1-70B FP8 static per-tensor) instead of vLLM's online quantization of the
+#: bf16 model. The table does not say which the runs used; these are the FP8 checkpoints shared/data/models ships.
+FP8_CHECKPOINTS = {"Qwen/Qwen3-32B": "Qwen/Qwen3-32B-FP8",
+                   "meta-llama/Llama-3.1-70B": "nvidia/Llama-3.1-70B-Instruct-FP8"}
 
 
-def simulate_row(row: dict, calibration: str | None, rounds: int, seed: int, **engine_args: int
-                 ) -> tuple[float, float]:
+def simulate_row(row: dict, calibration: str | None, rounds: int, seed: int, fp8_checkpoints: bool = False,
+                 **engine_args: int) -> tuple[float, float]:
     isl, osl, conc, tp = int(row["isl"]), int(row["osl"]), int(row["concurrency"]), int(row["tp"])
     if row["precision"] not in PRECISIONS:
         raise ValueError(f"precision {row['precision']!r} is not one the simulator runs ({', '.join(PRECISIONS)})")
     quantization, dtype = PRECISIONS[row["precision"]]
-    args = EngineArgs(model=row["model"], hardware=row.get("system") or "h100", tensor_parallel_size=tp,
+    model = row["model"]
+    if fp8_checkpoints and row["precision"] == "fp8" and model in FP8_CHECKPOINTS:
+        model, quantization = FP8_CHECKPOINTS[model], None
+    args = EngineArgs(model=model, hardware=row.get("system") or "h100", tensor_parallel_size=tp,
                       quantization=quantization, dtype=dtype,
                       max_model_len=isl + osl + 16, seed=seed, calibration=calibration,
                       # vLLM 0.12 (these runs) scheduled synchronously; async scheduling became the default later
@@ -131,16 +140,19 @@ def main() -> int:
                     help="engine arg of the measured deployment, when known (default: vLLM's)")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
                     help="engine arg of the measured deployment, when known (default: vLLM's, 0)")
+    ap.add_argument("--fp8-checkpoints", action="store_true",
+                    help="run fp8 rows on the bundled FP8 checkpoints (FP8_CHECKPOINTS) instead of --quantization fp8")
+    ap.add_argument("--precision", default=None, help="only rows of this precision (e.g. fp8)")
     ns = ap.parse_args()
     engine_args = {k: v for k, v in (("max_num_batched_tokens", ns.max_num_batched_tokens),
                                      ("long_prefill_token_threshold", ns.long_prefill_token_threshold))
                    if v is not None}
     with open(ns.table) as f:
-        rows = list(csv.DictReader(f))[: ns.limit]
+        rows = [r for r in csv.DictReader(f) if ns.precision in (None, r["precision"])][: ns.limit]
     out = []
     for i, row in enumerate(rows, start=2):
         try:
-            ttft, tpot = simulate_row(row, ns.calibration, ns.rounds, ns.seed, **engine_args)
+            ttft, tpot = simulate_row(row, ns.calibration, ns.rounds, ns.seed, ns.fp8_checkpoints, **engine_args)
         except ValueError as exc:   # a model, GPU or precision the simulator does not have: say so, go on
             print(f"skipped {ns.table.name} line {i}: {exc}", flush=True)
             continue
@@ -172,9 +184,12 @@ def main() -> int:
         print(format_table(stalls, list(stalls[0])))
     name = "silicon_h100" if ns.table == TABLE else f"silicon_{ns.table.stem}"
     name += "".join(f"_{k}{v}" for k, v in engine_args.items())   # a what-if run does not overwrite the default
+    name += "_fp8_checkpoints" if ns.fp8_checkpoints else ""
+    name += f"_{ns.precision}" if ns.precision else ""
     path = write_result(name, {"rows": out, "median_abs_ttft_err_pct": med_ttft,
                                "median_abs_tpot_err_pct": med_tpot, "by_model": by_config, "rounds": ns.rounds,
-                               "prefill_stalls": stalls, "engine_args": engine_args})
+                               "prefill_stalls": stalls, "engine_args": engine_args,
+                               "fp8_checkpoints": FP8_CHECKPOINTS if ns.fp8_checkpoints else None})
     print(f"wrote {path}")
     return 0
 

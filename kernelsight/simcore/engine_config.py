@@ -78,7 +78,8 @@ class EngineConfig:
         return {
             "model": self.model.name, "hardware": self.hardware.name,
             "tensor_parallel_size": self.args.tensor_parallel_size,
-            "dtype": self.precision.act_dtype, "quantization": self.args.quantization,
+            "dtype": self.precision.act_dtype, "quantization": self.args.quantization or self.model.quantization,
+            "fp8_scheme": self.precision.fp8_scheme.label if self.precision.fp8_scheme else None,
             "kv_cache_dtype": self.precision.kv_dtype,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "max_model_len": s.max_model_len, "block_size": s.block_size,
@@ -155,8 +156,13 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"expert parallelism over data_parallel_size×tensor_parallel_size={dp * tp} GPUs exceeds "
                          f"the {hw.gpus_per_node} GPUs of one {hw.name} node (multi-node EP is not modelled)")
     quant = args.quantization or model.quantization
+    # an fp8 checkpoint keeps its own scale types under --quantization fp8 too (vLLM reads them from its config)
+    # --kv-cache-dtype auto is the checkpoint's KV quantization when it has one (vLLM resolve_kv_cache_dtype_string)
+    kv_cache_dtype = model.kv_cache_dtype if args.kv_cache_dtype == "auto" and model.kv_cache_dtype else \
+        args.kv_cache_dtype
     precision = resolve_precision(args.dtype if args.dtype != "auto" else model.torch_dtype, quant,
-                                  args.kv_cache_dtype)
+                                  kv_cache_dtype, fp8_scheme=model.fp8_scheme,
+                                  compute_capability=hw.compute_capability)
 
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:

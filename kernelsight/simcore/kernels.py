@@ -23,8 +23,9 @@ the LM head over the rows that sample only, and the sampler.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from kernelsight.simcore.gemm_dispatch import fp8_linear_kernel, priced_format
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
 
@@ -72,6 +73,7 @@ class Kernel:
     dtype: str
     features: tuple[float, ...]
     count: int = 1
+    impl: str = ""   # the vLLM kernel an fp8 linear layer dispatches to (gemm_dispatch); "" for the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,20 @@ def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, weight_bytes_per_
     features = (float(m), float(n), float(k), float(GEMM_FORMAT_CODES.get(dtype, 0)))
     compute_dtype = GEMM_COMPUTE_DTYPE.get(dtype, dtype)
     return Kernel(name, family, flops, bytes_moved, tiles, compute_dtype, features, count)
+
+
+def linear_kernel(name: str, m: int, n: int, k: int, precision: Precision, count: int = 1) -> Kernel:
+    """One linear layer's GEMM in the format vLLM runs it: fp8 layers name the kernel vLLM dispatches for the
+    checkpoint's scale type, this GPU and this m (``gemm_dispatch.fp8_linear_kernel``) and take the format that
+    prices it (W8A8 on the fp8 peak; Marlin's weight-only FP8 on the bf16 peak with 1-byte weights)."""
+    w, a = precision.weight_bytes_per_param, precision.act_bytes
+    if precision.weight_dtype != "fp8" or precision.fp8_scheme is None:
+        return gemm_kernel(name, m, n, k, precision.gemm_dtype, w, a, count)
+    impl = fp8_linear_kernel(precision.fp8_scheme, precision.compute_capability or "9.0", m, n, k)
+    fmt = priced_format(impl)
+    if fmt != "fp8":
+        fmt = precision.act_dtype
+    return replace(gemm_kernel(name, m, n, k, fmt, w, a, count), impl=impl)
 
 
 def gemm_input_bytes(dtype: str, act_bytes: float) -> float:
@@ -202,7 +218,6 @@ def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
     """The token-parallel (non-attention, non-MoE) kernels of ``n_layers`` layers over ``m`` rows."""
     h = model.hidden_size
     a = precision.act_bytes
-    w = precision.weight_bytes_per_param
     g = precision.gemm_dtype
     q_heads = model.num_attention_heads // tp
     kv_heads = max(model.num_kv_heads // tp, 1)   # vLLM replicates KV heads when T > num_kv_heads
@@ -210,24 +225,24 @@ def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
     qkv_n = (q_heads + 2 * kv_heads) * d
     out = [
         elementwise_kernel("input_norm", NORM, 3.0 * m * h * a, g, n_layers),
-        gemm_kernel("qkv_proj", m, qkv_n, h, g, w, a, n_layers),
+        linear_kernel("qkv_proj", m, qkv_n, h, precision, n_layers),
         elementwise_kernel("rope", ROPE, 2.0 * m * (q_heads + kv_heads) * d * a, g, n_layers),
         elementwise_kernel("kv_cache_write", KV_WRITE,
                            m * 2.0 * kv_heads * d * (a + precision.kv_bytes_per_element), g, n_layers),
-        gemm_kernel("o_proj", m, h, q_heads * d, g, w, a, n_layers),
+        linear_kernel("o_proj", m, h, q_heads * d, precision, n_layers),
         elementwise_kernel("post_attention_norm", NORM, 3.0 * m * h * a, g, n_layers),
     ]
     return out
 
 
 def mlp_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
-    a, w, g = precision.act_bytes, precision.weight_bytes_per_param, precision.gemm_dtype
+    a, g = precision.act_bytes, precision.gemm_dtype
     inter = model.intermediate_size // tp
     h = model.hidden_size
     return [
-        gemm_kernel("gate_up_proj", m, 2 * inter, h, g, w, a, n_layers),
+        linear_kernel("gate_up_proj", m, 2 * inter, h, precision, n_layers),
         elementwise_kernel("silu_and_mul", ACTIVATION, 3.0 * m * inter * a, g, n_layers),
-        gemm_kernel("down_proj", m, h, inter, g, w, a, n_layers),
+        linear_kernel("down_proj", m, h, inter, precision, n_layers),
     ]
 
 
@@ -263,8 +278,8 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     out.append(elementwise_kernel("moe_silu_and_mul", ACTIVATION, 3.0 * routed * inter * a, g, n_layers))
     if model.shared_expert_intermediate_size:
         s = model.shared_expert_intermediate_size // tp
-        out += [gemm_kernel("shared_expert_gate_up", own_m, 2 * s, h, g, w, a, n_layers),
-                gemm_kernel("shared_expert_down", own_m, h, s, g, w, a, n_layers)]
+        out += [linear_kernel("shared_expert_gate_up", own_m, 2 * s, h, precision, n_layers),
+                linear_kernel("shared_expert_down", own_m, h, s, precision, n_layers)]
     return out
 
 

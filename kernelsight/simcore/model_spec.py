@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernelsight.simcore.gemm_dispatch import Fp8Scheme, fp8_scheme_from_quant_config, kv_cache_dtype_from_quant_config
+
 
 class UnsupportedArchitectureError(ValueError):
     """The config describes an architecture the kernel model does not implement (e.g. MLA)."""
@@ -39,6 +41,8 @@ class ModelSpec:
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
     quantization: str | None = None  # from the config's quantization_config, e.g. "fp8"
+    fp8_scheme: Fp8Scheme | None = None  # an fp8 checkpoint's weight/activation scale types (picks vLLM's kernel)
+    kv_cache_dtype: str | None = None    # the KV-cache dtype the checkpoint asks for ("fp8"): --kv-cache-dtype auto
 
     @property
     def is_moe(self) -> bool:
@@ -150,10 +154,14 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         sliding_window = _int(config, "sliding_window", name, arch)
 
     quant = config.get("quantization_config")
-    # Block-scaled fp8 checkpoints (weight_block_size) are priced with the per-tensor fp8 GEMM model: the shared
-    # block-fp8 measurements time vLLM's eager per-call dispatch (55-300 us at any shape), which CUDA graphs hide.
+    # The checkpoint's scale types (per-tensor, per-channel/token, 128x128 blocks) decide which GEMM kernel vLLM
+    # runs for it (simcore.gemm_dispatch); any FP8 scheme vLLM runs (fp8, ModelOpt, compressed-tensors, fbgemm) is
+    # quantization "fp8" here.
     quantization = None
-    if isinstance(quant, dict) and quant.get("quant_method"):
+    fp8_scheme = fp8_scheme_from_quant_config(quant)
+    if fp8_scheme is not None:
+        quantization = "fp8"
+    elif isinstance(quant, dict) and quant.get("quant_method"):
         quantization = str(quant["quant_method"]).lower()
 
     return ModelSpec(
@@ -180,4 +188,6 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         # Newer transformers write "dtype" instead of "torch_dtype".
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
         quantization=quantization,
+        fp8_scheme=fp8_scheme,
+        kv_cache_dtype=kv_cache_dtype_from_quant_config(quant),
     )

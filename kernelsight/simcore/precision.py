@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernelsight.simcore.gemm_dispatch import ONLINE_FP8, Fp8Scheme
+
 _BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "fp4": 0.5, "fp32": 4.0}
 
 SUPPORTED_QUANTIZATION = (None, "fp8")
@@ -17,6 +19,10 @@ class Precision:
     weight_dtype: str = "bf16"   # "bf16" | "fp16" | "fp8" (W8A8)
     act_dtype: str = "bf16"      # activations between kernels (fp8 GEMMs still emit bf16)
     kv_dtype: str = "bf16"
+    #: how an fp8 checkpoint scales weights and activations (None unless weight_dtype is fp8): with the GPU's
+    #: compute capability it picks the GEMM kernel vLLM runs (``gemm_dispatch.fp8_linear_kernel``)
+    fp8_scheme: Fp8Scheme | None = None
+    compute_capability: str = ""   # of the GPU the linear layers run on ("9.0"); "" = unknown (Hopper assumed)
 
     @property
     def gemm_dtype(self) -> str:
@@ -37,9 +43,13 @@ class Precision:
 
 
 def resolve_precision(
-    model_dtype: str = "bfloat16", quantization: str | None = None, kv_cache_dtype: str = "auto"
+    model_dtype: str = "bfloat16", quantization: str | None = None, kv_cache_dtype: str = "auto",
+    fp8_scheme: Fp8Scheme | None = None, compute_capability: str = "",
 ) -> Precision:
     """Map vLLM's ``--dtype/--quantization/--kv-cache-dtype`` onto a Precision.
+
+    ``fp8_scheme`` is the checkpoint's own (its ``quantization_config``); without one, fp8 is vLLM's online
+    quantization of a 16-bit checkpoint (per-tensor weights, dynamic per-token activations).
 
     Raises ValueError for formats the kernel model does not implement, rather than guessing.
     """
@@ -57,4 +67,6 @@ def resolve_precision(
     if kv_cache_dtype in ("bf16", "fp16"):
         kv = kv_cache_dtype
     weight = "fp8" if quantization == "fp8" else base
-    return Precision(weight_dtype=weight, act_dtype=base, kv_dtype=kv)
+    scheme = (fp8_scheme or ONLINE_FP8) if weight == "fp8" else None
+    return Precision(weight_dtype=weight, act_dtype=base, kv_dtype=kv, fp8_scheme=scheme,
+                     compute_capability=compute_capability)

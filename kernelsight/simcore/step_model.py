@@ -17,6 +17,8 @@ import numpy as np
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import allreduce_s
+from kernelsight.simcore.eta import EnsembleEta, SwitchEta, switch_key
+from kernelsight.simcore.gemm_dispatch import BLOCK_KERNELS, block_time_ratio
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel
 from kernelsight.simcore.model_spec import ModelSpec
@@ -38,6 +40,26 @@ _I_ATTN_PREFILL = FAMILY_INDEX[K.ATTN_PREFILL]
 _I_ATTN_DECODE = FAMILY_INDEX[K.ATTN_DECODE]
 _I_LAUNCH = FAMILY_INDEX[K.LAUNCH]
 _I_HOST = FAMILY_INDEX[K.HOST]
+
+#: A block-fp8 model's time above these multiples of its fixed latency (the eager host floor of its rows) is
+#: the kernel's own GPU time (from 3x) or partly so (from 2x): calibrate.fit.block_fp8.GPU_BOUND_FACTOR.
+_GPU_BOUND_LO = 2.0
+_GPU_BOUND_HI = 3.0
+
+
+#: Linear layers whose fp8 input quantization torch.compile fuses into the kernel that produces their input.
+_QUANT_FUSED_INPUTS = frozenset({"qkv_proj", "gate_up_proj", "down_proj", "shared_expert_gate_up",
+                                 "shared_expert_down"})
+
+
+def _fits_own_block_rows(calib: Calibration) -> bool:
+    """Whether the calibration's block-fp8 GEMM model was fitted on this GPU's rows (not transferred)."""
+    model = calib.eta.get(K.GEMM)
+    if not isinstance(model, SwitchEta):
+        return False
+    sub = model.models.get(switch_key(K.GEMM_FORMAT_CODES["fp8_block"]))
+    return sub is not None and not isinstance(sub, EnsembleEta)
+
 
 FULL_GRAPH = "full"
 PIECEWISE = "piecewise"
@@ -92,6 +114,12 @@ class StepModel:
         self._attn_peak_flops_per_s = hw.peak_flops_per_s("bf16")   # attention kernels run in bf16
         self._sampling_cache: dict[int, tuple[np.ndarray, float]] = {}
         self._n_families = len(FAMILIES)
+        # Where the GPU has FP8 tensor cores but its calibration never timed (under CUDA graphs) the fp8 kernel vLLM
+        # runs — every fp8 GEMM of a transferred table, block-scaled ones everywhere — an fp8 GEMM is priced no
+        # slower than the same GEMM in the 16-bit dtype (see _fp8_linear_s).
+        self._fp8_tc = hw.fp8_flops_per_s is not None
+        self._fp8_measured = calib.tier == "target-measured"
+        self._block_measured = self._fp8_measured and _fits_own_block_rows(calib)
 
     # -- single kernels --------------------------------------------------------------------------
     def kernel_time_s(self, k: Kernel) -> float:
@@ -107,7 +135,56 @@ class StepModel:
         t = roof / eta + self.calib.kernel_overhead_s(k.family, features)
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
+        if k.impl and k.dtype == "fp8":
+            t = max(self._fp8_linear_s(k, t), roof)
         return t * k.count
+
+    def _fp8_linear_s(self, k: Kernel, t: float) -> float:
+        """One launch of a W8A8 linear layer whose per-tensor fp8 model gives ``t``, as the kernel vLLM runs.
+
+        Block-scaled kernels: the shared block tables time eager dispatch, a host floor of 55-300 µs per call that
+        the fitted block model carries as its fixed latency and that CUDA graphs remove. Where the GPU's own block
+        model puts a shape well above that floor (≥ 3×: GPU-bound, where it is 1-3% off the rows) it prices the
+        kernel; below 2× the floor the per-tensor model times the kernel's GPU-bound ratio to it does
+        (``gemm_dispatch.BLOCK_FP8_TIME_RATIO``, by which fp8 roof binds); in between they blend geometrically, so
+        the time stays continuous in m.
+
+        Where the kernel's GPU time was not measured on this GPU (a transferred table; a block kernel below its
+        floor) and the GPU has FP8 tensor cores, that fallback is capped at the same GEMM's time in the 16-bit dtype:
+        half the weight bytes at twice the peak are not slower, and the per-tensor model would otherwise carry the
+        measured CUTLASS kernel's own tile-config steps (H100: 1.3-1.5x bf16 for m 129-256 at n 2560) onto kernels
+        that do not have them. The caller floors the result at the kernel's roofline: in a forward pass each layer's
+        weights come from DRAM, while the L40S fp8 tables (96 MB L2) timed weights of up to ~13 MB faster than DRAM
+        delivers them (0.6-0.8x the roof).
+        """
+        if k.name in _QUANT_FUSED_INPUTS and not self.config.enforce_eager:
+            # The table rows time vLLM's linear op eagerly: the activation-quant kernel, then the GEMM (fp8 rows are
+            # ~2.4 us slower than bf16 at tiny shapes on all three GPUs measured, one launch). Compiled models fuse
+            # that quant into the RMSNorm / SiLU-and-mul before these layers, so the fp8 model's fixed latency in
+            # excess of the bf16 GEMM's is not paid there (o_proj's input comes from attention: not fused).
+            f1 = eta_lookup_features(K.GEMM, k.features)
+            f0 = f1[:3] + (float(K.GEMM_FORMAT_CODES["bf16"]),)
+            t -= max(self.calib.kernel_overhead_s(K.GEMM, f1) - self.calib.kernel_overhead_s(K.GEMM, f0), 0.0)
+        block = k.impl in BLOCK_KERNELS
+        if block:
+            wave_u = math.ceil(max(k.tiles, 1) / self.hw.num_sms) * self.hw.num_sms / max(k.tiles, 1)
+            compute_bound = (k.flops * wave_u / self.hw.peak_flops_per_s("fp8")
+                             >= k.bytes_moved / self.hw.usable_mem_bytes_per_s)
+            t *= block_time_ratio(k.impl, compute_bound)
+        if self._fp8_tc and (block or not self._fp8_measured):
+            m, n, kk = (int(x) for x in k.features[:3])
+            a = self.precision.act_bytes
+            twin = K.gemm_kernel(k.name, m, n, kk, self.precision.act_dtype, a, a)
+            t = min(t, self.kernel_time_s(twin))
+        if block and self._block_measured:
+            features = eta_lookup_features(K.GEMM, k.features[:3] + (float(K.GEMM_FORMAT_CODES["fp8_block"]),))
+            floor_s = self.calib.kernel_overhead_s(K.GEMM, features)
+            roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
+            own = roof / self.calib.kernel_eta(K.GEMM, features) + floor_s
+            if floor_s > 0 and own > _GPU_BOUND_LO * floor_s:
+                w = min(math.log(own / (_GPU_BOUND_LO * floor_s)) / math.log(_GPU_BOUND_HI / _GPU_BOUND_LO), 1.0)
+                t = math.exp(w * math.log(own) + (1.0 - w) * math.log(t))
+        return t
 
     # -- graph mode and padding --------------------------------------------------------------------
     def graph_mode(self, batch: BatchShape) -> tuple[str, int]:
