@@ -13,8 +13,8 @@ from kernelsight.calibrate.fit.comm import fit_comm
 from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import read_table
 from kernelsight.profiles import load_hardware
-from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
 from kernelsight.simcore.allreduce_dispatch import CUSTOM_AR_MAX_BYTES, allreduce_implementation
+from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
 from kernelsight.simcore.comm import CommCurve, CommModel, allreduce_s, collective_s, comm_bus_factor
 
 GPUS = {"a100_sxm": "a100-sxm", "h100_sxm": "h100-sxm", "l40s": "l40s"}

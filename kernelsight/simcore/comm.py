@@ -198,14 +198,20 @@ def pricing_model(comm: Mapping[str, CommModel], implementation: str, cuda_graph
                   ) -> tuple[CommModel, bool]:
     """(the model that prices ``implementation`` in that mode, whether it is a graph-mode model standing in for an
     eager one). Its own curves (``custom``, ``symm_mem``, ``nccl``, or their ``_eager`` variants where measured),
-    else the graph-mode curves of the implementation, else NCCL's — what a calibration without rows of that
+    else the graph-mode curves of the implementation, else NCCL's model — what a calibration without rows of that
     implementation can offer (a bundled calibration transfers the missing ones from GPUs that have them:
     :mod:`kernelsight.calibrate.fit.comm`)."""
+    def own(name: str) -> CommModel | None:
+        # a backend without curves is the default α–β line of one nobody measured or transferred (L40S's custom
+        # all-reduce): NCCL's measured curve prices it better
+        model = comm.get(name)
+        return model if model is not None and model.curves else None
+
     if not cuda_graph:
-        model = comm.get(allreduce_pricing_backend(implementation, cuda_graph))
+        model = own(allreduce_pricing_backend(implementation, cuda_graph))
         if model is not None:
             return model, False
-    return (comm.get(implementation) or comm[NCCL]), not cuda_graph
+    return (own(implementation) or comm[NCCL]), not cuda_graph
 
 
 def allreduce_implementation_s(implementation: str, message_bytes: float, num_gpus: int, hw: HardwareSpec,

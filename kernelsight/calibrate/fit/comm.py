@@ -109,6 +109,8 @@ def row_backends(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> np.ndarray
 ASYMPTOTE_MIN_BYTES = 32 * 2**20
 #: messages this small are latency-bound on every measured interconnect (the curves are flat up to tens of kB)
 LATENCY_BOUND_BYTES = 64 * 2**10
+#: fallback of LATENCY_BOUND_BYTES for a backend never run that small
+SMALL_LATENCY_BOUND_BYTES = 2**20
 #: a size's median more than this (log) above a larger size's is an interference spike, clipped to it
 SPIKE_LOG = 0.1
 #: groups measured at fewer sizes borrow the shape of the nearest GPU count
@@ -221,7 +223,11 @@ def fit_comm_curves(
         """Fastest latency-bound (≤ LATENCY_BOUND_BYTES) row of a backend at GPU count g, else at any count, else
         its fastest row at all: a sparse sweep's fastest row at g may be a large, bandwidth-bound message."""
         small = rows[size[rows] <= LATENCY_BOUND_BYTES]
-        for pool in (small[gpus[small] == g], small, rows[gpus[rows] == g], rows):
+        # no such row (symmetric memory runs only from 256 KiB on H100 × 8, 8 MiB × 2): its rows up to 1 MiB,
+        # still mostly latency (else H100's 2-GPU curve, first measured at 8 MiB, stayed at 45 µs all the way
+        # down to the 2 MiB where B200 starts using it)
+        mid = rows[size[rows] <= SMALL_LATENCY_BOUND_BYTES]
+        for pool in (small[gpus[small] == g], small, mid[gpus[mid] == g], mid, rows[gpus[rows] == g], rows):
             if len(pool):
                 return float(lat[pool].min())
         raise ValueError("no rows")
@@ -415,8 +421,10 @@ def _transfer_curve(
 def comm_source_pool(sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec, backend: str
                      ) -> list[tuple[Calibration, HardwareSpec]]:
     """The sources a backend's collectives transfer from: those of the target's link class (NVLink-class vs
-    PCIe-only) that have the backend, else all that have it."""
-    have = [(c, h) for c, h in sources if backend in c.comm]
+    PCIe-only) that have curves of it, else all that have curves of it (L40S's custom all-reduce is only the
+    default α–β line: nobody measured it there), else all that have the backend at all."""
+    have = [(c, h) for c, h in sources if backend in c.comm and c.comm[backend].curves] or [
+        (c, h) for c, h in sources if backend in c.comm]
     return [(c, h) for c, h in have if has_fast_interconnect(h) == has_fast_interconnect(target)] or have
 
 
