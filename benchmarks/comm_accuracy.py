@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             pred = predict_comm_s(table.columns, hw, calib)
             r = {"all": _mape(pred, meas, test["comm"]), "small": _mape(pred, meas, test["comm"] & small),
                  "large": _mape(pred, meas, test["comm"] & ~small)}
-            for lab in sorted(set(labels.tolist())):
+            backend = np.asarray(table["backend"]).astype(str)
+            for lab in sorted(set(backend.tolist())):   # by measured backend, comparable across versions
+                r[lab] = _mape(pred, meas, test["comm"] & (backend == lab))
+            for lab in sorted(set(labels.tolist()) - set(backend.tolist())):   # by dispatched implementation
                 r[lab] = _mape(pred, meas, test["comm"] & (labels == lab))
             res[tier] = r
         results[g] = res
