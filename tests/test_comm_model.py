@@ -13,6 +13,7 @@ from kernelsight.calibrate.fit.comm import fit_comm
 from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import read_table
 from kernelsight.profiles import load_hardware
+from kernelsight.simcore.allreduce_dispatch import CUSTOM_AR_MAX_BYTES, allreduce_implementation
 from kernelsight.simcore.calibration import calibration_from_dict, default_calibration
 from kernelsight.simcore.comm import CommCurve, CommModel, allreduce_s, collective_s, comm_bus_factor
 
@@ -117,8 +118,16 @@ def test_json_round_trip_keeps_every_prediction(fits, tables):
 
 def test_simulation_path_uses_curves_and_is_monotone(fits):
     calib, hw = fits["h100_sxm"], load_hardware("h100-sxm")
-    t = [allreduce_s(s, 8, hw, calib.comm) for s in SIZES]
-    assert np.all(np.diff(t) >= 0)
+    # activations are whole bf16 rows of a hidden size (a multiple of 8): byte sizes multiples of 16, which
+    # vLLM's custom all-reduce requires (others go to the next implementation)
+    sizes = np.unique(np.ceil(SIZES / 16) * 16)
+    t = np.array([allreduce_s(s, 8, hw, calib.comm) for s in sizes])
+    impl = np.array([allreduce_implementation(hw, 8, s) for s in sizes])
+    # monotone on each implementation; not across a switch: vLLM hands 64 MiB + 16 B to NCCL, faster than its
+    # symmetric-memory all-reduce of 64 MiB on H100 × 8 (measured 322 vs 344 µs)
+    for name in set(impl.tolist()):
+        assert np.all(np.diff(t[impl == name]) >= 0), name
+    assert set(impl.tolist()) == {"custom", "symm_mem", "nccl"}
     # small messages go to vLLM's custom all-reduce, measured at ≈ 5 µs for 8 GPUs; NCCL needs ≈ 15 µs
     assert allreduce_s(64 * 1024, 8, hw, calib.comm) < 1e-5 < collective_s("all_reduce", 64 * 1024, 8, hw, calib.comm)
     a2a = collective_s("all_to_all", 2**24, 8, hw, calib.comm)
@@ -185,7 +194,8 @@ def test_a_group_measured_at_one_size_is_a_line_from_the_latency_floor(tables):
     backend, gpus = np.asarray(c["backend"]), np.asarray(c["num_gpus"])
     size, op = np.asarray(c["message_bytes"]), np.asarray(c["op"])
     graph = (backend == "vllm_custom_graph") & (op == "all_reduce")
-    big = int(size[graph & (gpus == 8)].max())
+    # the largest message vLLM's custom all-reduce itself runs at 8 GPUs (beyond it NCCL does, fitted elsewhere)
+    big = int(size[graph & (gpus == 8) & (size < CUSTOM_AR_MAX_BYTES)].max())
     keep = ~graph | ((gpus == 8) & (size == big)) | ((gpus == 2) & (size <= 1024))
     calib = _comm_only_calibration("a100-sxm", t.subset(keep).columns)
     curve = calib.comm["custom"].curves["all_reduce/16/8"]

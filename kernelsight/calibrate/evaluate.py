@@ -15,14 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kernelsight.calibrate.fit.comm import COMM_BACKENDS
+from kernelsight.calibrate.fit.comm import COMM_BACKENDS, VLLM_ALLREDUCE_BACKENDS
 from kernelsight.calibrate.fit.eta import FitReport, fit_calibration
 from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.calibrate.rows import KERNEL_FAMILIES, kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import bundled_hardware_name, load_hardware, read_calibration_file
+from kernelsight.simcore.allreduce_dispatch import allreduce_implementation
 from kernelsight.simcore.calibration import Calibration
-from kernelsight.simcore.comm import COMM_OPS
+from kernelsight.simcore.comm import COMM_OPS, allreduce_implementation_s
 from kernelsight.simcore.eta import ConstantEta
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -147,13 +148,21 @@ def predict_table_s(table: Table, hw: HardwareSpec, calib: Calibration) -> np.nd
 
 def predict_comm_s(cols: Mapping[str, np.ndarray], hw: HardwareSpec, calib: Calibration) -> np.ndarray:
     """Collective rows (all_reduce / all_gather / reduce_scatter / all_to_all) through their backend's model
-    (measured curves, else its α–β line); unknown ops → NaN."""
+    (measured curves, else its α–β line); unknown ops → NaN. Rows of vLLM's all-reduce entry point
+    (``vllm_custom_graph`` / ``_eager``) are priced as the simulator prices a TP all-reduce: by the curve of the
+    implementation vLLM dispatches them to on ``hw`` (custom all-reduce, symmetric memory or NCCL)."""
     out = np.full(len(cols["op"]), np.nan)
     gpus = np.asarray(cols["num_gpus"], dtype=float)
     msg = np.asarray(cols["message_bytes"], dtype=float)
     dtypes = cols["dtype"] if "dtype" in cols else np.full(len(out), "bf16")
     for i, (op, backend) in enumerate(zip(cols["op"], cols["backend"], strict=True)):
         if str(op) not in COMM_OPS:
+            continue
+        if str(op) == "all_reduce" and str(backend) in VLLM_ALLREDUCE_BACKENDS and "nccl" in calib.comm:
+            graph = VLLM_ALLREDUCE_BACKENDS[str(backend)]
+            impl = allreduce_implementation(hw, int(gpus[i]), float(msg[i]), str(dtypes[i]), graph)
+            out[i] = allreduce_implementation_s(impl, float(msg[i]), int(gpus[i]), hw, calib.comm, graph,
+                                                str(dtypes[i]))
             continue
         name = COMM_BACKENDS.get(str(backend), str(backend))
         model = calib.comm.get(name) or calib.comm.get("custom" if name == "custom_eager" else "nccl")

@@ -3,9 +3,9 @@
 Each backend's :class:`CommModel` (a :class:`~kernelsight.simcore.calibration.Calibration` carries one per
 backend) holds measured (or transferred) piecewise α–β curves per (op, dtype class, GPU count) and an α–β line
 for anything else; every time is at least the bus bytes over the link bandwidth (a ring all-reduce moves
-2(T−1)/T of the message through each GPU's link). vLLM uses its custom all-reduce (one-shot/two-shot over NVLink
-P2P) for small messages and NCCL otherwise; on PCIe-only machines the custom path is disabled. Fitting and
-transfer: :mod:`kernelsight.calibrate.fit.comm`.
+2(T−1)/T of the message through each GPU's link). Which implementation vLLM runs an all-reduce on (custom all-reduce,
+symmetric memory, NCCL) is :mod:`kernelsight.simcore.allreduce_dispatch`; :func:`allreduce_s` prices each from its
+own curve. Fitting and transfer: :mod:`kernelsight.calibrate.fit.comm`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernelsight.simcore.allreduce_dispatch import (
+    NCCL,
+    allreduce_implementation,
+    allreduce_pricing_backend,
+    has_fast_interconnect,
+)
 from kernelsight.simcore.hardware import HardwareSpec
 
 #: Collective ops with a bus-bytes rule; message_bytes is the full (reduced / gathered / exchanged) buffer.
@@ -87,7 +93,8 @@ class CommCurve:
 
 @dataclass(frozen=True, slots=True)
 class CommModel:
-    """Latency model of one collective backend (``nccl``, vLLM ``custom`` / ``custom_eager`` all-reduce).
+    """Latency model of one collective backend (``nccl``; the all-reduce implementations ``custom``, ``symm_mem``
+    and their ``_eager`` variants, fitted from the rows vLLM dispatched to them).
 
     ``curves`` (by :func:`comm_curve_key`) hold measured or transferred piecewise α–β curves; anything they do
     not cover falls back to the single α–β line ``t = alpha_s + bus_bytes / (fraction · link bandwidth)``
@@ -165,22 +172,6 @@ class CommModel:
         )
 
 
-#: vLLM's custom all-reduce handles messages below this size (its default buffer is 8 MiB); the measured
-#: custom-backend latency at exactly 8 MiB is already NCCL's.
-CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
-
-
-def has_fast_interconnect(hw: HardwareSpec) -> bool:
-    """NVLink/xGMI-class links: well above the PCIe bandwidth."""
-    return hw.intra_node_bytes_per_s > 1.5 * hw.pcie_bytes_per_s
-
-
-def allreduce_backend(hw: HardwareSpec, message_bytes: float, num_gpus: int) -> str:
-    if has_fast_interconnect(hw) and num_gpus in (2, 4, 6, 8) and message_bytes < CUSTOM_ALLREDUCE_MAX_BYTES:
-        return "custom"
-    return "nccl"
-
-
 def ring_bus_bytes(message_bytes: float, num_gpus: int) -> float:
     return 2.0 * (num_gpus - 1) / num_gpus * message_bytes
 
@@ -203,20 +194,57 @@ def collective_s(
     return model.time_s(op, message_bytes, num_gpus, hw.intra_node_bytes_per_s, dtype)
 
 
-def allreduce_s(message_bytes: float, num_gpus: int, hw: HardwareSpec, comm: Mapping[str, CommModel]) -> float:
-    """Time of one bf16 all-reduce of ``message_bytes`` across ``num_gpus`` GPUs of one node (``comm``: the
-    calibration's collective models by backend name)."""
+def pricing_model(comm: Mapping[str, CommModel], implementation: str, cuda_graph: bool = True
+                  ) -> tuple[CommModel, bool]:
+    """(the model that prices ``implementation`` in that mode, whether it is a graph-mode model standing in for an
+    eager one). Its own curves (``custom``, ``symm_mem``, ``nccl``, or their ``_eager`` variants where measured),
+    else the graph-mode curves of the implementation, else NCCL's model — what a calibration without rows of that
+    implementation can offer (a bundled calibration transfers the missing ones from GPUs that have them:
+    :mod:`kernelsight.calibrate.fit.comm`)."""
+    def own(name: str) -> CommModel | None:
+        # a backend without curves is the default α–β line of one nobody measured or transferred (L40S's custom
+        # all-reduce): NCCL's measured curve prices it better
+        model = comm.get(name)
+        return model if model is not None and model.curves else None
+
+    if not cuda_graph:
+        model = own(allreduce_pricing_backend(implementation, cuda_graph))
+        if model is not None:
+            return model, False
+    return (own(implementation) or comm[NCCL]), not cuda_graph
+
+
+def allreduce_implementation_s(implementation: str, message_bytes: float, num_gpus: int, hw: HardwareSpec,
+                               comm: Mapping[str, CommModel], cuda_graph: bool = True, dtype: str = "bf16") -> float:
+    """Time of one all-reduce on a given implementation (:mod:`~kernelsight.simcore.allreduce_dispatch` names).
+
+    Outside a CUDA graph without an eager curve of its own (NCCL: the rows measured eager all ran NCCL's graph
+    time plus one device copy of the message — +0.7 ms per GiB on H100, +1.2 on A100 and the RTX PRO 6000, i.e.
+    2 × bytes at their DRAM bandwidth), the graph curve plus that copy."""
     if num_gpus <= 1:
         return 0.0
-    backend = allreduce_backend(hw, message_bytes, num_gpus)
-    return collective_s("all_reduce", message_bytes, num_gpus, hw, comm, backend)
+    model, stand_in = pricing_model(comm, implementation, cuda_graph)
+    t = model.time_s("all_reduce", message_bytes, num_gpus, hw.intra_node_bytes_per_s, dtype)
+    return t + (2.0 * message_bytes / hw.usable_mem_bytes_per_s if stand_in else 0.0)
+
+
+def allreduce_s(message_bytes: float, num_gpus: int, hw: HardwareSpec, comm: Mapping[str, CommModel],
+                cuda_graph: bool = True, dtype: str = "bf16") -> float:
+    """Time of one TP all-reduce of ``message_bytes`` across ``num_gpus`` GPUs of one node, on the implementation
+    vLLM dispatches it to (:func:`~kernelsight.simcore.allreduce_dispatch.allreduce_implementation`: custom
+    all-reduce, symmetric memory or NCCL), priced by that implementation's curve (``comm``: the calibration's
+    collective models by backend name)."""
+    if num_gpus <= 1:
+        return 0.0
+    impl = allreduce_implementation(hw, num_gpus, message_bytes, dtype, cuda_graph)
+    return allreduce_implementation_s(impl, message_bytes, num_gpus, hw, comm, cuda_graph, dtype)
 
 
 __all__ = [
     "COMM_OPS",
     "CommCurve",
     "CommModel",
-    "allreduce_backend",
+    "allreduce_implementation_s",
     "allreduce_s",
     "collective_s",
     "comm_bus_factor",
@@ -224,5 +252,6 @@ __all__ = [
     "comm_dtype_class",
     "has_fast_interconnect",
     "nearest_gpu_count",
+    "pricing_model",
     "ring_bus_bytes",
 ]

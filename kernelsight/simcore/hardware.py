@@ -34,6 +34,9 @@ class HardwareSpec:
     # Share of DRAM that inline ECC takes (GDDR parts with ECC on: the check bits live in ordinary DRAM, so
     # they cost that share of capacity and every access moves them too; HBM keeps them side-band: 0)
     ecc_dram_fraction: float = 0.0
+    # Whether GPUs of a node can read each other's memory over PCIe/NVLink (CUDA P2P): vLLM's custom all-reduce
+    # needs it. NVIDIA disables it on GeForce cards (RTX 4090), where vLLM's P2P check fails and NCCL runs.
+    peer_to_peer: bool = True
 
     def peak_flops_per_s(self, dtype: str) -> float:
         """Tensor-core peak for a compute dtype; fp8/int8/fp4 fall back to bf16 when absent."""
@@ -68,7 +71,8 @@ _FLOAT_FIELDS: tuple[str, ...] = (
     "intra_node_bytes_per_s", "pcie_bytes_per_s",
 )
 _INT_FIELDS: tuple[str, ...] = ("mem_capacity_bytes", "num_sms", "l2_bytes", "gpus_per_node")
-_ALLOWED_KEYS = frozenset(_REQUIRED_FIELDS + _OPTIONAL_PEAKS + ("aliases", "sources", "ecc_dram_fraction"))
+_ALLOWED_KEYS = frozenset(
+    _REQUIRED_FIELDS + _OPTIONAL_PEAKS + ("aliases", "sources", "ecc_dram_fraction", "peer_to_peer"))
 
 
 def _positive_number(d: dict, key: str) -> float:
@@ -107,6 +111,11 @@ def hardware_spec_from_dict(d: dict) -> HardwareSpec:
     if isinstance(ecc, bool) or not isinstance(ecc, int | float) or not 0.0 <= ecc < 0.5:
         raise ValueError(f"hardware spec {d['name']!r}: 'ecc_dram_fraction' must be in [0, 0.5), got {ecc!r}")
     kwargs["ecc_dram_fraction"] = float(ecc)
+
+    p2p = d.get("peer_to_peer", True)
+    if not isinstance(p2p, bool):
+        raise ValueError(f"hardware spec {d['name']!r}: 'peer_to_peer' must be true or false, got {p2p!r}")
+    kwargs["peer_to_peer"] = p2p
 
     aliases = d.get("aliases", ())
     sources = d.get("sources", {})

@@ -207,6 +207,8 @@ class StepModel:
             tp = self.config.tp
             if tp > 1:
                 msg = K.allreduce_message_bytes(self.model, m_padded, self.precision)
+                # the implementation vLLM dispatches to (custom / symmetric memory / NCCL), at its in-graph GPU
+                # time in every mode: an eager step's host cost of each launch is in the launch term already
                 arr[FAMILY_INDEX[K.ALL_REDUCE]] = (K.allreduces_per_step(self.model)
                                                    * allreduce_s(msg, tp, self.hw, self.calib.comm))
             rows = self._row_cache[m_padded] = (arr, float(arr.sum()))

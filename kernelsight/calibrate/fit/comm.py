@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from kernelsight.simcore.allreduce_dispatch import NCCL, allreduce_implementation, allreduce_pricing_backend
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import (
     CommCurve,
@@ -65,12 +66,51 @@ from kernelsight.simcore.comm import (
 )
 from kernelsight.simcore.hardware import HardwareSpec
 
-#: measured backend name → calibration backend name
+#: measured backend name → calibration backend name, for rows that are not vLLM's all-reduce (those go by
+#: :func:`row_backends`)
 COMM_BACKENDS = {"nccl": "nccl", "vllm_custom_graph": "custom", "vllm_custom_eager": "custom_eager"}
+#: measured rows of vLLM's all-reduce entry point, by whether they ran inside a CUDA graph
+VLLM_ALLREDUCE_BACKENDS = {"vllm_custom_graph": True, "vllm_custom_eager": False}
+#: the backends a calibration can hold: NCCL, and each all-reduce implementation in graph and eager mode
+CALIBRATION_BACKENDS = ("nccl", "custom", "custom_eager", "symm_mem", "symm_mem_eager")
+
+
+def row_backends(cols: Mapping[str, np.ndarray], hw: HardwareSpec) -> np.ndarray:
+    """Per measured row, the calibration backend whose curve it belongs to ('' = none).
+
+    The ``vllm_custom_graph`` / ``vllm_custom_eager`` rows time vLLM's all-reduce entry point, so each ran on
+    whatever implementation vLLM dispatched it to on the measured GPU
+    (:func:`~kernelsight.simcore.allreduce_dispatch.allreduce_implementation`): on H100 × 8 the custom all-reduce
+    below 256 KiB, symmetric memory up to 64 MiB, NCCL above. Each row goes to that implementation's curve
+    (``_eager`` for the eager rows). Rows that NCCL ran are left out: NCCL is fitted on its own table (the graph
+    rows agree with it within a few % on the NVLink GPUs; the eager ones add one device copy of the message,
+    which :func:`~kernelsight.simcore.comm.allreduce_implementation_s` adds). Rows already named by a calibration
+    backend keep it.
+    """
+    op = np.asarray(cols["op"]).astype(str)
+    backend = np.asarray(cols["backend"]).astype(str)
+    dtypes = np.asarray(cols["dtype"]).astype(str) if "dtype" in cols else np.full(len(op), "bf16")
+    gpus = np.asarray(cols["num_gpus"], dtype=float)
+    size = np.asarray(cols["message_bytes"], dtype=float)
+    out = np.full(len(op), "", dtype=object)
+    for i, (o, b) in enumerate(zip(op, backend, strict=True)):
+        if b in VLLM_ALLREDUCE_BACKENDS:
+            if o != "all_reduce" or not np.isfinite(gpus[i]) or not np.isfinite(size[i]):
+                continue
+            graph = VLLM_ALLREDUCE_BACKENDS[b]
+            impl = allreduce_implementation(hw, int(gpus[i]), size[i], dtypes[i], graph)
+            if impl == NCCL:
+                continue
+            out[i] = allreduce_pricing_backend(impl, graph)
+        elif b in CALIBRATION_BACKENDS:
+            out[i] = b
+    return out
 #: rows at least this large are bandwidth-bound enough to fit the asymptotic bandwidth on
 ASYMPTOTE_MIN_BYTES = 32 * 2**20
 #: messages this small are latency-bound on every measured interconnect (the curves are flat up to tens of kB)
 LATENCY_BOUND_BYTES = 64 * 2**10
+#: fallback of LATENCY_BOUND_BYTES for a backend never run that small
+SMALL_LATENCY_BOUND_BYTES = 2**20
 #: a size's median more than this (log) above a larger size's is an interference spike, clipped to it
 SPIKE_LOG = 0.1
 #: groups measured at fewer sizes borrow the shape of the nearest GPU count
@@ -163,13 +203,13 @@ def fit_comm_curves(
     and every prior curve of a measured backend that the rows do not cover is kept as it is.
     """
     op = np.asarray(cols["op"]).astype(str)
-    backend = np.asarray(cols["backend"]).astype(str)
+    backend = row_backends(cols, hw).astype(str)
     dtypes = np.asarray(cols["dtype"]).astype(str) if "dtype" in cols else np.full(len(op), "bf16")
     dclass = np.array([comm_dtype_class(d) for d in dtypes])
     gpus = np.asarray(cols["num_gpus"], dtype=float).astype(int)
     size = np.asarray(cols["message_bytes"], dtype=float)
     lat = np.asarray(cols["latency_us"], dtype=float) * 1e-6
-    ok = np.isfinite(lat) & (lat > 0) & (size > 0) & (gpus > 1) & np.isin(backend, list(COMM_BACKENDS))
+    ok = np.isfinite(lat) & (lat > 0) & (size > 0) & (gpus > 1) & (backend != "")
     log_t = np.log(np.where(ok, lat, 1.0))
     groups: dict[tuple[str, str, int], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for i in np.flatnonzero(ok):
@@ -183,7 +223,11 @@ def fit_comm_curves(
         """Fastest latency-bound (≤ LATENCY_BOUND_BYTES) row of a backend at GPU count g, else at any count, else
         its fastest row at all: a sparse sweep's fastest row at g may be a large, bandwidth-bound message."""
         small = rows[size[rows] <= LATENCY_BOUND_BYTES]
-        for pool in (small[gpus[small] == g], small, rows[gpus[rows] == g], rows):
+        # no such row (symmetric memory runs only from 256 KiB on H100 × 8, 8 MiB × 2): its rows up to 1 MiB,
+        # still mostly latency (else H100's 2-GPU curve, first measured at 8 MiB, stayed at 45 µs all the way
+        # down to the 2 MiB where B200 starts using it)
+        mid = rows[size[rows] <= SMALL_LATENCY_BOUND_BYTES]
+        for pool in (small[gpus[small] == g], small, mid[gpus[mid] == g], mid, rows[gpus[rows] == g], rows):
             if len(pool):
                 return float(lat[pool].min())
         raise ValueError("no rows")
@@ -207,6 +251,13 @@ def fit_comm_curves(
                 b, y, scale = _rescaled_shape(np.array(prior_curve.message_bytes), np.log(prior_curve.latency_s),
                                               size[idx], lat[idx], prior_curve.tail_s_per_byte)
                 borrowed_tail = prior_curve.tail_s_per_byte * scale
+            elif be != NCCL and len(shapes.get((NCCL, o, g), ((),))[0]) >= MIN_SIZES and not np.any(
+                    ok & (backend == be) & (size <= LATENCY_BOUND_BYTES)):
+                # else, for an implementation that only ever ran large messages (no latency floor of its own to
+                # draw a line from), NCCL's shape of the same collective and GPU count: symmetric memory at 25 %
+                # of H100's rows had one size at 2 GPUs, and its own knots put 64 MiB at 187 µs, measured 307
+                nb, ny = shapes[(NCCL, o, g)][:2]
+                b, y, scale = _rescaled_shape(nb, ny, size[idx], lat[idx], comm_bus_factor(o, g) / link)
         same_backend = np.flatnonzero(ok & (backend == be))
         s_per_bus = (
             beta(idx)
@@ -241,7 +292,7 @@ def fit_comm_curves(
             t = np.maximum.accumulate(np.exp(y + level + per_octave * np.log2(b / 2**20)))
             own = beta(by_class[c]) if len(off) > 1 else None  # a class's own asymptote when it has one
             c_tail = max(own, 1.0 / link) * comm_bus_factor(o, g) if own else tail
-            out[COMM_BACKENDS[be]][comm_curve_key(o, c, g)] = CommCurve(
+            out[be][comm_curve_key(o, c, g)] = CommCurve(
                 tuple(float(x) for x in b), tuple(float(x) for x in t), float(c_tail)
             )
     for backend, curves in out.items():
@@ -252,7 +303,9 @@ def fit_comm_curves(
 
 def fit_comm(cols: Mapping[str, np.ndarray], hw: HardwareSpec, prior: Mapping[str, CommModel] | None = None
              ) -> dict[str, CommModel]:
-    """Collective models per backend (``nccl``; vLLM custom all-reduce: ``custom`` = in-graph, ``custom_eager``).
+    """Collective models per calibration backend (:data:`CALIBRATION_BACKENDS`: ``nccl``, and each all-reduce
+    implementation vLLM dispatched measured rows to, ``custom`` / ``symm_mem`` in-graph, ``*_eager`` outside;
+    :func:`row_backends`).
 
     Measured piecewise α–β curves per (op, dtype class, GPU count) (:func:`fit_comm_curves`), plus
     the single all-reduce α–β line they fall back to elsewhere: least squares on relative error of
@@ -260,13 +313,13 @@ def fit_comm(cols: Mapping[str, np.ndarray], hw: HardwareSpec, prior: Mapping[st
     shapes for thinly measured collectives, curves for unmeasured ones, and a line where the rows cannot place one.
     """
     op = np.asarray(cols["op"])
-    backend = np.asarray(cols["backend"])
+    backend = row_backends(cols, hw)
     gpus = np.asarray(cols["num_gpus"], dtype=float)
     msg = np.asarray(cols["message_bytes"], dtype=float)
     lat = np.asarray(cols["latency_us"], dtype=float) * 1e-6
     out: dict[str, CommModel] = {}
-    for src, name in COMM_BACKENDS.items():
-        sel = (op == "all_reduce") & (backend == src) & np.isfinite(lat) & (lat > 0)
+    for name in CALIBRATION_BACKENDS:
+        sel = (op == "all_reduce") & (backend == name) & np.isfinite(lat) & (lat > 0)
         if sel.sum() < 3:
             continue
         line = _fit_line(msg[sel], gpus[sel].astype(int), lat[sel], hw.intra_node_bytes_per_s)
@@ -345,7 +398,7 @@ def _rescaled_shape(b: np.ndarray, log_t: np.ndarray, own_size: np.ndarray, own_
 def _prior_curve(prior: Mapping[str, Mapping[str, CommCurve]] | None, backend: str, op: str, num_gpus: int,
                  by_class: Mapping[str, np.ndarray]) -> CommCurve | None:
     """The prior's curve of (backend, op, GPU count) in the group's first dtype class (else the 16-bit one)."""
-    curves = (prior or {}).get(COMM_BACKENDS[backend], {})
+    curves = (prior or {}).get(backend, {})
     for cls in (*sorted(by_class), "16"):
         found = curves.get(comm_curve_key(op, cls, num_gpus))
         if found is not None:
@@ -372,14 +425,25 @@ def _transfer_curve(
     return t, bf / bus_bytes_per_s
 
 
+def comm_source_pool(sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec, backend: str
+                     ) -> list[tuple[Calibration, HardwareSpec]]:
+    """The sources a backend's collectives transfer from: those of the target's link class (NVLink-class vs
+    PCIe-only) that have curves of it, else all that have curves of it (L40S's custom all-reduce is only the
+    default α–β line: nobody measured it there), else all that have the backend at all."""
+    have = [(c, h) for c, h in sources if backend in c.comm and c.comm[backend].curves] or [
+        (c, h) for c, h in sources if backend in c.comm]
+    return [(c, h) for c, h in have if has_fast_interconnect(h) == has_fast_interconnect(target)] or have
+
+
 def transfer_comm_curves(
     sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec
 ) -> dict[str, dict[str, CommCurve]]:
-    """Curves for ``target`` from the sources' curves (sources of the target's link class if any)."""
-    same = [(c, h) for c, h in sources if has_fast_interconnect(h) == has_fast_interconnect(target)]
-    pool = same or list(sources)
+    """Curves for ``target`` from the sources' curves: per backend, the sources of the target's link class that
+    have it, else every source that has it (a PCIe target gets the custom all-reduce, measured only over NVLink,
+    by the cross-class rule rather than none: vLLM runs it on two P2P-capable PCIe GPUs)."""
     out: dict[str, dict[str, CommCurve]] = defaultdict(dict)
-    for backend in sorted({b for c, _ in pool for b in c.comm}):
+    for backend in sorted({b for c, _ in sources for b in c.comm}):
+        pool = comm_source_pool(sources, target, backend)
         keys = sorted({k for c, _ in pool if backend in c.comm for k in c.comm[backend].curves})
         for key in keys:
             op, _, g = key.split("/")
@@ -398,4 +462,5 @@ def transfer_comm_curves(
     return dict(out)
 
 
-__all__ = ["COMM_BACKENDS", "fit_comm", "fit_comm_curves", "transfer_comm_curves"]
+__all__ = ["CALIBRATION_BACKENDS", "COMM_BACKENDS", "comm_source_pool", "fit_comm", "fit_comm_curves", "row_backends",
+           "transfer_comm_curves"]

@@ -57,11 +57,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kernelsight.calibrate.fit.comm import transfer_comm_curves
+from kernelsight.calibrate.fit.comm import comm_source_pool, transfer_comm_curves
 from kernelsight.calibrate.fit.logpoly import device_constants
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration, default_calibration
-from kernelsight.simcore.comm import CommModel, has_fast_interconnect
+from kernelsight.simcore.comm import CommModel
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, EtaModel, LogPolyEta, SwitchEta, switch_key
 from kernelsight.simcore.hardware import HardwareSpec
 
@@ -203,17 +203,16 @@ def _closest_key(key: str, keys: list[str]) -> str:
 def transfer_comm(
     sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec
 ) -> dict[str, CommModel]:
-    """Collective models for ``target``: sources of its link class (NVLink-class vs PCIe-only) if any.
+    """Collective models for ``target``: per backend, the sources of its link class (NVLink-class vs PCIe-only)
+    that have it if any, else all that have it (:func:`~kernelsight.calibrate.fit.comm.comm_source_pool`).
 
     Curves by the spec-driven rule of :mod:`kernelsight.calibrate.fit.comm` (bandwidth part rescaled to the
     target's link, latency part by clock within a class); the fallback α–β line as geometric means.
     """
-    same = [c for c, h in sources if has_fast_interconnect(h) == has_fast_interconnect(target)]
-    pool = same or [c for c, _ in sources]
     curves = transfer_comm_curves(sources, target)
     out: dict[str, CommModel] = {}
-    for backend in sorted({b for c in pool for b in c.comm}):
-        ms = [c.comm[backend] for c in pool if backend in c.comm]
+    for backend in sorted({b for c, _ in sources for b in c.comm}):
+        ms = [c.comm[backend] for c, _ in comm_source_pool(sources, target, backend)]
         alpha = math.exp(sum(math.log(m.alpha_s) for m in ms) / len(ms))
         frac = math.exp(sum(math.log(m.bus_bytes_per_s_fraction) for m in ms) / len(ms))
         out[backend] = CommModel(alpha, frac, curves=curves.get(backend, {}))
