@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
+from kernelsight.server.kv_events.publisher import KVEventPublisher
 from kernelsight.server.lateness import LatenessWatch
 from kernelsight.server.metrics import EngineMetrics
 from kernelsight.server.tokenizer import ServerTokenizer
@@ -218,7 +219,8 @@ class EngineBridge:
 
     def __init__(self, config: EngineConfig, tokenizer: ServerTokenizer, metrics: EngineMetrics | None = None,
                  time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0015, *,
-                 lateness_warn_s: float = 0.05, engine_index: int = 0) -> None:
+                 lateness_warn_s: float = 0.05, engine_index: int = 0,
+                 kv_publisher: KVEventPublisher | None = None) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.config = config
@@ -235,6 +237,11 @@ class EngineBridge:
         self._subs_of: dict[str, Submission] = {}
         self._ids = itertools.count()
         self._wall0 = time.perf_counter()
+        self._epoch_minus_perf = time.time() - time.perf_counter()   # perf_counter → Unix time (KV events' ts)
+        # KV-cache events: the pool records them only when a publisher takes them (one test on its hot paths)
+        self.kv_publisher = kv_publisher
+        if kv_publisher is not None:
+            self.engine.kv.enable_events()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -256,6 +263,18 @@ class EngineBridge:
     def wall_of(self, virtual_s: float) -> float:
         return self._wall0 + virtual_s / self.time_scale
 
+    def unix_time_of(self, virtual_s: float) -> float:
+        return self._epoch_minus_perf + self.wall_of(virtual_s)
+
+    def publish_kv_events(self, virtual_s: float) -> None:
+        """Hand the KV events recorded since the last call to the publisher, stamped with ``virtual_s`` as Unix
+        time (vLLM stamps a step's batch with time.time() after the step)."""
+        pub = self.kv_publisher
+        if pub is not None:
+            events = self.engine.kv.take_events()
+            if events:
+                pub.publish(self.unix_time_of(virtual_s), events)
+
     def virtual_clock_lag_s(self) -> float:
         """Wall seconds the engine's virtual clock (the end of its latest computed step) trails wall time: 0 when
         idle (nothing in flight, everything released) or when the step in flight is not due yet."""
@@ -270,6 +289,8 @@ class EngineBridge:
             self._wake = asyncio.Event()
             self._wall0 = time.perf_counter() - self.engine.now_s / self.time_scale
             self._task = asyncio.get_running_loop().create_task(self._run(), name="kernelsight-engine")
+            if self.kv_publisher is not None:
+                self.kv_publisher.start()
 
     async def stop(self) -> None:
         self._closing = True
@@ -285,6 +306,8 @@ class EngineBridge:
             sub.sink = None
             sub.event.set()
         self._subs_of.clear()
+        if self.kv_publisher is not None:
+            await asyncio.to_thread(self.kv_publisher.shutdown)   # sends what is queued (bounded wait)
 
     @property
     def num_unfinished(self) -> int:
@@ -590,6 +613,8 @@ class EngineBridge:
         between them (arrival stamps), as ``_prepare`` does."""
         self.num_steps += 1
         end = self._released_v = res.end_s
+        if self.kv_publisher is not None:
+            self.publish_kv_events(end)     # the step's cache changes, as it completes
         seqs = self._seqs
         subs = self._subs_of
         m = self.metrics

@@ -27,7 +27,7 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
     config = create_engine_config(engine_args_from(ns))
     tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
     opts = server_options_from(ns)
-    apps = [build_app(config, opts, tok) for _ in range(ns.replicas)]
+    apps = [build_app(config, opts, tok, i) for i in range(ns.replicas)]
     return apps, config
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kernelsight.server.kv_events.config import KVEventsConfig
+
 
 @dataclass
 class ServerOptions:
@@ -32,6 +34,9 @@ class ServerOptions:
     stream_fast_path: bool = True
     return_tokens_as_token_ids: bool = False
     lateness_warn_ms: float = 50.0             # log when the recent p99 release lateness passes this; 0: never
+    kv_events: KVEventsConfig | None = None    # --kv-events-config
+    kv_events_array_like: bool = False         # positional-array encoding (vLLM <= 0.11) instead of tagged maps
+    prefix_caching_hash_algo: str = "sha256"   # the hash KV events carry (vLLM's --prefix-caching-hash-algo)
 
 
 def env_allows_lora_updates() -> bool:
