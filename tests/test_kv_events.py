@@ -153,6 +153,10 @@ def test_removed_names_the_stored_hash_until_the_last_copy_goes():
     assert r1.block_hashes == s1.block_hashes and t.vllm_hash(9) is not None
     t.translate([BlockRemoved([9])])
     assert t.vllm_hash(9) is None and t.translate([BlockRemoved([9])]) == []
+    # stored again after eviction: the same hash, remembered rather than computed again
+    hashed = t.hashed
+    (s2,) = t.translate([BlockStored([9], None, tokens, BS, 0, None)])
+    assert s2.block_hashes == s1.block_hashes and t.hashed == hashed and t.reused == 2
     assert type(t.translate([AllBlocksCleared()])[0]) is WireCleared
 
 
