@@ -316,3 +316,24 @@ def test_events_through_zmq(monkeypatch):
         finally:
             sub.sub.close(linger=0)
             sub.replay.close(linger=0)
+
+
+def test_publishers_per_rank_and_replica_offsets():
+    from kernelsight.engine_args import create_engine_config
+    from kernelsight.server.options import ServerOptions
+    from kernelsight.server.state import _kv_publishers
+    from kernelsight.simcore.engine_config import EngineArgs
+
+    config = create_engine_config(EngineArgs(num_gpu_blocks_override=64, max_model_len=512))
+    base = _free_port()
+    cfg = parse_kv_events_config(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base}"}))
+    opts = ServerOptions(["m"], "m", data_parallel_size=2, kv_events=cfg)
+    pubs = _kv_publishers(config, opts, replica_index=1)
+    try:
+        assert [(p.rank, p.endpoint) for p in pubs] == [(0, f"tcp://*:{base + 2}"), (1, f"tcp://*:{base + 3}")]
+    finally:
+        for p in pubs:
+            p.shutdown()
+    off = ServerOptions(["m"], "m", kv_events=parse_kv_events_config('{"enable_kv_cache_events": true, '
+                                                                     '"publisher": "null"}'))
+    assert _kv_publishers(config, off, 0) == []
