@@ -37,8 +37,8 @@ class HashTranslator:
         self.fn = hash_function(algo)
         self.none_hash = none_hash(self.fn, seed)
         self.ints = ints_on_wire
-        self._vllm: dict[int, bytes] = {}
-        self._copies: dict[int, int] = {}     # cached copies per key (0 / absent: retired, hash still known)
+        self._vllm: dict[int, tuple[bytes, int | bytes]] = {}   # key -> (vLLM hash, as on the wire)
+        self._copies: dict[int, int] = {}     # cached copies per key (absent: retired, hash still known)
         self._retired: deque[int] = deque()
         self.hashed = self.reused = 0         # blocks hashed / whose hash was remembered
         self._lora_ids: dict[str, int] = {}   # vLLM's lora_int_id: 1, 2, ... in order of first use
@@ -49,52 +49,22 @@ class HashTranslator:
 
     def vllm_hash(self, key: int) -> bytes | None:
         """The vLLM hash of a block in the prefix cache (None once its last copy is evicted)."""
-        return self._vllm.get(key) if key in self._copies else None
+        return self._vllm[key][0] if key in self._copies else None
 
-    def _retire(self, key: int) -> None:
-        ret = self._retired
-        ret.append(key)
-        if len(ret) > RETIRED_KEPT:
+    def _trim_retired(self) -> None:
+        ret, copies, vllm = self._retired, self._copies, self._vllm
+        while len(ret) > RETIRED_KEPT:
             old = ret.popleft()
-            if old not in self._copies:
-                self._vllm.pop(old, None)
+            if old not in copies:
+                vllm.pop(old, None)
 
     def translate(self, events: list[KVEvent]) -> list[WireEvent]:
+        # the per-block loop is the publisher thread's main cost: locals, and the wire form kept with the hash
         out: list[WireEvent] = []
-        vllm, copies, ext, ints = self._vllm, self._copies, external_hash, self.ints
+        vllm, copies, retired = self._vllm, self._copies, self._retired
         for ev in events:
-            if type(ev) is BlockStored:
-                if ev.parent_key is None:
-                    parent = self.none_hash
-                else:
-                    parent = vllm.get(ev.parent_key) if ev.parent_key in copies else None
-                    if parent is None:
-                        self.orphans += 1
-                        if self.orphans == 1:
-                            log.warning("kv events: a stored block's parent hash is unknown; not published")
-                        continue
-                bs = ev.block_size
-                hashes = []
-                extras: list[tuple | None] = []
-                parent_ext = ext(parent, ints) if ev.parent_key is not None else None
-                for i, key in enumerate(ev.keys):
-                    extra = vllm_extra_keys(ev.extra_keys, ev.first_block_index + i)
-                    h = vllm.get(key)
-                    if h is None:
-                        h = hash_block_tokens(self.fn, parent, ev.token_ids[i * bs:(i + 1) * bs], extra)
-                        vllm[key] = h
-                        self.hashed += 1
-                    else:
-                        self.reused += 1
-                    copies[key] = copies.get(key, 0) + 1
-                    hashes.append(ext(h, ints))
-                    extras.append(extra)
-                    parent = h
-                lora = lora_name_of(ev.extra_keys)
-                lora_id = self._lora_ids.setdefault(lora, len(self._lora_ids) + 1) if lora else None
-                out.append(WireStored(hashes, parent_ext, ev.token_ids, bs, lora_id, lora,
-                                      extras if any(e is not None for e in extras) else None))
-            elif type(ev) is BlockRemoved:
+            kind = type(ev)
+            if kind is BlockRemoved:
                 for key in ev.keys:
                     n = copies.get(key, 0) - 1
                     if n < 0:
@@ -103,11 +73,53 @@ class HashTranslator:
                         copies[key] = n
                     else:
                         del copies[key]
-                        self._retire(key)
-                    out.append(WireRemoved([ext(vllm[key], ints)]))
-            elif type(ev) is AllBlocksCleared:
-                for key in copies:
-                    self._retire(key)
+                        retired.append(key)
+                    out.append(WireRemoved([vllm[key][1]]))
+            elif kind is BlockStored:
+                out_ev = self._stored(ev)
+                if out_ev is not None:
+                    out.append(out_ev)
+            elif kind is AllBlocksCleared:
+                retired.extend(copies)
                 copies.clear()
                 out.append(WireCleared())
+        if len(retired) > RETIRED_KEPT:
+            self._trim_retired()
         return out
+
+    def _stored(self, ev: BlockStored) -> WireStored | None:
+        vllm, copies = self._vllm, self._copies
+        if ev.parent_key is None:
+            parent, parent_wire = self.none_hash, None
+        else:
+            got = vllm.get(ev.parent_key) if ev.parent_key in copies else None
+            if got is None:
+                self.orphans += 1
+                if self.orphans == 1:
+                    log.warning("kv events: a stored block's parent hash is unknown; not published")
+                return None
+            parent, parent_wire = got
+        bs, fn, sim_extra, first = ev.block_size, self.fn, ev.extra_keys, ev.first_block_index
+        tokens = ev.token_ids
+        wire: list[int | bytes] = []
+        extras: list[tuple | None] | None = [] if sim_extra else None
+        extra = None
+        for i, key in enumerate(ev.keys):
+            if extras is not None:
+                extra = vllm_extra_keys(sim_extra, first + i)
+                extras.append(extra)
+            got = vllm.get(key)
+            if got is None:
+                h = hash_block_tokens(fn, parent, tokens[i * bs:(i + 1) * bs], extra)
+                got = vllm[key] = (h, external_hash(h, self.ints))
+                self.hashed += 1
+            else:
+                self.reused += 1
+            copies[key] = copies.get(key, 0) + 1
+            wire.append(got[1])
+            parent = got[0]
+        lora = lora_name_of(sim_extra)
+        lora_id = self._lora_ids.setdefault(lora, len(self._lora_ids) + 1) if lora else None
+        if extras is not None and all(e is None for e in extras):
+            extras = None
+        return WireStored(wire, parent_wire, tokens, bs, lora_id, lora, extras)
