@@ -184,17 +184,26 @@ class Counter(threading.Thread):
         self.sock.close(linger=0)
 
 
-async def load(urls: list[str], streams: int, seconds: float, seed: int) -> tuple[int, int]:
-    """``streams`` closed-loop clients per replica for ``seconds``; returns (requests, output tokens)."""
+async def load(urls: list[str], streams: int, seconds: float, seed: int, rate: float = 0.0) -> tuple[int, int]:
+    """``streams`` closed-loop clients per replica for ``seconds``; returns (requests, output tokens). With
+    ``rate`` > 0 each client also waits its turn (a request every streams/rate s, staggered), so a server that
+    keeps up serves the same tokens per second with events on as off and CPU per token compares like for like."""
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(1000, 100_000, PREFIX_LEN).tolist() for _ in range(64)]
     done = [0, 0]
     end = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=streams * len(urls) + 8)
     async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+        period = streams / rate if rate > 0 else 0.0
+        start = time.perf_counter()
+
         async def client(url: str, k: int) -> None:
             r = np.random.default_rng([seed, k])
+            nxt = start + period * (k % 1000) / streams
             while time.perf_counter() < end:
+                if period:
+                    await asyncio.sleep(max(nxt - time.perf_counter(), 0.0))
+                    nxt += period
                 prompt = prefixes[int(r.integers(len(prefixes)))] + r.integers(1000, 100_000, SUFFIX_LEN).tolist()
                 resp = await c.post(url + "/v1/completions", json={"model": "m", "prompt": prompt,
                                                                     "max_tokens": OUT_LEN, "ignore_eos": True})
@@ -205,7 +214,7 @@ async def load(urls: list[str], streams: int, seconds: float, seed: int) -> tupl
     return done[0], done[1]
 
 
-def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks: int) -> dict:
+def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks: int, rate: float = 0.0) -> dict:
     port = free_port()
     while any(free_port() == port + i for i in range(1, replicas)):   # a rough check that the range is free
         port = free_port()
@@ -238,12 +247,13 @@ def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks:
         asyncio.run(load(urls, 2, 3.0, seed=99))   # warm-up (imports, first allocations), not measured
         cpu0, side0, st0, t0 = cpu_s(proc.pid), side_threads_cpu_s(proc.pid), steal_s(), time.perf_counter()
         ev0 = [c.events for c in counters]
-        reqs, toks = asyncio.run(load(urls, streams, seconds, seed=1))
+        reqs, toks = asyncio.run(load(urls, streams, seconds, seed=1, rate=rate))
         wall = time.perf_counter() - t0
         cpu, side, st = cpu_s(proc.pid) - cpu0, side_threads_cpu_s(proc.pid) - side0, steal_s() - st0
         time.sleep(1.0)                # the last batches
         evs = [c.events - e for c, e in zip(counters, ev0, strict=True)]
-        row = {"replicas": replicas, "streams_per_replica": streams, "events": events, "requests": reqs,
+        row = {"replicas": replicas, "streams_per_replica": streams, "rate_per_replica": rate, "events": events,
+               "requests": reqs,
                "output_tokens": toks, "wall_s": wall, "tok_per_s": toks / wall, "server_cpu_s": cpu,
                "cpu_us_per_token": 1e6 * cpu / max(toks, 1), "side_threads_us_per_token": 1e6 * side / max(toks, 1),
                "steal_s": st}
@@ -268,6 +278,9 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--streams", default="8,32,64", help="streams per replica, one level each")
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="requests/s per replica (0: as fast as the streams go); pace below capacity to compare "
+                         "CPU per token at equal throughput")
     ap.add_argument("--blocks", type=int, default=1500, help="KV blocks per engine (small: prefixes evict)")
     ap.add_argument("--repeat", type=int, default=2, help="off/on pairs per level, interleaved (the least CPU per "
                                                            "token of each is compared: load from others only adds)")
@@ -295,7 +308,7 @@ def main() -> int:
         side_on: list[float] = []
         for _ in range(ns.repeat):
             for events in (False, True):
-                r = run_level(ns.replicas, m, ns.seconds, events, ns.blocks)
+                r = run_level(ns.replicas, m, ns.seconds, events, ns.blocks, ns.rate)
                 rows.append(r)
                 best[events] = min(best.get(events, float("inf")), r["cpu_us_per_token"])
                 if events:
