@@ -158,10 +158,12 @@ class BlockPool:
             self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
 
     def _record_evictions(self, blocks: np.ndarray) -> None:
-        """One BlockRemoved per reallocated block that held cached content, in allocation order (vLLM evicts
-        block by block as it pops the free queue, and queues an event for each)."""
+        """The reallocated blocks that held cached content, in allocation order, as one record (vLLM queues one
+        event per block as it pops the free queue: the publisher splits it so)."""
         held = self.block_hash[blocks]
-        self.events.extend(BlockRemoved([h]) for h in held[held != 0].tolist())   # type: ignore[union-attr]
+        held = held[held != 0]
+        if held.size:
+            self.events.append(BlockRemoved(held.tolist()))   # type: ignore[union-attr]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's ``reset_prefix_cache``): refused (False) while a request holds

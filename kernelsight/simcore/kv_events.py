@@ -29,7 +29,8 @@ class BlockStored:
 
 @dataclass(slots=True)
 class BlockRemoved:
-    """Cached blocks were evicted (their blocks reallocated), one key per evicted block."""
+    """Cached blocks were evicted (reallocated), in eviction order, one key per block: one allocation's evictions
+    share a record (vLLM emits one event per block; the publisher splits the record)."""
 
     keys: list[int]
 
