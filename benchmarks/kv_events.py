@@ -263,14 +263,25 @@ def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks:
                        first_seq=[c.first_seq for c in counters], last_seq=[c.last_seq for c in counters],
                        missed_batches=sum((c.last_seq + 1) - c.batches for c in counters))
         return row
+    except Exception:
+        alive = proc.poll() is None
+        proc.terminate()
+        try:
+            err = proc.communicate(timeout=15)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = ""
+        print(f"server {'alive' if alive else 'exited'}; its stderr ends:\n{err[-3000:]}", file=sys.stderr)
+        raise
     finally:
         for c in counters:
             c.stop = True
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def main() -> int:

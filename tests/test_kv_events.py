@@ -338,3 +338,30 @@ def test_publishers_per_rank_and_replica_offsets():
     off = ServerOptions(["m"], "m", kv_events=parse_kv_events_config('{"enable_kv_cache_events": true, '
                                                                      '"publisher": "null"}'))
     assert _kv_publishers(config, off, 0) == []
+
+
+def test_replay_keeps_the_last_buffer_steps_batches():
+    from kernelsight.server.kv_events.publisher import KVEventPublisher
+
+    port, rport = _free_port(), _free_port()
+    cfg = parse_kv_events_config(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                                             "replay_endpoint": f"tcp://*:{rport}", "buffer_steps": 2}))
+    pub = KVEventPublisher(cfg)
+    pub.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{rport}")
+    try:
+        for i in range(3):
+            assert pub.publish(float(i), [BlockStored([100 + i], None, list(range(16)), BS, 0, None)])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(5000)
+            _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            got.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)["ts"]))
+        assert got == [(1, 1.0), (2, 2.0)] and pub.stats.batches == 3 and pub.stats.replays == 1
+    finally:
+        dealer.close(linger=0)
+        pub.shutdown()

@@ -307,7 +307,7 @@ class EngineBridge:
             sub.event.set()
         self._subs_of.clear()
         if self.kv_publisher is not None:
-            await asyncio.to_thread(self.kv_publisher.shutdown)   # sends what is queued (bounded wait)
+            await asyncio.to_thread(self.kv_publisher.shutdown)   # joins the replay thread (bounded wait)
 
     @property
     def num_unfinished(self) -> int:
@@ -613,8 +613,6 @@ class EngineBridge:
         between them (arrival stamps), as ``_prepare`` does."""
         self.num_steps += 1
         end = self._released_v = res.end_s
-        if self.kv_publisher is not None:
-            self.publish_kv_events(end)     # the step's cache changes, as it completes
         seqs = self._seqs
         subs = self._subs_of
         m = self.metrics
@@ -678,6 +676,11 @@ class EngineBridge:
         for sub in done_fast:
             if sub.done:
                 sub.event.set()       # the handler winds down in a turn of its own (FastStream.run)
+        if self.kv_publisher is not None:
+            # the step's cache changes, once its tokens are out and its handlers woken; a turn of their own
+            # (hashing and encoding a step's batch is ~0.1-0.4 ms), before the next step is computed
+            await gate.wait(first=True)
+            self.publish_kv_events(end)
 
     def _record_finish(self, seq: Seq, reason: str, finish_v: float, num_generated: int) -> None:
         if self.metrics is None or seq.req is None:

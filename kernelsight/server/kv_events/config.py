@@ -18,7 +18,7 @@ class KVEventsConfig:
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000               # batches kept for replay
     hwm: int = 100_000                       # ZeroMQ send high-water mark of the PUB socket
-    max_queue_size: int = 100_000            # batches queued for the publisher thread
+    max_queue_size: int = 100_000            # vLLM's publisher-thread queue; accepted, unused (sent inline)
     topic: str = ""
 
     def __post_init__(self) -> None:
