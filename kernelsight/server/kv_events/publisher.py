@@ -6,12 +6,13 @@ Frames are vLLM's: ``[topic, sequence (8-byte big-endian, from 0), payload]``; a
 
 Where the work runs differs from vLLM on purpose. vLLM's engine core queues each step's batch to a publisher
 thread, which is cheap there (the engine core is its own process). Here the engine loop shares its process and
-its GIL: a publisher thread that woke for every step took the GIL from the loop each time, and measured with
-``benchmarks/kv_events.py`` (2 replicas × 32 streams at equal throughput) the server spent 18-29% more CPU per
-token with events on, against about 1% when the loop itself turns the keys into vLLM's hashes, encodes and sends
-(a non-blocking send: ZeroMQ's own I/O thread writes the socket) right after the step's tokens are written. The
-replay socket is served by a background thread that sleeps in ``poll`` with the GIL released, so it costs
-nothing until a subscriber asks.
+its GIL: a publisher thread that woke for every step took the GIL from the loop each time. Measured with
+``benchmarks/kv_events.py`` (2 replicas × 32 streams paced to equal throughput, a loaded 2-core VM), the server
+spent +18% / +29% CPU per token with events on through such a thread, against +1% / +23% in the same two rounds
+when the loop itself turns the keys into vLLM's hashes, encodes and sends (a non-blocking send: ZeroMQ's own I/O
+thread writes the socket) right after the step's tokens are written; three more pairs of the latter gave +7.1%,
++1.7% and +14.4%. The replay socket is served by a background thread that sleeps in ``poll`` with the GIL
+released, so it costs nothing until a subscriber asks.
 """
 
 from __future__ import annotations
