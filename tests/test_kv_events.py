@@ -227,6 +227,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_pair() -> int:
+    """A port p with p + 1 free too (at the time of asking)."""
+    while True:
+        p = _free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("", p + 1))
+                return p
+            except OSError:
+                continue
+
+
 class Subscriber:
     """What a router does: SUB to the stream, and fill gaps (and the start) from the replay socket."""
 
@@ -365,3 +377,46 @@ def test_replay_keeps_the_last_buffer_steps_batches():
     finally:
         dealer.close(linger=0)
         pub.shutdown()
+
+
+def test_data_parallel_ranks_publish_apart_in_the_array_encoding(monkeypatch):
+    from kernelsight.server.runner import ServerThread
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    base, rbase = _free_pair(), _free_pair()          # rank 1 publishes on port + 1
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{rbase}"}
+    argv = ["--num-gpu-blocks-override", "64", "--max-model-len", "256", "--time-scale", "50", "--data-parallel-size",
+            "2", "--served-model-name", "m", "--kv-events-array-like", "--kv-events-config", json.dumps(cfg)]
+    with ServerThread(argv) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        src = c.get("/kv_event_sources").json()
+        assert [(s["data_parallel_rank"], s["endpoint"]) for s in src] == \
+            [(0, f"tcp://127.0.0.1:{base}"), (1, f"tcp://127.0.0.1:{base + 1}")]
+        assert [s["replay_endpoint"] for s in src] == [f"tcp://127.0.0.1:{rbase}", f"tcp://127.0.0.1:{rbase + 1}"]
+        prompt = list(range(500, 532))
+        r = c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1},
+                   headers={"X-data-parallel-rank": "1"})
+        assert r.status_code == 200
+        dealers = []
+        try:
+            got = []
+            for s in src:
+                d = zmq.Context.instance().socket(zmq.DEALER)
+                dealers.append(d)
+                d.connect(s["replay_endpoint"])
+                d.send_multipart([b"", (0).to_bytes(8, "big")])
+                batches = []
+                while True:
+                    assert d.poll(5000)
+                    _, seq, payload = d.recv_multipart()
+                    if seq == (-1).to_bytes(8, "big", signed=True):
+                        break
+                    batches.append(msgpack.unpackb(payload, raw=False))
+                got.append(batches)
+            assert got[0] == []                                   # rank 0 served nothing
+            (batch,) = got[1]
+            ts, events, rank = batch
+            assert rank == 1 and events == [["BlockStored", _vllm_sha256_chain(prompt, "0"), None, prompt, BS, None,
+                                             "GPU"]]
+        finally:
+            for d in dealers:
+                d.close(linger=0)
