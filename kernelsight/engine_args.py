@@ -24,6 +24,8 @@ __all__ = ["DEFAULT_HARDWARE", "DEFAULT_MODEL", "EngineArgs", "add_engine_args",
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 DEFAULT_HARDWARE = "h100"
+#: vLLM's --prefix-caching-hash-algo choices (CacheConfig.prefix_caching_hash_algo)
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache block size in tokens (default: 16)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="automatic prefix caching (default: on)")
+    g.add_argument("--prefix-caching-hash-algo", choices=PREFIX_CACHING_HASH_ALGOS, default="sha256",
+                   help="block hash that KV events carry (serve --kv-events-config); the simulation keys its "
+                        "prefix cache with a faster hash of the same content (default: sha256)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="chunked prefill (default: on)")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,

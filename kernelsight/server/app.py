@@ -15,15 +15,16 @@ from kernelsight.server.auth import add_api_key_auth
 from kernelsight.server.errors import APIError, api_error_handler
 from kernelsight.server.fastpath import capture_raw_send
 from kernelsight.server.options import ServerOptions
-from kernelsight.server.routes import admin, chat, completions, lora, models, system, tokenize
+from kernelsight.server.routes import admin, chat, completions, kv_cache, lora, models, system, tokenize
 from kernelsight.server.state import ServerState
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine_config import EngineConfig
 
 
-def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -> FastAPI:
-    """One server (a replica): its own engines, metrics and LoRA list, serving vLLM's routes."""
-    state = ServerState(config, opts, tok)
+def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0) -> FastAPI:
+    """One server (a replica): its own engines, metrics, LoRA list and KV-event publishers, serving vLLM's
+    routes."""
+    state = ServerState(config, opts, tok, replica_index)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -45,6 +46,9 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -
     _include(app, models.router)
     _include(app, admin.router)
     _include(app, tokenize.router)
+    _include(app, kv_cache.router)
+    if kv_cache.dev_mode():
+        _include(app, kv_cache.dev_router)
     if opts.enable_lora and opts.allow_runtime_lora_updating:
         _include(app, lora.router)
     _include(app, completions.router)

@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
+from kernelsight.server.kv_events.publisher import KVEventPublisher
 from kernelsight.server.lateness import LatenessWatch
 from kernelsight.server.metrics import EngineMetrics
 from kernelsight.server.step_scale import ScaledStepModel
@@ -219,7 +220,8 @@ class EngineBridge:
 
     def __init__(self, config: EngineConfig, tokenizer: ServerTokenizer, metrics: EngineMetrics | None = None,
                  time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0015, *,
-                 lateness_warn_s: float = 0.05, engine_index: int = 0) -> None:
+                 lateness_warn_s: float = 0.05, engine_index: int = 0,
+                 kv_publisher: KVEventPublisher | None = None) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.config = config
@@ -236,6 +238,11 @@ class EngineBridge:
         self._subs_of: dict[str, Submission] = {}
         self._ids = itertools.count()
         self._wall0 = time.perf_counter()
+        self._epoch_minus_perf = time.time() - time.perf_counter()   # perf_counter → Unix time (KV events' ts)
+        # KV-cache events: the pool records them only when a publisher takes them (one test on its hot paths)
+        self.kv_publisher = kv_publisher
+        if kv_publisher is not None:
+            self.engine.kv.enable_events()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -257,6 +264,18 @@ class EngineBridge:
     def wall_of(self, virtual_s: float) -> float:
         return self._wall0 + virtual_s / self.time_scale
 
+    def unix_time_of(self, virtual_s: float) -> float:
+        return self._epoch_minus_perf + self.wall_of(virtual_s)
+
+    def publish_kv_events(self, virtual_s: float) -> None:
+        """Hand the KV events recorded since the last call to the publisher, stamped with ``virtual_s`` as Unix
+        time (vLLM stamps a step's batch with time.time() after the step)."""
+        pub = self.kv_publisher
+        if pub is not None:
+            events = self.engine.kv.take_events()
+            if events:
+                pub.publish(self.unix_time_of(virtual_s), events)
+
     def virtual_clock_lag_s(self) -> float:
         """Wall seconds the engine's virtual clock (the end of its latest computed step) trails wall time: 0 when
         idle (nothing in flight, everything released) or when the step in flight is not due yet."""
@@ -271,6 +290,8 @@ class EngineBridge:
             self._wake = asyncio.Event()
             self._wall0 = time.perf_counter() - self.engine.now_s / self.time_scale
             self._task = asyncio.get_running_loop().create_task(self._run(), name="kernelsight-engine")
+            if self.kv_publisher is not None:
+                self.kv_publisher.start()
 
     async def stop(self) -> None:
         self._closing = True
@@ -286,6 +307,8 @@ class EngineBridge:
             sub.sink = None
             sub.event.set()
         self._subs_of.clear()
+        if self.kv_publisher is not None:
+            await asyncio.to_thread(self.kv_publisher.shutdown)   # joins the replay thread (bounded wait)
 
     @property
     def num_unfinished(self) -> int:
@@ -668,6 +691,11 @@ class EngineBridge:
         for sub in done_fast:
             if sub.done:
                 sub.event.set()       # the handler winds down in a turn of its own (FastStream.run)
+        if self.kv_publisher is not None:
+            # the step's cache changes, once its tokens are out and its handlers woken; a turn of their own
+            # (hashing and encoding a step's batch is ~0.1-0.4 ms), before the next step is computed
+            await gate.wait(first=True)
+            self.publish_kv_events(end)
 
     def _record_finish(self, seq: Seq, reason: str, finish_v: float, num_generated: int) -> None:
         if self.metrics is None or seq.req is None:

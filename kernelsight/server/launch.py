@@ -34,7 +34,7 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
             "data-parallel MoE: serve steps the %d ranks independently, each rank's MoE layers priced as the group's "
             "(all-to-all included, the other ranks assumed as busy); the lockstep's waits and dummy batches are "
             "simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
-    apps = [build_app(config, opts, tok) for _ in range(ns.replicas)]
+    apps = [build_app(config, opts, tok, i) for i in range(ns.replicas)]
     return apps, config
 
 

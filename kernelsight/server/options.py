@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from kernelsight.server.faults import FaultConfig
+from kernelsight.server.kv_events.config import KVEventsConfig
 
 
 @dataclass
@@ -37,6 +38,9 @@ class ServerOptions:
     faults: FaultConfig = field(default_factory=FaultConfig)      # fault injection (off by default)
     max_num_queued_reqs: int | None = None     # vLLM 0.33's admission limits (None: unlimited)
     max_num_queued_tokens: int | None = None
+    kv_events: KVEventsConfig | None = None    # --kv-events-config
+    kv_events_array_like: bool = False         # positional-array encoding (vLLM <= 0.11) instead of tagged maps
+    prefix_caching_hash_algo: str = "sha256"   # the hash KV events carry (vLLM's --prefix-caching-hash-algo)
 
 
 def env_allows_lora_updates() -> bool:

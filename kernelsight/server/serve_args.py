@@ -11,6 +11,7 @@ import os
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args
 from kernelsight.server.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
+from kernelsight.server.kv_events.config import parse_kv_events_config
 from kernelsight.server.options import ServerOptions, env_allows_lora_updates
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
@@ -29,8 +30,8 @@ IGNORED_VALUE_FLAGS = (
     "--api-server-count", "--stream-interval", "--max-log-len", "--response-role", "--max-lora-rank",
     "--lora-dtype", "--max-cpu-loras", "--max-seq-len-to-capture", "--worker-cls", "--mm-processor-kwargs",
     "--override-pooler-config", "--task", "--runner", "--convert", "--structured-outputs-config",
-    "--sse-keep-alive-interval", "--fingerprint-mode", "--max-num-partial-prefills", "--kv-events-config",
-    "--prefix-caching-hash-algo", "--performance-mode", "--quantization-param-path", "--model-impl",
+    "--sse-keep-alive-interval", "--fingerprint-mode", "--max-num-partial-prefills",
+    "--performance-mode", "--quantization-param-path", "--model-impl",
     "--otlp-traces-endpoint", "--collect-detailed-traces", "--show-hidden-metrics-for-version",
     "--data-parallel-rank", "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-backend",
     "--data-parallel-size-local", "--enable-expert-parallel", "--profiler-config",
@@ -79,6 +80,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-queued-tokens", type=positive_int, default=None,
                    help="reject a request with 503 while the prompts of requests still in prefill total at least "
                         "this many tokens, as vLLM 0.33 (default: no limit)")
+    s.add_argument("--kv-events-config", type=parse_kv_events_config, default=None, metavar="JSON",
+                   help="publish KV-cache events over ZeroMQ, as vLLM: {\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": ..., \"topic\": ..., "
+                        "\"buffer_steps\": ..., \"hwm\": ..., \"max_queue_size\": ..., \"publisher\": "
+                        "\"zmq\"|\"null\"}; DP rank r (and replica i of --replicas, after the ranks of the "
+                        "replicas before it) adds its offset to the ports")
     sim = p.add_argument_group("simulator")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="virtual seconds per wall second (default: 1 = real time; 10 = ten times faster)")
@@ -97,6 +104,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help="log a warning (at most one per 30 s per engine) when the p99 lateness of the last 10 s of "
                           "token releases passes this many ms: timings then no longer follow the simulated GPU, "
                           "usually from CPU starvation (default: 50; 0 = never)")
+    sim.add_argument("--kv-events-array-like", action="store_true",
+                     help="encode KV events as positional arrays (vLLM <= 0.11's array_like structs) instead of "
+                          "0.33's tagged maps")
     sim.add_argument("--record-timings", action="store_true",
                      help="keep per-request virtual token times, served at GET /kernelsight/timings")
     f = p.add_argument_group("fault injection (off by default; GET/POST /kernelsight/faults changes it live)")
@@ -210,4 +220,6 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         stream_fast_path=not ns.disable_stream_fast_path,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids, lateness_warn_ms=ns.lateness_warn_ms,
         disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template, faults=fault_config_from(ns),
-        max_num_queued_reqs=ns.max_num_queued_reqs, max_num_queued_tokens=ns.max_num_queued_tokens)
+        max_num_queued_reqs=ns.max_num_queued_reqs, max_num_queued_tokens=ns.max_num_queued_tokens,
+        kv_events=ns.kv_events_config, kv_events_array_like=ns.kv_events_array_like,
+        prefix_caching_hash_algo=ns.prefix_caching_hash_algo)

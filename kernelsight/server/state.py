@@ -13,6 +13,7 @@ from fastapi import Request
 from kernelsight.server.bridge import EngineBridge
 from kernelsight.server.errors import APIError, not_found
 from kernelsight.server.faults import BUSY_MESSAGE, FAULT_TYPES, TOKEN_BACKLOG_MESSAGE, FaultConfig, FaultInjector
+from kernelsight.server.kv_events.publisher import KVEventPublisher
 from kernelsight.server.logprobs import LogprobSynth
 from kernelsight.server.metrics import ServerMetrics
 from kernelsight.server.options import ServerOptions
@@ -22,26 +23,27 @@ from kernelsight.simcore.engine_config import EngineConfig
 
 
 class ServerState:
-    def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer) -> None:
+    def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0) -> None:
         self.config = config
         self.opts = opts
         self.tok = tok
         self.max_model_len = config.scheduler.max_model_len
         self.model_name = opts.served_model_names[0]
         self.loras: dict[str, str] = dict(opts.lora_modules)
-        cache_info = _cache_config_info(config)
+        cache_info = _cache_config_info(config, opts.prefix_caching_hash_algo)
         # --data-parallel-rank R: this process serves rank R alone (labelled engine="R", as vLLM's external LB mode)
         rank = config.args.data_parallel_rank
         first, n = (rank, 1) if rank is not None else (0, opts.data_parallel_size)
         self.metrics = ServerMetrics(self.model_name, n, self.max_model_len, [cache_info] * n, opts.enable_lora,
                                      opts.max_loras, fault_types=FAULT_TYPES, first_engine=first)
+        self.kv_publishers = _kv_publishers(config, opts, replica_index, range(first, first + n))
         self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
                                      opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
-                                     engine_index=first + i) for i in range(n)]
+                                     engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers
+                                     else None) for i in range(n)]
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size
-        dp = opts.data_parallel_size
         self.fingerprint = (f"vllm-{VLLM_VERSION}" + (f"-tp{tp}" if tp > 1 else "") + (f"-dp{dp}" if dp > 1 else "")
                             + f"-{digest}")
         self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
@@ -92,14 +94,35 @@ class ServerState:
         raise not_found(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model")
 
 
-def _cache_config_info(config: EngineConfig) -> dict[str, Any]:
+def _kv_publishers(config: EngineConfig, opts: ServerOptions, replica_index: int,
+                   ranks: range) -> list[KVEventPublisher]:
+    """One publisher per DP rank this process serves (``ranks``: all of them, or --data-parallel-rank's one) when
+    --kv-events-config publishes (vLLM offsets rank r's ports by r; replica i of --replicas continues after the
+    ranks of the replicas before it). Any failure closes those already open."""
+    cfg = opts.kv_events
+    if cfg is None or not cfg.publishes:
+        return []
+    dp = opts.data_parallel_size
+    pubs: list[KVEventPublisher] = []
+    try:
+        for rank in ranks:
+            pubs.append(KVEventPublisher(cfg, rank, replica_index * dp + rank, hash_algo=opts.prefix_caching_hash_algo,
+                                         array_like=opts.kv_events_array_like))
+    except ValueError:
+        for p in pubs:
+            p.shutdown()
+        raise
+    return pubs
+
+
+def _cache_config_info(config: EngineConfig, hash_algo: str = "sha256") -> dict[str, Any]:
     s = config.scheduler
     a = config.args
     return {"block_size": s.block_size, "cache_dtype": a.kv_cache_dtype, "calculate_kv_scales": False,
             "cpu_offload_gb": 0, "enable_prefix_caching": s.enable_prefix_caching,
             "gpu_memory_utilization": a.gpu_memory_utilization, "is_attention_free": False,
             "kv_sharing_fast_prefill": False, "num_cpu_blocks": None, "num_gpu_blocks": config.num_gpu_blocks,
-            "num_gpu_blocks_override": a.num_gpu_blocks_override, "prefix_caching_hash_algo": "sha256",
+            "num_gpu_blocks_override": a.num_gpu_blocks_override, "prefix_caching_hash_algo": hash_algo,
             "sliding_window": None, "swap_space": 4}
 
 

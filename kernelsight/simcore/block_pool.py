@@ -10,6 +10,8 @@ from collections import deque
 
 import numpy as np
 
+from kernelsight.simcore.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
+
 
 class BlockPool:
     """KV blocks with reference counts, an LRU free queue and the prefix-cache map, in bulk form.
@@ -36,6 +38,8 @@ class BlockPool:
         self._next_segment = 1
         self._dirty: set[int] = set()     # segments holding entries taken back by cache hits
         self.num_free_blocks = num_blocks - 1
+        # KV-cache events (vLLM's kv_event_queue): None while events are off, so the hot paths pay one test
+        self.events: list[KVEvent] | None = None
 
     @property
     def usage(self) -> float:
@@ -70,6 +74,8 @@ class BlockPool:
             got += len(arr)
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         ref[out] = 1
+        if self.events is not None:
+            self._record_evictions(out)
         self.block_hash[out] = 0
         self.num_free_blocks -= n
         return out.tolist()
@@ -89,6 +95,8 @@ class BlockPool:
                 else:
                     seg[2] = pos + 1
                 self.ref_cnt[b] = 1
+                if self.events is not None and self.block_hash[b]:
+                    self.events.append(BlockRemoved([int(self.block_hash[b])]))
                 self.block_hash[b] = 0
                 self.num_free_blocks -= 1
                 return b
@@ -102,6 +110,8 @@ class BlockPool:
                     else:
                         seg[2] = pos
                     ref[b] = 1
+                    if self.events is not None and self.block_hash[b]:
+                        self.events.append(BlockRemoved([int(self.block_hash[b])]))
                     self.block_hash[b] = 0
                     self.num_free_blocks -= 1
                     return b
@@ -146,3 +156,22 @@ class BlockPool:
         if len(self.cached) > 8 * self.num_blocks + 4096:   # drop stale entries now and then
             held = np.flatnonzero(self.block_hash)
             self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
+
+    def _record_evictions(self, blocks: np.ndarray) -> None:
+        """The reallocated blocks that held cached content, in allocation order, as one record (vLLM queues one
+        event per block as it pops the free queue: the publisher splits it so)."""
+        held = self.block_hash[blocks]
+        held = held[held != 0]
+        if held.size:
+            self.events.append(BlockRemoved(held.tolist()))   # type: ignore[union-attr]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): refused (False) while a request holds
+        blocks, since their hashes would then go stale under it."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        self.block_hash[:] = 0
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True

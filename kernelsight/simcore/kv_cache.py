@@ -15,6 +15,7 @@ import numpy as np
 
 from kernelsight.simcore.block_hash import BlockHasher
 from kernelsight.simcore.block_pool import BlockPool
+from kernelsight.simcore.kv_events import BlockStored, KVEvent
 from kernelsight.simcore.request import Request
 
 
@@ -27,6 +28,52 @@ class KVCacheManager:
         # prefix-cache counters as vLLM reports them (queries/hits in tokens)
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+
+    # -- KV-cache events --------------------------------------------------------------------------
+    def enable_events(self) -> None:
+        """Record KV-cache events from now on (``take_events`` drains them after each step)."""
+        if self.pool.events is None:
+            self.pool.events = []
+
+    @property
+    def events_enabled(self) -> bool:
+        return self.pool.events is not None
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (vLLM's ``take_events``)."""
+        ev = self.pool.events
+        if not ev:
+            return []
+        self.pool.events = []
+        return ev
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: False (nothing changed) while any request holds blocks."""
+        return self.pool.reset_prefix_cache()
+
+    def _register(self, req: Request, start: int, full: int) -> None:
+        """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording)."""
+        hashes = self._ensure_hashes(req, full)[start:full]
+        self.pool.register(req.block_ids[start:full], hashes)
+        events = self.pool.events
+        if events is not None:
+            tokens = self._known_tokens(req, start * self.block_size, full * self.block_size)
+            n = len(tokens) // self.block_size      # blocks of synthetic generated keys carry no token ids
+            if n:
+                events.append(BlockStored(hashes[:n], req.block_hashes[start - 1] if start else None,
+                                          tokens[:n * self.block_size], self.block_size, start, req.extra_keys))
+
+    @staticmethod
+    def _known_tokens(req: Request, lo: int, hi: int) -> list[int]:
+        """Token ids lo..hi-1 of ``req`` as far as the engine knows them (generated ids only when given)."""
+        prompt = req.prompt_token_ids
+        plen = len(prompt)
+        head = prompt[lo:min(hi, plen)] if lo < plen else ()
+        out = head.tolist() if hasattr(head, "tolist") else list(head)
+        if hi > plen and req.output_token_ids is not None:
+            outs = req.output_token_ids
+            out += list(outs[max(lo - plen, 0):min(hi - plen, len(outs))])
+        return out
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,7 +176,7 @@ class KVCacheManager:
             return
         # freshly allocated blocks carry no hash yet; a duplicate hash (the same prefix computed twice at
         # once) maps to the newest block
-        self.pool.register(req.block_ids[start:full], self._ensure_hashes(req, full)[start:full])
+        self._register(req, start, full)
         req.num_hashed_blocks_cached = full
 
     def free(self, req: Request, preempted: bool = False) -> None:
@@ -141,7 +188,7 @@ class KVCacheManager:
             full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
             start = req.num_hashed_blocks_cached
             if full > start:
-                self.pool.register(req.block_ids[start:full], self._ensure_hashes(req, full)[start:full])
+                self._register(req, start, full)
         if req.block_ids:
             self.pool.release(req.block_ids[::-1])
             req.block_ids = []
