@@ -347,6 +347,12 @@ def test_publishers_per_rank_and_replica_offsets():
     finally:
         for p in pubs:
             p.shutdown()
+    # --data-parallel-rank 1: this process publishes rank 1 alone, on rank 1's port
+    (one,) = _kv_publishers(config, opts, replica_index=0, ranks=range(1, 2))
+    try:
+        assert (one.rank, one.endpoint) == (1, f"tcp://*:{base + 1}")
+    finally:
+        one.shutdown()
     off = ServerOptions(["m"], "m", kv_events=parse_kv_events_config('{"enable_kv_cache_events": true, '
                                                                      '"publisher": "null"}'))
     assert _kv_publishers(config, off, 0) == []

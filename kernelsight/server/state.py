@@ -44,6 +44,7 @@ class ServerState:
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size
+        dp = opts.data_parallel_size
         self.fingerprint = (f"vllm-{VLLM_VERSION}" + (f"-tp{tp}" if tp > 1 else "") + (f"-dp{dp}" if dp > 1 else "")
                             + f"-{digest}")
         self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
@@ -95,7 +96,7 @@ class ServerState:
 
 
 def _kv_publishers(config: EngineConfig, opts: ServerOptions, replica_index: int,
-                   ranks: range) -> list[KVEventPublisher]:
+                   ranks: range | None = None) -> list[KVEventPublisher]:
     """One publisher per DP rank this process serves (``ranks``: all of them, or --data-parallel-rank's one) when
     --kv-events-config publishes (vLLM offsets rank r's ports by r; replica i of --replicas continues after the
     ranks of the replicas before it). Any failure closes those already open."""
@@ -105,7 +106,7 @@ def _kv_publishers(config: EngineConfig, opts: ServerOptions, replica_index: int
     dp = opts.data_parallel_size
     pubs: list[KVEventPublisher] = []
     try:
-        for rank in ranks:
+        for rank in ranks if ranks is not None else range(dp):
             pubs.append(KVEventPublisher(cfg, rank, replica_index * dp + rank, hash_algo=opts.prefix_caching_hash_algo,
                                          array_like=opts.kv_events_array_like))
     except ValueError:
