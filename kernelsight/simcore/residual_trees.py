@@ -86,7 +86,7 @@ class ResidualTrees:
         for _ in range(self.depth):
             at = node_base + node
             node = 2 * node + 1 + (xs[dims[at]] > thresholds[at])
-        return float(np.cumsum(leaves[leaf_base + node])[-1]) + 0.0   # + 0.0: a Python sum from 0.0 never is −0.0
+        return float(leaves[leaf_base + node].cumsum()[-1]) + 0.0   # + 0.0: a Python sum from 0.0 never is −0.0
 
     def to_dict(self) -> dict[str, Any]:
         def b64(a: np.ndarray, dtype: str) -> str:
