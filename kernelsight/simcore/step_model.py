@@ -18,7 +18,7 @@ from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import allreduce_s
 from kernelsight.simcore.hardware import HardwareSpec
-from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel
+from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel, PrefillChunk
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
 from kernelsight.simcore.roofline import kernel_roofline_s
@@ -92,6 +92,12 @@ class StepModel:
         self._attn_peak_flops_per_s = hw.peak_flops_per_s("bf16")   # attention kernels run in bf16
         self._sampling_cache: dict[int, tuple[np.ndarray, float]] = {}
         self._n_families = len(FAMILIES)
+        m, tp, p = model, config.tp, precision
+        q_heads, kv_heads = m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1)
+        self._decode_consts = (q_heads, kv_heads, m.head_dim, p.kv_bytes_per_element, p.act_bytes, m.sliding_window,
+                               hw.num_sms, self._attn_peak_flops_per_s, hw.usable_mem_bytes_per_s,
+                               q_heads == kv_heads, m.num_layers)
+        self._prefill_attn_memo: dict[tuple[tuple[int, int], ...], float] = {}
         # decode_window's first step: ((num_decodes, start context), (breakdown, seconds)) of the last call
         self._window_first: tuple[tuple[int, int] | None, tuple[np.ndarray, float] | None] = (None, None)
 
@@ -174,7 +180,7 @@ class StepModel:
         out, base_s = self._token_part(m_padded, sampling_rows)
         attn_s = 0.0
         if prefills:
-            t = self.kernel_time_s(self._prefill_attention_kernel(batch))
+            t = self._prefill_attention_s(prefills)
             out[_I_ATTN_PREFILL] += t
             attn_s += t
         if num_decodes:
@@ -194,6 +200,18 @@ class StepModel:
         out[_I_HOST] = host_s
         return out, gpu_s + host_s
 
+    def _prefill_attention_s(self, prefills: tuple[PrefillChunk, ...]) -> float:
+        """Prefill attention time, memoized on the chunks' exact (new, cached) token counts: the kernel is a
+        function of those alone, and a workload's prompt lengths repeat (a random dataset's ~200 lengths)."""
+        key = tuple([(c.num_new_tokens, c.num_cached_tokens) for c in prefills])
+        t = self._prefill_attn_memo.get(key)
+        if t is None:
+            if len(self._prefill_attn_memo) > 100_000:   # bounded: mixed batches make many distinct keys
+                self._prefill_attn_memo.clear()
+            t = self._prefill_attn_memo[key] = self.kernel_time_s(
+                self._prefill_attention_kernel(BatchShape(prefills)))
+        return t
+
     def _prefill_attention_kernel(self, batch: BatchShape) -> Kernel:
         m, tp, p = self.model, self.config.tp, self.precision
         return K.attention_prefill_kernel(batch.prefills, m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1),
@@ -204,12 +222,13 @@ class StepModel:
         """Decode attention of one step: ``kernel_time_s`` of ``attention_decode_kernel``, specialised.
 
         It runs for every step and twice per decode window, so η is memoized per (batch, snapped mean
-        context) and the roofline is evaluated inline; the result equals the generic path's.
+        context) and the roofline is evaluated inline (the same expressions, constants read once in
+        ``_decode_consts``); the result equals the generic path's.
         """
-        m, tp, p = self.model, self.config.tp, self.precision
         key = (num_decodes, _snap_log(context_tokens / max(num_decodes, 1)))
         hit = self._decode_eta.get(key)
         if hit is None:
+            m, tp, p = self.model, self.config.tp, self.precision
             k = K.attention_decode_kernel(num_decodes, context_tokens, m.num_attention_heads // tp,
                                           max(m.num_kv_heads // tp, 1), m.head_dim, p.act_bytes,
                                           p.kv_bytes_per_element, m.num_layers, m.sliding_window)
@@ -217,24 +236,20 @@ class StepModel:
             hit = (self.calib.kernel_eta(k.family, features), self.calib.kernel_overhead_s(k.family, features))
             self._decode_eta[key] = hit
         eta, overhead_s = hit
-        q_heads = m.num_attention_heads // tp
-        kv_heads = max(m.num_kv_heads // tp, 1)
-        d = m.head_dim
+        q_heads, kv_heads, d, kv_bytes, act_bytes, window, n_sm, peak, mem_bw, mha, layers = self._decode_consts
         ctx = context_tokens
-        if m.sliding_window and num_decodes:
-            ctx = int(min(ctx, num_decodes * m.sliding_window))
+        if window and num_decodes:
+            ctx = int(min(ctx, num_decodes * window))
         flops = 4.0 * q_heads * d * ctx
-        bytes_moved = ctx * 2.0 * kv_heads * d * p.kv_bytes_per_element + 2.0 * num_decodes * q_heads * d * p.act_bytes
+        bytes_moved = ctx * 2.0 * kv_heads * d * kv_bytes + 2.0 * num_decodes * q_heads * d * act_bytes
         tiles = float(max(num_decodes * q_heads, 1))
-        n_sm = self.hw.num_sms
         wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
-        roof = max(flops * wave_u / self._attn_peak_flops_per_s, bytes_moved / self.hw.usable_mem_bytes_per_s)
+        roof = max(flops * wave_u / peak, bytes_moved / mem_bw)
         t = roof / eta + overhead_s
-        if q_heads == kv_heads and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
+        if mha and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
             t = max(t, self.calib.decode_floor_s(
-                (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, p.kv_bytes_per_element,
-                 m.sliding_window or 0), n_sm))
-        return t * m.num_layers
+                (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, kv_bytes, window or 0), n_sm))
+        return t * layers
 
     def step_time_s(self, batch: BatchShape) -> float:
         return self.step(batch)[1]
