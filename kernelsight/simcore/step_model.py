@@ -111,8 +111,8 @@ class StepModel:
         """
         roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
         features = eta_lookup_features(k.family, k.features)
-        eta = self.calib.kernel_eta(k.family, features)
-        t = roof / eta + self.calib.kernel_overhead_s(k.family, features)
+        eta, overhead_s = self.calib.kernel_eta_overhead_s(k.family, features)
+        t = roof / eta + overhead_s
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
         return t * k.count
@@ -233,7 +233,7 @@ class StepModel:
                                           max(m.num_kv_heads // tp, 1), m.head_dim, p.act_bytes,
                                           p.kv_bytes_per_element, m.num_layers, m.sliding_window)
             features = eta_lookup_features(k.family, k.features)
-            hit = (self.calib.kernel_eta(k.family, features), self.calib.kernel_overhead_s(k.family, features))
+            hit = self.calib.kernel_eta_overhead_s(k.family, features)
             self._decode_eta[key] = hit
         eta, overhead_s = hit
         q_heads, kv_heads, d, kv_bytes, act_bytes, window, n_sm, peak, mem_bw, mha, layers = self._decode_consts
