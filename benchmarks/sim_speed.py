@@ -1,6 +1,9 @@
 """Fast-forward speed: 10,000 requests (Llama-3.1-8B on h100, ~1000 in / ~200 out, Poisson 20 req/s).
 
-Target: ≤ 2 s of wall time on one core. Prints a table and writes benchmarks/results/sim_speed.json.
+Target (issue #26): ≤ 0.5 s of wall time on one core. Prints a table and writes benchmarks/results/sim_speed.json.
+The first run also pays the calibration's η memo (each distinct kernel shape is evaluated once per Calibration);
+later runs reuse it, as a search over one GPU in one process would. CPU seconds and the machine's steal and
+busy share (from /proc/stat) are printed beside wall seconds: on a shared machine wall time measures the load.
 Usage: python benchmarks/sim_speed.py [--num-prompts N] [--repeat R]
 """
 
@@ -25,6 +28,15 @@ from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
 
 
+def cpu_jiffies() -> list[int]:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal), or []."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-prompts", type=int, default=10_000)
@@ -37,19 +49,24 @@ def main() -> int:
     arrivals = arrival_times_s(ns.num_prompts, 20.0, 1.0, seed=0).tolist()
     rows = []
     for i in range(ns.repeat):
-        t0 = time.perf_counter()
+        j0, t0, c0 = cpu_jiffies(), time.perf_counter(), time.process_time()
         res = run_fast_forward(cfg, samples, arrivals, ignore_eos=True)
-        wall = time.perf_counter() - t0
-        rows.append({"run": i, "wall_s": wall, "simulated_s": res.duration_s, "steps": res.num_steps,
+        wall, cpu, j1 = time.perf_counter() - t0, time.process_time() - c0, cpu_jiffies()
+        d = [b - a for a, b in zip(j0, j1, strict=True)] if j0 and j1 else []
+        total = sum(d) or 1
+        rows.append({"run": i, "wall_s": wall, "cpu_s": cpu,
+                     "machine_busy_pct": 100.0 * (total - d[3] - d[4]) / total if d else float("nan"),
+                     "steal_pct": 100.0 * d[7] / total if d else float("nan"),
+                     "simulated_s": res.duration_s, "steps": res.num_steps,
                      "sim_s_per_wall_s": res.duration_s / wall, "steps_per_s": res.num_steps / wall,
                      "completed": sum(r.success for r in res.records)})
     print(f"fast-forward speed, {ns.num_prompts} requests, Llama-3.1-8B on h100 (machine: {machine()})")
     print(format_table(rows, list(rows[0])))
     best = min(rows, key=lambda r: r["wall_s"])
-    print(f"best wall time {best['wall_s']:.2f} s (target ≤ 2 s): {best['sim_s_per_wall_s']:.0f} simulated s per "
+    print(f"best wall time {best['wall_s']:.2f} s (target ≤ 0.5 s): {best['sim_s_per_wall_s']:.0f} simulated s per "
           f"wall s, {best['steps_per_s']:.0f} steps/s")
     path = write_result("sim_speed", {"num_prompts": ns.num_prompts, "runs": rows, "best": best,
-                                      "target_wall_s": 2.0})
+                                      "target_wall_s": 0.5})
     print(f"wrote {path}")
     return 0
 

@@ -163,3 +163,33 @@ def test_specialised_decode_attention_equals_generic_kernel_path(model_id):
         k = K.attention_decode_kernel(b, ctx, m.num_attention_heads // 2, max(m.num_kv_heads // 2, 1), m.head_dim,
                                       p.act_bytes, p.kv_bytes_per_element, m.num_layers, m.sliding_window)
         assert sm._decode_attention_s(b, ctx) == pytest.approx(sm.kernel_time_s(k), rel=1e-12)
+
+
+def test_step_model_caches_answer_exactly_what_a_fresh_model_computes(llama8b, h100):
+    """Prefill attention is memoized on the chunks' (new, cached) counts and a decode window's first step is kept
+    for a shorter window from the same start: every answer must equal a fresh model's bit for bit, for batches
+    that share a key's parts but not all of it (same new tokens, other cached tokens; same decodes, other
+    context), and a returned breakdown must not alias the kept one."""
+    cfg = resolve_engine_config(EngineArgs(max_model_len=8192), llama8b, h100, profiles.load_calibration("h100"))
+    warm = build_step_model(cfg)
+    batches = [BatchShape((PrefillChunk(1000, 0, True),), 30, 30 * 900),
+               BatchShape((PrefillChunk(1000, 512, True),), 30, 30 * 900),
+               BatchShape((PrefillChunk(1000, 0, False),), 31, 31 * 900),
+               BatchShape((PrefillChunk(1000, 0, True), PrefillChunk(24, 64, True)), 30, 30 * 905)]
+    for _ in range(2):
+        for batch in batches:
+            fresh = build_step_model(cfg)
+            got, want = warm.step(batch), fresh.step(batch)
+            assert got[1] == want[1] and got[0].tolist() == want[0].tolist()
+    distinct = {warm.step(b)[1] for b in batches}
+    assert len(distinct) == len(batches)
+    for k_first, k_cut in [(64, 5), (64, 1), (5, 64)]:
+        warm.decode_window(40, 40 * 700, k_first)
+        durations, total = warm.decode_window(40, 40 * 700, k_cut)
+        want_d, want_t = build_step_model(cfg).decode_window(40, 40 * 700, k_cut)
+        assert durations == want_d and total.tolist() == want_t.tolist()
+        total += 1.0                                   # the caller owns the array it got
+        assert warm.decode_window(40, 40 * 700, k_cut)[1].tolist() == want_t.tolist()
+    other = warm.decode_window(40, 40 * 701, 8)        # another start context: not the kept first step
+    assert other[0] == build_step_model(cfg).decode_window(40, 40 * 701, 8)[0]
+    assert other[0][0] != warm.decode_window(40, 40 * 700, 8)[0][0]

@@ -161,11 +161,12 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             send(res.end_s)
 
     ends_arr = np.asarray(ends)
+    gaps = np.diff(ends_arr)   # one diff for all: a request's ITLs within one run of steps are a slice of it
     records = []
     reasons: dict[str, int] = {}
     for tr in trackers.values():
         reasons[tr.finish_reason] = reasons.get(tr.finish_reason, 0) + 1
-        records.append(_record(tr, ends_arr))
+        records.append(_record(tr, ends_arr, gaps))
     kv = engine.kv
     hit_rate = kv.prefix_hits_tokens / kv.prefix_queries_tokens if kv.prefix_queries_tokens else 0.0
     duration = max((r.start_s + r.latency_s for r in records if r.success), default=0.0)
@@ -244,11 +245,12 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
     if timeline is not None:
         timeline = _group_timeline(timeline)
     ends_arr = [np.asarray(e) for e in ends]
+    gaps_arr = [np.diff(e) for e in ends_arr]
     records = []
     reasons: dict[str, int] = {}
     for tr in trackers.values():
         reasons[tr.finish_reason] = reasons.get(tr.finish_reason, 0) + 1
-        records.append(_record(tr, ends_arr[tr.rank]))
+        records.append(_record(tr, ends_arr[tr.rank], gaps_arr[tr.rank]))
     hits = sum(e.kv.prefix_hits_tokens for e in group.engines)
     queries = sum(e.kv.prefix_queries_tokens for e in group.engines)
     duration = max((r.start_s + r.latency_s for r in records if r.success), default=0.0)
@@ -262,19 +264,21 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
         ranks=[{"rank": i, **st.summary()} for i, st in enumerate(group.stats)])
 
 
-def _record(tr: _Tracker, ends: np.ndarray) -> RequestRecord:
+def _record(tr: _Tracker, ends: np.ndarray, gaps: np.ndarray) -> RequestRecord:
+    """``gaps`` is ``np.diff(ends)``: the same subtractions ``np.diff`` of a contiguous run would make."""
     s = tr.sample
     if not tr.finished or tr.num_tokens == 0:
         return RequestRecord(False, s.prompt_len, 0, 0.0, [], 0.0, tr.send_s, tr.send_s - tr.arrival_s,
                              "request did not finish")
     if len(tr.segments) == 1:
         start, count = tr.segments[0]
-        times = ends[start:start + count]
+        first, last = ends[start], ends[start + count - 1]
+        itl = gaps[start:start + count - 1].copy()   # a copy: records must not pin the run's whole array
     else:
         times = np.concatenate([ends[a:a + c] for a, c in tr.segments])
-    ttft = float(times[0]) - tr.send_s
-    return RequestRecord(True, s.prompt_len, tr.num_tokens, ttft, np.diff(times), float(times[-1]) - tr.send_s,
-                         tr.send_s, tr.send_s - tr.arrival_s)
+        first, last, itl = times[0], times[-1], np.diff(times)
+    return RequestRecord(True, s.prompt_len, tr.num_tokens, float(first) - tr.send_s, itl,
+                         float(last) - tr.send_s, tr.send_s, tr.send_s - tr.arrival_s)
 
 
 def _extend_timeline(rows: list[tuple], res: StepResult) -> None:

@@ -56,8 +56,9 @@ class BlockHasher:
         self._ensure_positions(first_block + nb)
         content = tokens.reshape(nb, self.block_size) @ self._k
         content *= self._r[first_block:first_block + nb]
-        h = np.cumsum(content, dtype=np.uint64)
-        h += np.uint64(parent)
+        h = content.cumsum()               # uint64 in, uint64 out (the method skips np.cumsum's dispatch)
+        if parent:
+            h += np.uint64(parent)
         return h.tolist()
 
     def chain_one(self, parent: int, block_index: int, content: tuple) -> int:

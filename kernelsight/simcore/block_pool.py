@@ -58,27 +58,27 @@ class BlockPool:
         """Take the n least recently freed blocks (evicting their cached content). Caller checks n ≤ free."""
         if n <= 0:
             return []
-        segs, ref, fs = self._segments, self.ref_cnt, self._free_seg
-        parts = []
-        got = 0
-        while got < n:
+        segs, ref, fs, dirty = self._segments, self.ref_cnt, self._free_seg, self._dirty
+        out: list[int] = []
+        while len(out) < n:
             seg = segs[0]
             sid, blocks, pos = seg
-            take = blocks[pos:pos + (n - got)]
+            take = blocks[pos:pos + (n - len(out))]
             seg[2] = pos + len(take)
             if seg[2] >= len(blocks):
                 segs.popleft()
-            arr = np.array(take, dtype=np.int64)
-            arr = arr[(fs[arr] == sid) & (ref[arr] == 0)]
-            parts.append(arr)
-            got += len(arr)
-        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        ref[out] = 1
+            if sid in dirty:
+                arr = np.array(take, dtype=np.int64)
+                take = arr[(fs[arr] == sid) & (ref[arr] == 0)].tolist()
+            # else no block of the segment was taken back by a cache hit: every entry is live (as in allocate_one)
+            out += take
+        arr = np.array(out, dtype=np.int64)
+        ref[arr] = 1
         if self.events is not None:
-            self._record_evictions(out)
-        self.block_hash[out] = 0
+            self._record_evictions(arr)
+        self.block_hash[arr] = 0
         self.num_free_blocks -= n
-        return out.tolist()
+        return out
 
     def allocate_one(self) -> int | None:
         """One block, without array overhead (the decode group needs one block at a time)."""

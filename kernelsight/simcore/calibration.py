@@ -66,6 +66,13 @@ class Calibration:
                 return own
         return self.overhead_s.get(family, self.overhead_s.get("default", 0.0))
 
+    def kernel_eta_overhead_s(self, family: str, features: tuple[float, ...]) -> tuple[float, float]:
+        """(``kernel_eta``, ``kernel_overhead_s``) of one kernel with one memo lookup (the step model's hot path)."""
+        eta, own = self._eta_overhead(family, features)
+        if own is None:
+            own = self.overhead_s.get(family, self.overhead_s.get("default", 0.0))
+        return eta, own
+
     def decode_floor_s(self, features: Sequence[float], num_sms: int) -> float:
         """Least time of one decode attention kernel (features of ``attention_decode_kernel``); 0 if none."""
         if not self.decode_cta_bytes_per_s or features[2] != features[3]:   # GQA: the split path

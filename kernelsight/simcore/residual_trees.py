@@ -40,10 +40,19 @@ class ResidualTrees:
     dims: np.ndarray          # (T, 2^depth − 1) int: coordinate tested at each internal node
     thresholds: np.ndarray    # (T, 2^depth − 1) float: +inf where the node did not split
     leaves: np.ndarray        # (T, 2^depth) float: log-time correction of each leaf
-    _lists: tuple[list, list, list] = field(init=False, repr=False, compare=False)
+    # flat copies for :meth:`scalar`: node j of tree t at t·(2^depth − 1) + j, leaf j at t·2^depth + j
+    _flat: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] = field(
+        init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_lists", (self.dims.tolist(), self.thresholds.tolist(), self.leaves.tolist()))
+        n_trees, inner = self.dims.shape
+        tree_rows = np.arange(n_trees, dtype=np.intp)
+        object.__setattr__(self, "_flat", (
+            np.ascontiguousarray(self.dims, dtype=np.intp).ravel(),
+            np.ascontiguousarray(self.thresholds, dtype=float).ravel(),
+            np.ascontiguousarray(self.leaves, dtype=float).ravel(),
+            tree_rows * inner,
+            tree_rows * self.leaves.shape[1] - inner))   # leaf offset minus the first leaf's heap index
 
     @property
     def n_trees(self) -> int:
@@ -65,16 +74,19 @@ class ResidualTrees:
         return out
 
     def scalar(self, x: list[float]) -> float:
-        """Correction at one coordinate row in pure Python (the step model's uncached path)."""
-        dims, thresholds, leaves = self._lists
-        first_leaf = (1 << self.depth) - 1
-        total = 0.0
-        for d, t, v in zip(dims, thresholds, leaves, strict=True):
-            i = 0
-            for _ in range(self.depth):
-                i = 2 * i + (2 if x[d[i]] > t[i] else 1)
-            total += v[i - first_leaf]
-        return total
+        """Correction at one coordinate row (the step model's uncached path): all trees descend at once.
+
+        Numpy over the trees, not Python over trees × levels (200 trees of depth 8: ~1.7 ms in Python, the
+        largest cost of a fast-forward run). The leaves are summed left to right by ``cumsum``, exactly the
+        order of a Python loop over the trees, so the result is bit-identical to it.
+        """
+        dims, thresholds, leaves, node_base, leaf_base = self._flat
+        xs = np.asarray(x, dtype=float)
+        node = np.zeros(len(node_base), dtype=np.intp)
+        for _ in range(self.depth):
+            at = node_base + node
+            node = 2 * node + 1 + (xs[dims[at]] > thresholds[at])
+        return float(leaves[leaf_base + node].cumsum()[-1]) + 0.0   # + 0.0: a Python sum from 0.0 never is −0.0
 
     def to_dict(self) -> dict[str, Any]:
         def b64(a: np.ndarray, dtype: str) -> str:

@@ -216,18 +216,21 @@ class Scheduler:
 
         Returns the first step whose needs could not be met (last_step + 1 when all were)."""
         heap = self._block_heap
-        pool = self.kv.pool
+        if not heap or heap[0][0] > last_step:
+            return last_step + 1           # most steps: nobody needs a block
+        allocate_one = self.kv.pool.allocate_one
+        heappop, heapreplace, running = heapq.heappop, heapq.heapreplace, RequestStatus.RUNNING
         bs = self.kv.block_size
         caching = self.kv.enable_caching
         while heap and heap[0][0] <= last_step:
             due, seq, join, req = heap[0]
-            if req.decode_join_step != join or req.status is not RequestStatus.RUNNING:
-                heapq.heappop(heap)        # stale: the request left the group
+            if req.decode_join_step != join or req.status is not running:
+                heappop(heap)              # stale: the request left the group
                 continue
-            b = pool.allocate_one()
+            b = allocate_one()
             if b is None:
                 return due
-            heapq.heapreplace(heap, (due + bs, seq, join, req))
+            heapreplace(heap, (due + bs, seq, join, req))
             req.block_ids.append(b)
             if caching and req.output_token_ids is not None:
                 # tokens computed once step `due` runs: everything before the new block is full

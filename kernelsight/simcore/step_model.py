@@ -20,7 +20,7 @@ from kernelsight.simcore.comm import allreduce_s
 from kernelsight.simcore.eta import EnsembleEta, SwitchEta, switch_key
 from kernelsight.simcore.gemm_dispatch import BLOCK_KERNELS, block_time_ratio
 from kernelsight.simcore.hardware import HardwareSpec
-from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel
+from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel, PrefillChunk
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
 from kernelsight.simcore.roofline import kernel_roofline_s
@@ -120,6 +120,14 @@ class StepModel:
         self._fp8_tc = hw.fp8_flops_per_s is not None
         self._fp8_measured = calib.tier == "target-measured"
         self._block_measured = self._fp8_measured and _fits_own_block_rows(calib)
+        m, tp, p = model, config.tp, precision
+        q_heads, kv_heads = m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1)
+        self._decode_consts = (q_heads, kv_heads, m.head_dim, p.kv_bytes_per_element, p.act_bytes, m.sliding_window,
+                               hw.num_sms, self._attn_peak_flops_per_s, hw.usable_mem_bytes_per_s,
+                               q_heads == kv_heads, m.num_layers)
+        self._prefill_attn_memo: dict[tuple[tuple[int, int], ...], float] = {}
+        # decode_window's first step: ((num_decodes, start context), (breakdown, seconds)) of the last call
+        self._window_first: tuple[tuple[int, int] | None, tuple[np.ndarray, float] | None] = (None, None)
 
     # -- single kernels --------------------------------------------------------------------------
     def kernel_time_s(self, k: Kernel) -> float:
@@ -131,8 +139,8 @@ class StepModel:
         """
         roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
         features = eta_lookup_features(k.family, k.features)
-        eta = self.calib.kernel_eta(k.family, features)
-        t = roof / eta + self.calib.kernel_overhead_s(k.family, features)
+        eta, overhead_s = self.calib.kernel_eta_overhead_s(k.family, features)
+        t = roof / eta + overhead_s
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
         if k.impl and k.dtype == "fp8":
@@ -189,11 +197,13 @@ class StepModel:
     # -- graph mode and padding --------------------------------------------------------------------
     def graph_mode(self, batch: BatchShape) -> tuple[str, int]:
         """(mode, padded token rows). Decode-only batches replay a full graph, mixed ones piecewise."""
-        m = batch.num_tokens
-        if self.config.enforce_eager or not self._capture or m > self._capture[-1]:
+        return self._graph_mode(batch.num_tokens, batch.is_decode_only)
+
+    def _graph_mode(self, m: int, decode_only: bool) -> tuple[str, int]:
+        capture = self._capture
+        if self.config.enforce_eager or not capture or m > capture[-1]:
             return EAGER, m
-        padded = self._capture[bisect.bisect_left(self._capture, m)]
-        return (FULL_GRAPH if batch.is_decode_only else PIECEWISE), padded
+        return (FULL_GRAPH if decode_only else PIECEWISE), capture[bisect.bisect_left(capture, m)]
 
     # -- the cached token-parallel part -------------------------------------------------------------
     def _token_part(self, m_padded: int, sampling_rows: int) -> tuple[np.ndarray, float]:
@@ -238,18 +248,25 @@ class StepModel:
 
     def step(self, batch: BatchShape) -> tuple[np.ndarray, float]:
         """(seconds per family, total seconds) of one step: the engine's hot path, no array reductions."""
-        mode, m_padded = self.graph_mode(batch)
-        out, base_s = self._token_part(m_padded, batch.num_sampling_rows)
+        # the batch's counts once here, not through its properties (each re-sums the prefill chunks)
+        prefills, num_decodes = batch.prefills, batch.num_decodes
+        num_tokens = sampling_rows = num_decodes
+        for p in prefills:
+            num_tokens += p.num_new_tokens
+            if p.samples:
+                sampling_rows += 1
+        mode, m_padded = self._graph_mode(num_tokens, not prefills)
+        out, base_s = self._token_part(m_padded, sampling_rows)
         attn_s = 0.0
-        if batch.prefills:
-            t = self.kernel_time_s(self._prefill_attention_kernel(batch))
+        if prefills:
+            t = self._prefill_attention_s(prefills)
             out[_I_ATTN_PREFILL] += t
             attn_s += t
-        if batch.num_decodes:
-            t = self._decode_attention_s(batch.num_decodes, batch.decode_context_tokens)
+        if num_decodes:
+            t = self._decode_attention_s(num_decodes, batch.decode_context_tokens)
             out[_I_ATTN_DECODE] += t
             attn_s += t
-        return self._finish(out, base_s + attn_s, mode, batch.num_seqs, batch.num_tokens)
+        return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens)
 
     def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int
                 ) -> tuple[np.ndarray, float]:
@@ -262,6 +279,18 @@ class StepModel:
         out[_I_HOST] = host_s
         return out, gpu_s + host_s
 
+    def _prefill_attention_s(self, prefills: tuple[PrefillChunk, ...]) -> float:
+        """Prefill attention time, memoized on the chunks' exact (new, cached) token counts: the kernel is a
+        function of those alone, and a workload's prompt lengths repeat (a random dataset's ~200 lengths)."""
+        key = tuple([(c.num_new_tokens, c.num_cached_tokens) for c in prefills])
+        t = self._prefill_attn_memo.get(key)
+        if t is None:
+            if len(self._prefill_attn_memo) > 100_000:   # bounded: mixed batches make many distinct keys
+                self._prefill_attn_memo.clear()
+            t = self._prefill_attn_memo[key] = self.kernel_time_s(
+                self._prefill_attention_kernel(BatchShape(prefills)))
+        return t
+
     def _prefill_attention_kernel(self, batch: BatchShape) -> Kernel:
         m, tp, p = self.model, self.config.tp, self.precision
         return K.attention_prefill_kernel(batch.prefills, m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1),
@@ -272,37 +301,34 @@ class StepModel:
         """Decode attention of one step: ``kernel_time_s`` of ``attention_decode_kernel``, specialised.
 
         It runs for every step and twice per decode window, so η is memoized per (batch, snapped mean
-        context) and the roofline is evaluated inline; the result equals the generic path's.
+        context) and the roofline is evaluated inline (the same expressions, constants read once in
+        ``_decode_consts``); the result equals the generic path's.
         """
-        m, tp, p = self.model, self.config.tp, self.precision
         key = (num_decodes, _snap_log(context_tokens / max(num_decodes, 1)))
         hit = self._decode_eta.get(key)
         if hit is None:
+            m, tp, p = self.model, self.config.tp, self.precision
             k = K.attention_decode_kernel(num_decodes, context_tokens, m.num_attention_heads // tp,
                                           max(m.num_kv_heads // tp, 1), m.head_dim, p.act_bytes,
                                           p.kv_bytes_per_element, m.num_layers, m.sliding_window)
             features = eta_lookup_features(k.family, k.features)
-            hit = (self.calib.kernel_eta(k.family, features), self.calib.kernel_overhead_s(k.family, features))
+            hit = self.calib.kernel_eta_overhead_s(k.family, features)
             self._decode_eta[key] = hit
         eta, overhead_s = hit
-        q_heads = m.num_attention_heads // tp
-        kv_heads = max(m.num_kv_heads // tp, 1)
-        d = m.head_dim
+        q_heads, kv_heads, d, kv_bytes, act_bytes, window, n_sm, peak, mem_bw, mha, layers = self._decode_consts
         ctx = context_tokens
-        if m.sliding_window and num_decodes:
-            ctx = int(min(ctx, num_decodes * m.sliding_window))
+        if window and num_decodes:
+            ctx = int(min(ctx, num_decodes * window))
         flops = 4.0 * q_heads * d * ctx
-        bytes_moved = ctx * 2.0 * kv_heads * d * p.kv_bytes_per_element + 2.0 * num_decodes * q_heads * d * p.act_bytes
+        bytes_moved = ctx * 2.0 * kv_heads * d * kv_bytes + 2.0 * num_decodes * q_heads * d * act_bytes
         tiles = float(max(num_decodes * q_heads, 1))
-        n_sm = self.hw.num_sms
         wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
-        roof = max(flops * wave_u / self._attn_peak_flops_per_s, bytes_moved / self.hw.usable_mem_bytes_per_s)
+        roof = max(flops * wave_u / peak, bytes_moved / mem_bw)
         t = roof / eta + overhead_s
-        if q_heads == kv_heads and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
+        if mha and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
             t = max(t, self.calib.decode_floor_s(
-                (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, p.kv_bytes_per_element,
-                 m.sliding_window or 0), n_sm))
-        return t * m.num_layers
+                (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, kv_bytes, window or 0), n_sm))
+        return t * layers
 
     def step_time_s(self, batch: BatchShape) -> float:
         return self.step(batch)[1]
@@ -318,16 +344,22 @@ class StepModel:
         last step and linear in between (it is linear in context bytes; η varies slowly over a window).
         Returns (per-step seconds, summed breakdown per family).
         """
-        first = BatchShape((), num_decodes, context_tokens_start)
-        b0, t0 = self.step(first)
+        # The engine often asks again for a shorter window from the same start (cut at an arrival or by the KV
+        # cache): the first step is then the same computation, kept from the last call.
+        key = (num_decodes, context_tokens_start)
+        if self._window_first[0] == key:
+            b0, t0 = self._window_first[1]
+        else:
+            b0, t0 = self.step(BatchShape((), num_decodes, context_tokens_start))
+            self._window_first = (key, (b0, t0))
         if num_steps == 1:
-            return [t0], b0
+            return [t0], b0.copy()
         # only attention (and with it the exposed launch/host time) changes along the window
         ctx_last = context_tokens_start + (num_steps - 1) * num_decodes
         attn0 = b0[_I_ATTN_DECODE]
         attn1 = self._decode_attention_s(num_decodes, ctx_last)
         kernels1 = t0 - b0[_I_LAUNCH] - b0[_I_HOST] - attn0 + attn1
-        b1, t1 = self._finish(b0.copy(), kernels1, self.graph_mode(first)[0], num_decodes, num_decodes)
+        b1, t1 = self._finish(b0.copy(), kernels1, self._graph_mode(num_decodes, True)[0], num_decodes, num_decodes)
         b1[_I_ATTN_DECODE] = attn1
         slope = (t1 - t0) / (num_steps - 1)
         durations = [t0 + slope * i for i in range(num_steps)]   # windows are short: lists beat arrays
