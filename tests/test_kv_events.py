@@ -250,7 +250,7 @@ class Subscriber:
         self.replay.connect(replay)
         self.batches: dict[int, bytes] = {}
 
-    def drain(self, until_seq: int | None = None, timeout_ms: int = 3000) -> None:
+    def drain(self, until_seq: int | None = None, timeout_ms: int = 20000) -> None:
         """Receive live batches until none arrives for a while (or seq until_seq is in)."""
         while self.sub.poll(timeout_ms if until_seq is not None and until_seq not in self.batches else 300):
             topic, seq, payload = self.sub.recv_multipart()
@@ -260,7 +260,7 @@ class Subscriber:
         self.replay.send_multipart([b"", start.to_bytes(8, "big")])
         out = {}
         while True:
-            assert self.replay.poll(5000), "no replay answer"
+            assert self.replay.poll(20000), "no replay answer"
             _, seq, payload = self.replay.recv_multipart()
             s = int.from_bytes(seq, "big", signed=True)
             if s == -1:
@@ -374,7 +374,7 @@ def test_replay_keeps_the_last_buffer_steps_batches():
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         got = []
         while True:
-            assert dealer.poll(5000)
+            assert dealer.poll(20000)
             _, seq, payload = dealer.recv_multipart()
             if seq == (-1).to_bytes(8, "big", signed=True):
                 break
@@ -412,7 +412,7 @@ def test_data_parallel_ranks_publish_apart_in_the_array_encoding(monkeypatch):
                 d.send_multipart([b"", (0).to_bytes(8, "big")])
                 batches = []
                 while True:
-                    assert d.poll(5000)
+                    assert d.poll(20000)
                     _, seq, payload = d.recv_multipart()
                     if seq == (-1).to_bytes(8, "big", signed=True):
                         break
