@@ -287,6 +287,11 @@ class EngineBridge:
         self._subs_of.clear()
 
     @property
+    def closing(self) -> bool:
+        """Stopped or stopping: a request submitted now would never be scheduled."""
+        return self._closing
+
+    @property
     def num_unfinished(self) -> int:
         return len(self._seqs)
 

@@ -32,6 +32,7 @@ class ServerOptions:
     stream_fast_path: bool = True
     return_tokens_as_token_ids: bool = False
     lateness_warn_ms: float = 50.0             # log when the recent p99 release lateness passes this; 0: never
+    shutdown_timeout_s: float = 0.0            # on SIGTERM: wait this long for in-flight requests, then abort them
 
 
 def env_allows_lora_updates() -> bool:

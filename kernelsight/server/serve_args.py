@@ -72,6 +72,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-loras", type=positive_int, default=1, help="adapters per batch (reported in metrics)")
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="adapters known at start (NAME=PATH or JSON {\"name\":..,\"path\":..}); nothing is read")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to this "
+                        "long, then abort the rest (streams end with finish_reason \"abort\" and [DONE]); as vLLM's, "
+                        "default 0: abort at once")
     s.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                    help="N engines behind one endpoint, balanced as vLLM does (metrics engine=\"0\"..)")
     sim = p.add_argument_group("simulator")
@@ -161,4 +165,5 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         record_timings=ns.record_timings, deadline_spin_us=ns.deadline_spin_us,
         stream_fast_path=not ns.disable_stream_fast_path,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids, lateness_warn_ms=ns.lateness_warn_ms,
-        disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template)
+        shutdown_timeout_s=ns.shutdown_timeout, disable_fastapi_docs=ns.disable_fastapi_docs,
+        chat_template=chat_template)
