@@ -127,3 +127,18 @@ def test_sigterm_with_shutdown_timeout_lets_streams_finish():
         chunks = [e for e in parse_events(raw)[:-1] if isinstance(e, dict)]
         assert len(chunks) == 150
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_request_after_the_abort_gets_503():
+    """A request admitted once the engines stopped (shutdown's abort) gets vLLM's 503 in its error shape, not a
+    wait on an engine that never steps again."""
+    from kernelsight.server.runner import ServerThread
+
+    with ServerThread(["--max-model-len", "512", "--seed", "0"]) as s:
+        assert s.loop is not None
+        asyncio.run_coroutine_threadsafe(s.bridge.stop(), s.loop).result(timeout=10)
+        for body in ({"prompt": "late", "max_tokens": 4}, {"prompt": "late", "max_tokens": 4, "stream": True}):
+            r = httpx.post(s.base_url + "/v1/completions", json=body, timeout=10)
+            assert r.status_code == 503
+            assert r.json() == {"error": {"message": "The server is shutting down and cannot accept new requests.",
+                                          "type": "Service Unavailable", "param": None, "code": 503}}
