@@ -138,6 +138,8 @@ CASES = [
      None),
     ("messages-content-int", CHAT, _j({"messages": [{"role": "user", "content": 5}]}), "application/json", 400,
      "BadRequestError", None),
+    # found by tests/test_fuzz.py: the chat template raised on an empty list and /tokenize answered a bare 500
+    ("tok-messages-empty", TOK, _j({"messages": []}), "application/json", 400, "BadRequestError", None),
     # sizes: a huge body, prompts beyond max_model_len
     ("huge-text-prompt-20MB", CMPL, _j({"prompt": "x" * (20 << 20)}), "application/json", 400, "BadRequestError",
      None),

@@ -14,7 +14,11 @@ from fastapi import APIRouter, FastAPI
 from kernelsight.server.auth import add_api_key_auth
 from kernelsight.server.errors import APIError, api_error_handler
 from kernelsight.server.fastpath import capture_raw_send
+from kernelsight.server.openapi_bodies import add_request_schemas
 from kernelsight.server.options import ServerOptions
+from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
+from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
+from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from kernelsight.server.routes import admin, chat, completions, kv_cache, lora, models, system, tokenize
 from kernelsight.server.state import ServerState
 from kernelsight.server.tokenizer import ServerTokenizer
@@ -53,6 +57,8 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
         _include(app, lora.router)
     _include(app, completions.router)
     _include(app, chat.router)
+    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                              LoadLoRARequest, UnloadLoRARequest])
 
     add_api_key_auth(app, opts)
     capture_raw_send(app)      # after auth: it wraps the whole stack, so it is the outermost layer

@@ -311,6 +311,11 @@ class EngineBridge:
             await asyncio.to_thread(self.kv_publisher.shutdown)   # joins the replay thread (bounded wait)
 
     @property
+    def closing(self) -> bool:
+        """Stopped or stopping: a request submitted now would never be scheduled."""
+        return self._closing
+
+    @property
     def num_unfinished(self) -> int:
         return len(self._seqs)
 

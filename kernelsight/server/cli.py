@@ -22,7 +22,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from kernelsight.server.fastpath import http_protocol
-    from kernelsight.server.launch import ReplicaServer, build_server_apps, event_loop_runner, serve_all
+    from kernelsight.server.launch import (
+        ReplicaServer,
+        build_server_apps,
+        event_loop_runner,
+        serve_all,
+        uvicorn_shutdown_bound_s,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     ignored = ignored_flags(ns)
@@ -42,7 +48,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for i, app in enumerate(apps):
         port = ns.port + i
         cfg = uvicorn.Config(app, host=host, port=port, log_level=ns.uvicorn_log_level, timeout_keep_alive=5,
-                             access_log=False, http=http_protocol())
+                             access_log=False, http=http_protocol(),
+                             timeout_graceful_shutdown=uvicorn_shutdown_bound_s(ns.shutdown_timeout))
         servers.append(ReplicaServer(cfg))
         print(f"Starting vLLM API server {i} on http://{host}:{port}", file=sys.stderr)
     event_loop_runner()(serve_all(servers))

@@ -286,6 +286,8 @@ class Generation:
         if bad_len is not None and not req.stream:
             raise self._decoder_prompt_error(bad_len)
         bridge = self.state.pick_bridge(self.request)
+        if bridge.closing:       # shutting down (a request admitted after SIGTERM's abort): vLLM rejects with 503
+            raise APIError("The server is shutting down and cannot accept new requests.", "Service Unavailable", 503)
         self.prompts = prompts
         if bad_len is not None:   # streaming: the engine-side check surfaces as an in-stream error
             return SSEResponse(self._error_stream(self._decoder_prompt_error(bad_len)), self.headers)

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 from kernelsight.engine_args import create_engine_config, engine_args_from
@@ -50,15 +51,58 @@ def event_loop_runner() -> Any:
     return asyncio.run
 
 
+#: uvicorn's own bound on waiting for connections, beyond --shutdown-timeout: the engines' abort ends every stream
+#: within a step or two, so this only matters if a handler hangs; then uvicorn cancels it and the process exits.
+SHUTDOWN_GRACE_S = 5.0
+
+log = logging.getLogger("kernelsight.server")
+
+
+def uvicorn_shutdown_bound_s(shutdown_timeout_s: float) -> float:
+    """``timeout_graceful_shutdown`` for uvicorn.Config: the drain, then a grace for the aborted streams' ends."""
+    return shutdown_timeout_s + SHUTDOWN_GRACE_S
+
+
+async def drain_engines(app: Any, timeout_s: float) -> None:
+    """vLLM's ``--shutdown-timeout`` policy for one replica, once it stopped accepting connections: let in-flight
+    requests finish for up to ``timeout_s`` (0: not at all), then abort the rest. An aborted stream gets its last
+    chunk (finish_reason "abort") and [DONE], a waiting non-streaming request its answer so far; a request admitted
+    after the abort gets a 503. Its KV blocks are freed either way."""
+    bridges = app.state.ks.bridges
+    t_end = time.monotonic() + timeout_s
+    while any(b.num_unfinished for b in bridges) and time.monotonic() < t_end:
+        await asyncio.sleep(0.05)
+    left = sum(b.num_unfinished for b in bridges)
+    if left:
+        log.info("shutdown: aborting %d in-flight sequence(s) (--shutdown-timeout %g s)", left, timeout_s)
+    for b in bridges:
+        await b.stop()
+
+
 try:
     import uvicorn as _uv
 
     class ReplicaServer(_uv.Server):
-        """Signals are handled once for all replicas (graceful shutdown on SIGTERM/SIGINT)."""
+        """Signals are handled once for all replicas (graceful shutdown on SIGTERM/SIGINT); on shutdown the
+        engines drain for --shutdown-timeout, then abort (``drain_engines``) while uvicorn closes connections."""
 
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[override]
             yield
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            app = self.config.app
+            timeout_s = app.state.ks.opts.shutdown_timeout_s
+            # uvicorn closes the listeners and idle connections, then waits for the open ones: those end when the
+            # drain below finishes or aborts their requests
+            drain = asyncio.ensure_future(drain_engines(app, timeout_s))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if not drain.done():
+                    drain.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drain
 except ImportError:  # pragma: no cover - serve needs the server extra
     ReplicaServer = None  # type: ignore[assignment,misc]
 

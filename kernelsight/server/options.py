@@ -41,6 +41,7 @@ class ServerOptions:
     kv_events: KVEventsConfig | None = None    # --kv-events-config
     kv_events_array_like: bool = False         # positional-array encoding (vLLM <= 0.11) instead of tagged maps
     prefix_caching_hash_algo: str = "sha256"   # the hash KV events carry (vLLM's --prefix-caching-hash-algo)
+    shutdown_timeout_s: float = 0.0            # on SIGTERM: wait this long for in-flight requests, then abort them
 
 
 def env_allows_lora_updates() -> bool:

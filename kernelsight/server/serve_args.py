@@ -86,6 +86,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "\"buffer_steps\": ..., \"hwm\": ..., \"max_queue_size\": ..., \"publisher\": "
                         "\"zmq\"|\"null\"}; DP rank r (and replica i of --replicas, after the ranks of the "
                         "replicas before it) adds its offset to the ports")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to this "
+                        "long, then abort the rest (streams end with finish_reason \"abort\" and [DONE]); as vLLM's, "
+                        "default 0: abort at once")
     sim = p.add_argument_group("simulator")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="virtual seconds per wall second (default: 1 = real time; 10 = ten times faster)")
@@ -219,7 +223,8 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         record_timings=ns.record_timings, deadline_spin_us=ns.deadline_spin_us,
         stream_fast_path=not ns.disable_stream_fast_path,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids, lateness_warn_ms=ns.lateness_warn_ms,
-        disable_fastapi_docs=ns.disable_fastapi_docs, chat_template=chat_template, faults=fault_config_from(ns),
+        shutdown_timeout_s=ns.shutdown_timeout, disable_fastapi_docs=ns.disable_fastapi_docs,
+        chat_template=chat_template, faults=fault_config_from(ns),
         max_num_queued_reqs=ns.max_num_queued_reqs, max_num_queued_tokens=ns.max_num_queued_tokens,
         kv_events=ns.kv_events_config, kv_events_array_like=ns.kv_events_array_like,
         prefix_caching_hash_algo=ns.prefix_caching_hash_algo)

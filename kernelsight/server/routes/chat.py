@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from kernelsight.server.body import parse_body
 from kernelsight.server.errors import bad_request
 from kernelsight.server.generation import Generation, check_sampling, request_base, stop_list
+from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.prompts import encode_prompt, normalize_messages, too_many_chars
 from kernelsight.server.protocol.openai import ChatCompletionRequest
 from kernelsight.server.state import server_state
@@ -19,7 +20,7 @@ from kernelsight.server.turns import turn_gate
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat(request: Request) -> Response:
     state = server_state(request)
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)

@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from kernelsight.server.body import parse_body
 from kernelsight.server.errors import bad_request
 from kernelsight.server.generation import Generation, check_sampling, request_base, stop_list
+from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.prompts import completion_prompts
 from kernelsight.server.protocol.openai import CompletionRequest
 from kernelsight.server.state import server_state
@@ -16,7 +17,7 @@ from kernelsight.server.turns import turn_gate
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     state = server_state(request)
     req: CompletionRequest = await parse_body(request, CompletionRequest)

@@ -8,13 +8,14 @@ from fastapi.responses import PlainTextResponse, Response
 
 from kernelsight.server.body import parse_body
 from kernelsight.server.errors import APIError, not_found
+from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
 from kernelsight.server.state import server_state
 
 router = APIRouter()
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadLoRARequest))
 async def load_lora(request: Request) -> Response:
     state = server_state(request)
     req: LoadLoRARequest = await parse_body(request, LoadLoRARequest)
@@ -30,7 +31,7 @@ async def load_lora(request: Request) -> Response:
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadLoRARequest))
 async def unload_lora(request: Request) -> Response:
     state = server_state(request)
     req: UnloadLoRARequest = await parse_body(request, UnloadLoRARequest)

@@ -7,6 +7,7 @@ from fastapi.responses import Response
 
 from kernelsight.server.body import parse_body
 from kernelsight.server.errors import bad_request
+from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.prompts import encode_prompt, normalize_messages
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from kernelsight.server.state import server_state
@@ -15,16 +16,20 @@ from kernelsight.server.wire import json_response
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
     tok = state.tok
     req: TokenizeRequest = await parse_body(request, TokenizeRequest)
     state.check_model(req.model)
     if req.messages is not None:
-        text = tok.render_chat(normalize_messages(req.messages), req.add_generation_prompt,
-                               req.continue_final_message, req.chat_template or state.opts.chat_template,
-                               req.chat_template_kwargs)
+        try:
+            text = tok.render_chat(normalize_messages(req.messages), req.add_generation_prompt,
+                                   req.continue_final_message, req.chat_template or state.opts.chat_template,
+                                   req.chat_template_kwargs)
+        except Exception as exc:  # noqa: BLE001 - a template error is the client's input (an empty list was a 500)
+            # vLLM's tokenize handler answers its preprocessing errors as a 400 "{error} {cause}"
+            raise bad_request(f"{exc} {exc.__cause__}") from None
         # no length limit on /tokenize (as in vLLM): a huge text is encoded off the loop, or every stream would stall
         ids = await encode_prompt(tok, text, bool(req.add_special_tokens))
     elif req.prompt is not None:
@@ -35,7 +40,7 @@ async def tokenize(request: Request) -> Response:
                           "token_strs": tok.token_strs(ids) if req.return_token_strs else None})
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> Response:
     state = server_state(request)
     tok = state.tok
