@@ -103,29 +103,37 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
             gc.enable()
 
 
-def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
-         max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
-         on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
-    engine = build_engine(config, per_token_events=False)
-    order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
-    pending = deque(order)
-    trackers: dict[str, _Tracker] = {}
-    limit = max_concurrency if max_concurrency is not None else len(samples) + 1
-    in_flight = 0
+class _Sender:
+    """Sends the samples in arrival order, at most ``max_concurrency`` in flight (``in_flight`` is decremented by the
+    run loop as requests finish), each at its arrival or, held back by the limit, when a slot frees."""
 
-    def send(now_s: float) -> None:
-        nonlocal in_flight
-        while pending and in_flight < limit:
+    def __init__(self, samples: Sequence[SampleRequest], arrivals_s: Sequence[float], max_concurrency: int | None,
+                 add_request: Callable[..., Any], ignore_eos: bool) -> None:
+        self.samples, self.arrivals_s, self.add_request, self.ignore_eos = samples, arrivals_s, add_request, ignore_eos
+        self.pending = deque(sorted(range(len(samples)), key=lambda i: arrivals_s[i]))
+        self.trackers: dict[str, _Tracker] = {}
+        self.limit = max_concurrency if max_concurrency is not None else len(samples) + 1
+        self.in_flight = 0
+
+    def send(self, now_s: float) -> None:
+        pending, samples, arrivals_s = self.pending, self.samples, self.arrivals_s
+        while pending and self.in_flight < self.limit:
             i = pending.popleft()
             s = samples[i]
             send_s = max(float(arrivals_s[i]), now_s)
             rid = f"ff-{i}"
-            trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]))
+            self.trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]))
             prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
-            engine.add_request(rid, prompt, s.expected_output_len, ignore_eos=ignore_eos,
-                               arrival_s=send_s)
-            in_flight += 1
+            self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s)
+            self.in_flight += 1
 
+
+def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
+         max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
+         on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
+    engine = build_engine(config, per_token_events=False)
+    sender = _Sender(samples, arrivals_s, max_concurrency, engine.add_request, ignore_eos)
+    pending, trackers, send = sender.pending, sender.trackers, sender.send
     send(0.0)
     ends: list[float] = []
     timeline: list[tuple] | None = [] if record_timeline else None
@@ -139,7 +147,7 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             continue
         ends.extend(res.step_end_s)
         freed = False
-        n_before = in_flight
+        n_before = sender.in_flight
         for ev in res.events:
             tr = trackers[ev.request_id]
             kind = ev.kind
@@ -151,12 +159,12 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             elif kind == FINISHED:
                 tr.finished = True
                 tr.finish_reason = ev.finish_reason or ""
-                in_flight -= 1
+                sender.in_flight -= 1
                 freed = True
         if timeline is not None:
             _extend_timeline(timeline, res)
-        if on_finished is not None and in_flight < n_before:
-            on_finished(n_before - in_flight)
+        if on_finished is not None and sender.in_flight < n_before:
+            on_finished(n_before - sender.in_flight)
         if freed and pending:
             send(res.end_s)
 
@@ -185,24 +193,8 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
     read per rank (each rank numbers its own steps). The timeline is the group's: running and waiting summed over
     the ranks, KV usage their mean, scheduled tokens of the step(s) ending at that time."""
     group = build_dp_group(config, per_token_events=False)
-    order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
-    pending = deque(order)
-    trackers: dict[str, _Tracker] = {}
-    limit = max_concurrency if max_concurrency is not None else len(samples) + 1
-    in_flight = 0
-
-    def send(now_s: float) -> None:
-        nonlocal in_flight
-        while pending and in_flight < limit:
-            i = pending.popleft()
-            s = samples[i]
-            send_s = max(float(arrivals_s[i]), now_s)
-            rid = f"ff-{i}"
-            trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]))
-            prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
-            group.add_request(rid, prompt, s.expected_output_len, ignore_eos=ignore_eos, arrival_s=send_s)
-            in_flight += 1
-
+    sender = _Sender(samples, arrivals_s, max_concurrency, group.add_request, ignore_eos)
+    pending, trackers, send = sender.pending, sender.trackers, sender.send
     send(0.0)
     ends: list[list[float]] = [[] for _ in range(group.size)]
     timeline: list[tuple] | None = [] if record_timeline else None
@@ -214,7 +206,7 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
                 break
             send(max(e.now_s for e in group.engines))   # only reachable with nothing in flight
             continue
-        n_before = in_flight
+        n_before = sender.in_flight
         freed_at = None
         for rank, res in step:
             ends[rank].extend(res.step_end_s)
@@ -230,15 +222,15 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
                 elif kind == FINISHED:
                     tr.finished = True
                     tr.finish_reason = ev.finish_reason or ""
-                    in_flight -= 1
+                    sender.in_flight -= 1
                     freed_at = res.end_s
             gauges[rank] = (res.num_running, res.num_waiting, res.kv_usage)
         if timeline is not None:
             running, waiting, kv = (sum(g[j] for g in gauges) for j in range(3))
             tokens = sum(res.num_scheduled_tokens for _, res in step)
             timeline.extend((end, running, waiting, kv / group.size, tokens) for end in step[0][1].step_end_s)
-        if on_finished is not None and in_flight < n_before:
-            on_finished(n_before - in_flight)
+        if on_finished is not None and sender.in_flight < n_before:
+            on_finished(n_before - sender.in_flight)
         if freed_at is not None and pending:
             send(freed_at)
 
