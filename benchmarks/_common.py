@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,3 +28,21 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
 
 def pct_error(sim: float, real: float) -> float:
     return 100.0 * (sim - real) / real if real else float("nan")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a server subprocess to bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def steal_s() -> float:
+    """CPU time the hypervisor gave to other guests (all CPUs), from /proc/stat; 0 where unavailable. On a
+    shared VM it is the one disturbance no server can do anything about: reported beside every timing."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -8,22 +8,18 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+from _common import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -98,11 +94,6 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def steal_s() -> float:
-    """The VM's steal time so far (all CPUs), in seconds."""
-    with open("/proc/stat") as f:
-        parts = f.readline().split()
-    return int(parts[8]) / CLK_TCK if len(parts) > 8 else 0.0
 
 
 # -- /metrics --------------------------------------------------------------------------------------------------

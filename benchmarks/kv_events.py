@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,25 +31,14 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import write_result  # noqa: E402
+from _common import free_port, steal_s, write_result  # noqa: E402
 
 BS = 16
 PREFIX_LEN, SUFFIX_LEN, OUT_LEN = 512, 64, 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def steal_s() -> float:
-    try:
-        with open("/proc/stat") as fh:
-            fields = fh.readline().split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def cpu_s(pid: int, tid: int | None = None) -> float:

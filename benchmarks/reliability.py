@@ -35,7 +35,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _common import write_result  # noqa: E402
+from _common import steal_s, write_result  # noqa: E402
 from _server_proc import (  # noqa: E402
     MODEL,
     ServerProc,
@@ -44,7 +44,6 @@ from _server_proc import (  # noqa: E402
     lateness_quantiles,
     leaked,
     scrape,
-    steal_s,
     wait_idle,
 )
 from soak import soak  # noqa: E402

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result  # noqa: E402
+from _common import steal_s, write_result  # noqa: E402
 from _server_proc import (  # noqa: E402
     MODEL,
     ServerProc,
@@ -32,7 +32,6 @@ from _server_proc import (  # noqa: E402
     open_fds,
     rss_bytes,
     scrape,
-    steal_s,
     wait_idle,
 )
 

@@ -33,24 +33,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def steal_s() -> float:
-    """CPU time the hypervisor gave to other guests (all CPUs), from /proc/stat; 0 where unavailable. On a
-    shared VM it is the one disturbance no server can do anything about: reported beside every level."""
-    try:
-        with open("/proc/stat") as fh:
-            fields = fh.readline().split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+from _common import free_port, steal_s, write_result  # noqa: E402
 
 
 def cpu_s(pid: int | None) -> float:
