@@ -92,6 +92,7 @@ def test_predict_cli_writes_rows_plus_prediction(tmp_path):
             assert pred[0] > 2.0
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 @needs_data
 def test_fit_then_eval_cli(small_dir, tmp_path, capsys):
     out = tmp_path / "calib.json"
@@ -217,6 +218,7 @@ def test_resume_keeps_complete_collectives_and_reruns_incomplete_ones(tmp_path, 
     assert len(runs) == 2
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 @needs_data
 def test_fit_finds_the_gpu_a_sweep_ran_on_and_records_the_sweep(tmp_path, capsys):
     d = tmp_path / "sweep"
@@ -268,6 +270,7 @@ def test_sweep_families_are_checked_when_parsed(capsys):
         capsys.readouterr().err
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 def test_fit_fills_unmeasured_families_from_the_cross_generation_tier_unless_told_not_to(tmp_path, capsys):
     """A GEMM-only sweep: by default attention comes from the cross-generation tier (bundled calibrations of the
     other GPUs); ``--no-prior`` leaves it at the uncalibrated default."""

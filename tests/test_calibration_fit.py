@@ -66,6 +66,7 @@ def small_fit(h100, h100_tables):
     return calib, report
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 def test_fit_is_deterministic(h100, h100_tables):
     train = _subset({"gemm": h100_tables["gemm"]}, 1500, seed=2)
     cols = {f: t.columns for f, t in train.items()}
@@ -429,6 +430,7 @@ def test_lattice_spacing_is_chosen_on_held_out_rows():
     assert few == GRID_MIN_GAPS["attn_decode"]   # too few rows to tell: the default
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 def test_parallel_fit_is_the_same_calibration_for_any_worker_count(h100, h100_tables):
     """Families fitted in worker processes (one BLAS thread each) give one calibration whatever the worker count;
     ``map_fn`` may run the families in any order as long as it returns results in order."""

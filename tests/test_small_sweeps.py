@@ -42,6 +42,7 @@ def _mape(table, hw, calib) -> float:
     return float(np.mean(np.abs(predict_table_s(table, hw, calib) / meas - 1.0)))
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 def test_a_small_sample_picks_a_simpler_model_that_misses_unseen_shapes_less(l40s, l40s_tables, monkeypatch):
     """100 decode rows cannot pin the full model (quadratic η in 8 log-features, boosted trees, lattice): it
     reproduces its rows and misses unseen shapes by up to 100×. Cross-validation picks a simpler one."""
@@ -69,6 +70,7 @@ def test_a_thin_variant_takes_the_prior_when_it_predicts_better(l40s, l40s_table
     assert err < _mape(test, l40s, alone) and err <= 1.05 * _mape(test, l40s, prior)
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 def test_a_large_variant_never_consults_the_prior(l40s, l40s_tables, prior):
     train, _ = _split(l40s_tables["attn_decode"], 3000, seed=1)
     calib, report = fit_eta.fit_calibration({"attn_decode": train.columns}, l40s, prior=prior)
@@ -76,6 +78,7 @@ def test_a_large_variant_never_consults_the_prior(l40s, l40s_tables, prior):
     assert all(m is not prior.eta["attn_decode"].models.get(v) for v, m in calib.eta["attn_decode"].models.items())
 
 
+@pytest.mark.slow   # a whole calibration fit: run in CI's slow step
 def test_unmeasured_families_and_backends_come_from_the_prior(l40s, l40s_tables, prior):
     """A GEMM-and-NCCL-only sweep: attention, the decode floor and vLLM's custom all-reduce are the prior's;
     without a prior they stay at the uncalibrated defaults, which miss the measured attention rows by more."""
