@@ -149,3 +149,21 @@ def test_sleep_routes_need_dev_mode(monkeypatch):
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     with ServerThread([*ARGS, "--enable-sleep-mode"]) as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
         assert c.post("/sleep").status_code == 404 and c.get("/is_sleeping").status_code == 404
+
+
+def test_sleep_and_wake_are_priced_as_one_weight_copy_over_pcie(srv):
+    from kernelsight.server.sleep_mode import SleepMode, sleep_copy_s, wake_copy_s, weight_copy_s
+
+    cfg = srv.config
+    copy_s = weight_copy_s(cfg)
+    assert copy_s == pytest.approx(cfg.memory.weight_bytes / cfg.hardware.pcie_bytes_per_s)
+    assert 0.1 < copy_s < 1.0          # Llama-3.1-8B in bf16 (~16 GB) over a 64 GB/s PCIe 5 x16 link
+    assert sleep_copy_s(cfg, 1) == copy_s and sleep_copy_s(cfg, 0) == sleep_copy_s(cfg, 2) == 0.0
+    mode = SleepMode()
+    mode.sleep(2)
+    assert wake_copy_s(cfg, mode, ["kv_cache"]) == 0.0        # reallocating the KV cache moves no bytes
+    assert wake_copy_s(cfg, mode, None) == wake_copy_s(cfg, mode, ["weights"]) == copy_s
+    mode.wake_up(["weights"])
+    assert wake_copy_s(cfg, mode, ["weights"]) == 0.0         # already awake: nothing to copy
+    mode.sleep(0)
+    assert wake_copy_s(cfg, mode, None) == 0.0                # level 0 kept everything on the device

@@ -4,14 +4,36 @@ and at what level, and the ``vllm:engine_sleep_state`` label that goes with it.
 Level 1 offloads the weights to host memory, level 2 discards them; both discard the KV cache (vLLM resets the
 prefix cache on every sleep), and level 0 only pauses scheduling. A sleeping server takes no new generation
 requests (503); /wake_up wakes the given tags (``weights``, ``kv_cache``; none given: all) and serving resumes
-once none is asleep."""
+once none is asleep.
+
+Timing (simulated, kept simple): offloading or restoring the weights is one copy of a rank's weight bytes over its
+PCIe link (the ranks copy in parallel); discarding them (level 2) and the KV cache's reallocation cost nothing.
+Waking weights a level-2 sleep discarded is priced as the same copy (vLLM expects the caller to reload them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kernelsight.simcore.engine_config import EngineConfig
+
 SLEEP_TAGS = ("weights", "kv_cache")
 SLEEPING_MESSAGE = "The model is sleeping. Wake it up with POST /wake_up before sending requests."
+
+
+def weight_copy_s(config: EngineConfig) -> float:
+    """Simulated seconds to move one rank's weights between device and host memory over PCIe."""
+    return config.memory.weight_bytes / config.hardware.pcie_bytes_per_s
+
+
+def sleep_copy_s(config: EngineConfig, level: int) -> float:
+    """Simulated seconds /sleep takes: level 1 copies the weights to the host; 0 and 2 move nothing."""
+    return weight_copy_s(config) if level == 1 else 0.0
+
+
+def wake_copy_s(config: EngineConfig, mode: SleepMode, tags: list[str] | None) -> float:
+    """Simulated seconds /wake_up ``tags`` takes: the weights' copy back when they are asleep and woken now."""
+    waking = set(tags if tags is not None else SLEEP_TAGS)
+    return weight_copy_s(config) if "weights" in waking & mode.sleeping_tags and mode.level > 0 else 0.0
 
 
 @dataclass

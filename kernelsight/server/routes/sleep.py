@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from kernelsight.server.errors import bad_request
+from kernelsight.server.sleep_mode import SLEEP_TAGS, sleep_copy_s, wake_copy_s
 from kernelsight.server.state import ServerState, server_state
 from kernelsight.server.wire import json_response
 
@@ -38,6 +40,8 @@ async def sleep(request: Request, level: int = 1, mode: str = "abort") -> Respon
             b.engine.kv.reset_prefix_cache()     # every block is free after the aborts, so this cannot be refused
             b.publish_kv_events(b.virtual_now())
     state.metrics.set_sleep_state(state.sleep.metric_state)
+    # answered once the simulated weight offload is done (what a caller of vLLM's /sleep waits for)
+    await asyncio.sleep(sleep_copy_s(state.config, level) / state.opts.time_scale)
     return json_response({"status": "sleeping", "level": level})
 
 
@@ -45,6 +49,11 @@ async def sleep(request: Request, level: int = 1, mode: str = "abort") -> Respon
 async def wake_up(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Response:
     state = server_state(request)
     _require_sleep_mode(state)
+    bad = [t for t in tags or () if t not in SLEEP_TAGS]
+    if bad:
+        raise bad_request(f"Unknown sleep tags {bad}; expected any of {list(SLEEP_TAGS)}.", "tags")
+    # still asleep while the simulated weights copy back: requests sent meanwhile get 503, as before the call
+    await asyncio.sleep(wake_copy_s(state.config, state.sleep, tags) / state.opts.time_scale)
     try:
         state.sleep.wake_up(tags)
     except ValueError as exc:
