@@ -167,3 +167,36 @@ def test_sleep_and_wake_are_priced_as_one_weight_copy_over_pcie(srv):
     assert wake_copy_s(cfg, mode, ["weights"]) == 0.0         # already awake: nothing to copy
     mode.sleep(0)
     assert wake_copy_s(cfg, mode, None) == 0.0                # level 0 kept everything on the device
+
+
+class _RecordingPublisher:
+    """Takes the batches the bridge hands its KV-event publisher (the ZeroMQ path is tests/test_kv_events.py's)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+
+    def publish(self, ts: float, events: list) -> None:
+        self.batches.append(list(events))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_level_2_sleep_publishes_all_blocks_cleared_and_level_0_keeps_the_cache(monkeypatch):
+    from kernelsight.simcore.kv_events import AllBlocksCleared
+
+    with _serve(monkeypatch, "--enable-sleep-mode") as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+        pub = _RecordingPublisher()
+        s.bridge.engine.kv.enable_events()
+        s.bridge.kv_publisher = pub
+        _complete(c)
+        c.post("/sleep", params={"level": 0})
+        assert not any(isinstance(e, AllBlocksCleared) for b in pub.batches for e in b)
+        c.post("/wake_up")
+        cached = _complete(c).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == 48                           # level 0 kept the prefix cache
+        n = len(pub.batches)
+        assert c.post("/sleep", params={"level": 2}).status_code == 200
+        # the last step's events may still be unpublished when its response is out: the sleep's batch takes them
+        after = [e for b in pub.batches[n:] for e in b]
+        assert after[-1] == AllBlocksCleared() and after.count(AllBlocksCleared()) == 1
