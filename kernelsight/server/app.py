@@ -19,7 +19,7 @@ from kernelsight.server.options import ServerOptions
 from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
 from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
-from kernelsight.server.routes import admin, chat, completions, kv_cache, lora, models, system, tokenize
+from kernelsight.server.routes import admin, chat, completions, kv_cache, lora, models, sleep, system, tokenize
 from kernelsight.server.state import ServerState
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine_config import EngineConfig
@@ -53,6 +53,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
     _include(app, kv_cache.router)
     if kv_cache.dev_mode():
         _include(app, kv_cache.dev_router)
+        _include(app, sleep.dev_router)
     if opts.enable_lora and opts.allow_runtime_lora_updating:
         _include(app, lora.router)
     _include(app, completions.router)

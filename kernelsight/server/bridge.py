@@ -422,6 +422,12 @@ class EngineBridge:
             self.engine.abort(eid)
         self._refresh_gauges()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (sleep mode's ``mode=abort``): blocks freed, handlers woken to see it."""
+        for sub in set(self._subs_of.values()):
+            self.abort(sub)
+            sub.event.set()
+
     def release(self, sub: Submission) -> None:
         """The handler is done with a finished submission (drops bookkeeping for n > 1 parents)."""
         if not self._close(sub):

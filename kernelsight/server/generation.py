@@ -29,6 +29,7 @@ from kernelsight.server.faults import (
 )
 from kernelsight.server.logprobs import MAX_LOGPROBS
 from kernelsight.server.protocol.version import MAX_STOP_STRINGS
+from kernelsight.server.sleep_mode import SLEEPING_MESSAGE
 from kernelsight.server.sse import SSEResponse, await_or_disconnect, watch_disconnect
 from kernelsight.server.state import ServerState
 from kernelsight.server.wire import dumps, json_response
@@ -288,6 +289,8 @@ class Generation:
         bridge = self.state.pick_bridge(self.request)
         if bridge.closing:       # shutting down (a request admitted after SIGTERM's abort): vLLM rejects with 503
             raise APIError("The server is shutting down and cannot accept new requests.", "Service Unavailable", 503)
+        if self.state.sleep.is_sleeping:      # sleep mode: weights/KV cache are off the (simulated) GPU
+            raise APIError(SLEEPING_MESSAGE, "Service Unavailable", 503)
         self.prompts = prompts
         if bad_len is not None:   # streaming: the engine-side check surfaces as an in-stream error
             return SSEResponse(self._error_stream(self._decoder_prompt_error(bad_len)), self.headers)

@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.gc_collector import GCCollector
+from prometheus_client.metrics_core import Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
@@ -39,7 +40,43 @@ CLOCK_LAG = "kernelsight:virtual_clock_lag_seconds"
 INJECTED_FAULTS = "kernelsight:injected_faults"
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+#: Deprecated names (vLLM 0.9.2–0.11; removed in 0.12) → the successor whose values they carry. vLLM 0.11 showed
+#: them only with --show-hidden-metrics-for-version=0.10; production-stack's router and older dashboards read them.
+HIDDEN_ALIASES = {
+    "vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "vllm:gpu_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "vllm:gpu_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "vllm:time_per_output_token_seconds": "vllm:inter_token_latency_seconds",
+}
+#: The first release without those names: a --show-hidden-metrics-for-version before it brings them back.
+HIDDEN_ALIASES_REMOVED_IN = (0, 12)
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+
+
+def shows_hidden_aliases(version: str | None) -> bool:
+    """Whether --show-hidden-metrics-for-version ``version`` (dotted numbers) asks for the deprecated names."""
+    if version is None:
+        return False
+    return tuple(int(x) for x in version.split(".")[:2]) < HIDDEN_ALIASES_REMOVED_IN
+
+
+class _AliasCollector:
+    """Re-emits some families of the registry under old names at each scrape, so the values always equal the
+    successors' (nothing is counted twice)."""
+
+    def __init__(self, sources: dict[str, Any]) -> None:
+        self._sources = sources       # old name -> the successor's metric object
+
+    def describe(self) -> list:
+        return []                     # names are not reserved in the registry: they are only ever aliases
+
+    def collect(self):
+        for old, metric in self._sources.items():
+            for fam in metric.collect():
+                out = Metric(old, fam.documentation + " (deprecated name)", fam.type, fam.unit)
+                out.samples = [smp._replace(name=old + smp.name[len(fam.name):]) for smp in fam.samples]
+                yield out
 
 
 def request_token_buckets(max_model_len: int) -> list[int]:
@@ -59,7 +96,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, num_engines: int, max_model_len: int, cache_info: list[dict[str, Any]],
                  lora_enabled: bool = False, max_loras: int = 1, fault_types: tuple[str, ...] = (),
-                 first_engine: int = 0) -> None:
+                 first_engine: int = 0, hidden_metrics_version: str | None = None) -> None:
         # first_engine: the label of the first engine (a process serving one rank with --data-parallel-rank)
         self.registry = reg = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=reg)
@@ -158,12 +195,27 @@ class ServerMetrics:
         self._model_name = model_name
         for t in fault_types:
             self.injected_faults.labels(model_name, t)
+        # sleep mode: one series per state and engine, 1 on the current one (awake until a /sleep)
+        self.sleep_state = Gauge("vllm:engine_sleep_state",
+                                 "Engine sleep state: 1 on the current state, 0 on the others.",
+                                 labels + ["sleep_state"], registry=reg)
+        self._engine_labels = [str(first_engine + i) for i in range(num_engines)]
+        self.set_sleep_state("awake")
+        if shows_hidden_aliases(hidden_metrics_version):
+            by_name = {m._name: m for m in fam.values()}    # prometheus_client keeps a counter's name without _total
+            reg.register(_AliasCollector({old: by_name[new] for old, new in HIDDEN_ALIASES.items()}))
         self.lora_gauge: Gauge | None = None
         self.max_loras = max_loras
         if lora_enabled:
             self.lora_gauge = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg)
         self._lora_last: tuple[str, str] | None = None
+
+    def set_sleep_state(self, state: str) -> None:
+        """Every engine's ``vllm:engine_sleep_state``: 1 on ``state`` (one of SLEEP_STATES), 0 on the others."""
+        for eng in self._engine_labels:
+            for st in SLEEP_STATES:
+                self.sleep_state.labels(self._model_name, eng, st).set(1 if st == state else 0)
 
     def on_admission_rejected(self, reason: str) -> None:
         self.admission_rejections.labels(self._model_name, reason).inc()

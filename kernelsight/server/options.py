@@ -42,6 +42,8 @@ class ServerOptions:
     kv_events_array_like: bool = False         # positional-array encoding (vLLM <= 0.11) instead of tagged maps
     prefix_caching_hash_algo: str = "sha256"   # the hash KV events carry (vLLM's --prefix-caching-hash-algo)
     shutdown_timeout_s: float = 0.0            # on SIGTERM: wait this long for in-flight requests, then abort them
+    enable_sleep_mode: bool = False            # /sleep and /wake_up act (dev mode registers them)
+    show_hidden_metrics_for_version: str | None = None   # e.g. "0.10": the deprecated metric names come back
 
 
 def env_allows_lora_updates() -> bool:

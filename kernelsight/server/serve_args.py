@@ -32,7 +32,7 @@ IGNORED_VALUE_FLAGS = (
     "--override-pooler-config", "--task", "--runner", "--convert", "--structured-outputs-config",
     "--sse-keep-alive-interval", "--fingerprint-mode", "--max-num-partial-prefills",
     "--performance-mode", "--quantization-param-path", "--model-impl",
-    "--otlp-traces-endpoint", "--collect-detailed-traces", "--show-hidden-metrics-for-version",
+    "--otlp-traces-endpoint", "--collect-detailed-traces",
     "--data-parallel-rank", "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-backend",
     "--data-parallel-size-local", "--enable-expert-parallel", "--profiler-config",
 )
@@ -42,7 +42,7 @@ IGNORED_BOOL_FLAGS = (
     "--allow-credentials", "--enable-auto-tool-choice",
     "--disable-frontend-multiprocessing",
     "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint", "--disable-uvicorn-access-log",
-    "--skip-tokenizer-init", "--enable-sleep-mode", "--disable-cascade-attn", "--enable-per-request-metrics",
+    "--skip-tokenizer-init", "--disable-cascade-attn", "--enable-per-request-metrics",
     "--kv-cache-metrics", "--enable-log-outputs", "--enable-scale-out", "--headless",
 )
 
@@ -90,6 +90,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to this "
                         "long, then abort the rest (streams end with finish_reason \"abort\" and [DONE]); as vLLM's, "
                         "default 0: abort at once")
+    s.add_argument("--enable-sleep-mode", action="store_true",
+                   help="allow POST /sleep and /wake_up (registered, with /is_sleeping, under VLLM_SERVER_DEV_MODE=1 "
+                        "as in vLLM); a sleeping server answers completions and chat with 503")
+    s.add_argument("--show-hidden-metrics-for-version", type=_metrics_version, default=None, metavar="VERSION",
+                   help="also expose the deprecated metric names a version up to 0.11 still had (e.g. 0.10: "
+                        "vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_queries/_hits, "
+                        "vllm:time_per_output_token_seconds), with their successors' values")
     sim = p.add_argument_group("simulator")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="virtual seconds per wall second (default: 1 = real time; 10 = ten times faster)")
@@ -147,6 +154,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help=argparse.SUPPRESS)
     ign.add_argument("-O", nargs="?", const=True, default=None, dest=_ignored_dest("--compilation-config"),
                      help=argparse.SUPPRESS)
+
+
+def _metrics_version(text: str) -> str:
+    """A release as vLLM takes it (``0.10``, ``0.10.2``): dotted numbers."""
+    parts = text.strip().lstrip("v").split(".")
+    if len(parts) < 2 or not all(x.isdigit() for x in parts):
+        raise argparse.ArgumentTypeError(f"expected a version like 0.10, got {text!r}")
+    return ".".join(parts)
 
 
 def _unit_fraction(text: str) -> float:
@@ -227,4 +242,5 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         chat_template=chat_template, faults=fault_config_from(ns),
         max_num_queued_reqs=ns.max_num_queued_reqs, max_num_queued_tokens=ns.max_num_queued_tokens,
         kv_events=ns.kv_events_config, kv_events_array_like=ns.kv_events_array_like,
-        prefix_caching_hash_algo=ns.prefix_caching_hash_algo)
+        prefix_caching_hash_algo=ns.prefix_caching_hash_algo, enable_sleep_mode=ns.enable_sleep_mode,
+        show_hidden_metrics_for_version=ns.show_hidden_metrics_for_version)

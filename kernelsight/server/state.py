@@ -18,6 +18,7 @@ from kernelsight.server.logprobs import LogprobSynth
 from kernelsight.server.metrics import ServerMetrics
 from kernelsight.server.options import ServerOptions
 from kernelsight.server.protocol.version import VLLM_VERSION
+from kernelsight.server.sleep_mode import SleepMode
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine_config import EngineConfig
 
@@ -35,7 +36,8 @@ class ServerState:
         rank = config.args.data_parallel_rank
         first, n = (rank, 1) if rank is not None else (0, opts.data_parallel_size)
         self.metrics = ServerMetrics(self.model_name, n, self.max_model_len, [cache_info] * n, opts.enable_lora,
-                                     opts.max_loras, fault_types=FAULT_TYPES, first_engine=first)
+                                     opts.max_loras, fault_types=FAULT_TYPES, first_engine=first,
+                                     hidden_metrics_version=opts.show_hidden_metrics_for_version)
         self.kv_publishers = _kv_publishers(config, opts, replica_index, range(first, first + n))
         self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
                                      opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
@@ -50,6 +52,7 @@ class ServerState:
         self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
         self.logprobs = LogprobSynth(tok)
         self.faults = FaultInjector(opts.faults, self.metrics.on_fault)
+        self.sleep = SleepMode()
         self.apply_replica_faults()
 
     def configure_faults(self, config: FaultConfig, reseed: bool) -> None:
