@@ -218,6 +218,16 @@ def _err(r: httpx.Response, status: int, etype: str, msg: str | None = None, par
     return e
 
 
+async def test_scale_out_routes_are_forbidden_as_in_a_default_vllm(aclient):
+    from kernelsight.server.routes.scale_out import SCALE_OUT_PATHS
+
+    assert len(SCALE_OUT_PATHS) == 8
+    for path in SCALE_OUT_PATHS:
+        _err(await aclient.post(path, json={"model": MODEL, "prompt": "x"}), 403, "PermissionDeniedError",
+             "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.", None)
+    assert (await aclient.get("/v1/completions/render")).status_code == 405     # POST only, as vLLM registers them
+
+
 async def test_errors(aclient):
     c = aclient
     _err(await c.post("/v1/completions", json={"model": "foo", "prompt": "x"}), 404, "NotFoundError",

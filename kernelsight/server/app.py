@@ -19,7 +19,18 @@ from kernelsight.server.options import ServerOptions
 from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
 from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
-from kernelsight.server.routes import admin, chat, completions, kv_cache, lora, models, sleep, system, tokenize
+from kernelsight.server.routes import (
+    admin,
+    chat,
+    completions,
+    kv_cache,
+    lora,
+    models,
+    scale_out,
+    sleep,
+    system,
+    tokenize,
+)
 from kernelsight.server.state import ServerState
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine_config import EngineConfig
@@ -58,6 +69,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
         _include(app, lora.router)
     _include(app, completions.router)
     _include(app, chat.router)
+    _include(app, scale_out.router)
     add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
                               LoadLoRARequest, UnloadLoRARequest])
 
