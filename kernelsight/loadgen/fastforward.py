@@ -127,6 +127,27 @@ class _Sender:
             self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s)
             self.in_flight += 1
 
+    def take_events(self, events: Sequence[Any], rank: int | None = None) -> bool:
+        """Record an engine window's token and finish events (of DP rank ``rank``); True if a request finished."""
+        trackers = self.trackers
+        freed = False
+        for ev in events:
+            tr = trackers[ev.request_id]
+            if rank is not None:
+                tr.rank = rank
+            kind = ev.kind
+            if kind == TOKENS:
+                tr.add_tokens(ev.step_index, ev.num_tokens)
+            elif kind == FIRST_TOKEN:
+                tr.first_step = ev.step_index
+                tr.add_tokens(ev.step_index, 1)
+            elif kind == FINISHED:
+                tr.finished = True
+                tr.finish_reason = ev.finish_reason or ""
+                self.in_flight -= 1
+                freed = True
+        return freed
+
 
 def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
          max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
@@ -146,21 +167,8 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             send(engine.now_s)   # only reachable with nothing in flight
             continue
         ends.extend(res.step_end_s)
-        freed = False
         n_before = sender.in_flight
-        for ev in res.events:
-            tr = trackers[ev.request_id]
-            kind = ev.kind
-            if kind == TOKENS:
-                tr.add_tokens(ev.step_index, ev.num_tokens)
-            elif kind == FIRST_TOKEN:
-                tr.first_step = ev.step_index
-                tr.add_tokens(ev.step_index, 1)
-            elif kind == FINISHED:
-                tr.finished = True
-                tr.finish_reason = ev.finish_reason or ""
-                sender.in_flight -= 1
-                freed = True
+        freed = sender.take_events(res.events)
         if timeline is not None:
             _extend_timeline(timeline, res)
         if on_finished is not None and sender.in_flight < n_before:
@@ -210,20 +218,8 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
         freed_at = None
         for rank, res in step:
             ends[rank].extend(res.step_end_s)
-            for ev in res.events:
-                tr = trackers[ev.request_id]
-                tr.rank = rank
-                kind = ev.kind
-                if kind == TOKENS:
-                    tr.add_tokens(ev.step_index, ev.num_tokens)
-                elif kind == FIRST_TOKEN:
-                    tr.first_step = ev.step_index
-                    tr.add_tokens(ev.step_index, 1)
-                elif kind == FINISHED:
-                    tr.finished = True
-                    tr.finish_reason = ev.finish_reason or ""
-                    sender.in_flight -= 1
-                    freed_at = res.end_s
+            if sender.take_events(res.events, rank):
+                freed_at = res.end_s
             gauges[rank] = (res.num_running, res.num_waiting, res.kv_usage)
         if timeline is not None:
             running, waiting, kv = (sum(g[j] for g in gauges) for j in range(3))
