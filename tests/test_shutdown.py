@@ -107,7 +107,7 @@ def test_sigterm_aborts_open_streams_at_once():
         assert all("error" not in ch for ch in chunks)
         reasons = [ch["choices"][0]["finish_reason"] for ch in chunks]
         assert reasons[-1] == "abort" and set(reasons[:-1]) <= {None}
-        assert 1 <= len(chunks) < 3000
+        assert len(chunks) < 3000, "the stream ran to its end: SIGTERM did not abort it"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
 

@@ -333,7 +333,7 @@ def test_admission_count_returns_to_zero(fast):
 def test_output_token_slices_match_one_by_one(fast):
     """Short slices (the engine hashing a completed 16-token block) take a pure-Python path, long ones numpy:
     both must give the tokens that indexing one at a time gives (the ids the stream sends)."""
-    from kernelsight.server.bridge import OutputTokens
+    from kernelsight.server.output_tokens import OutputTokens
 
     out = OutputTokens(fast.bridge.tok, 987654321, 600)
     one_by_one = [out[i] for i in range(600)]

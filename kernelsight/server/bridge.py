@@ -32,16 +32,14 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import numpy as np
 
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
 from kernelsight.server.kv_events.publisher import KVEventPublisher
 from kernelsight.server.lateness import LatenessWatch
 from kernelsight.server.metrics import EngineMetrics
+from kernelsight.server.output_tokens import OutputTokens
 from kernelsight.server.step_scale import ScaledStepModel
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
@@ -50,85 +48,8 @@ from kernelsight.simcore.engine_config import EngineConfig, build_engine
 from kernelsight.simcore.request import Request
 
 log = logging.getLogger("kernelsight.server")
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
-_MASK64 = 0xFFFFFFFFFFFFFFFF
-#: Output-token slices up to this long are drawn in Python (cheaper than numpy's per-call overhead).
-_SHORT_SLICE = 32
 #: Draw keys of requests without a seed (a Generator per request cost ~20 µs of the admission path).
 _UNSEEDED = random.Random()
-
-
-def _splitmix64_int(x: int) -> int:
-    """``_splitmix64`` on one Python int: ~10x cheaper than a 1-element numpy call (one token per SSE chunk)."""
-    z = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-class OutputTokens(Sequence[int]):
-    """The token ids a sequence will emit, generated lazily and deterministically from ``key``.
-
-    Handed to the engine as ``output_token_ids`` so that blocks of generated text are prefix-cached with
-    their real ids (a follow-up turn that quotes an answer hits the cache, as in vLLM).
-    """
-
-    def __init__(self, tok: ServerTokenizer, key: int, length: int, echo_prompt: Sequence[int] | None = None):
-        self._tok = tok
-        self._key = np.uint64(key & 0xFFFFFFFFFFFFFFFF)
-        self._ikey = key & _MASK64
-        self._len = length
-        self._echo = [t for t in echo_prompt if t < tok.vocab_size] if echo_prompt else None
-
-    def __len__(self) -> int:
-        return self._len
-
-    @property
-    def key(self) -> int:
-        """The draw key (fixed by seed / greedy decoding): logprobs are derived from it too."""
-        return int(self._key)
-
-    def _pool_idx(self, start: int, stop: int) -> np.ndarray:
-        pos = np.arange(start, stop, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            return (_splitmix64(pos + self._key) % np.uint64(self._tok.pool_size)).astype(np.int64)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            start, stop, step = i.indices(self._len)
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            if self._echo:
-                return [self._echo[j % len(self._echo)] for j in range(start, stop)]
-            if stop - start <= _SHORT_SLICE:
-                # the engine hashes each full generated block (16 tokens) as it completes: at 256 streams that is
-                # 256 slices in one step, ~11 µs each in Python against ~21 µs through numpy
-                ids, key = self._tok.pool_id_list, self._ikey
-                n = len(ids)
-                return [ids[_splitmix64_int((j + key) & _MASK64) % n] for j in range(start, stop)]
-            return self._tok.pool_ids(self._pool_idx(start, stop)).tolist()
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(i)
-        return self.token(i)[0]
-
-    def token(self, i: int) -> tuple[int, str]:
-        """(id, text) of the i-th generated token."""
-        if self._echo:
-            t = self._echo[i % len(self._echo)]
-            return t, self._tok.decode([t])
-        return self._tok.pool_token(_splitmix64_int((i + self._ikey) & _MASK64) % self._tok.pool_size)
 
 
 @dataclass(eq=False, slots=True)
