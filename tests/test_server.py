@@ -337,8 +337,10 @@ async def test_bad_input_storm_leaves_no_blocks(srv, aclient):
 
 # -- timing ------------------------------------------------------------------------------------------------
 async def test_client_timing_matches_virtual_clock(srv, aclient):
-    """Client-observed TTFT and inter-chunk gaps match the engine's virtual clock (time scale 1)."""
+    """Client-observed TTFT and inter-chunk gaps match the engine's virtual clock (time scale 1), up to the lateness
+    the server itself reports (a starved CPU must show in ``late_s_max``, not silently in the timings)."""
     await wait_idle(srv)
+    await aclient.get("/kernelsight/timings?reset_late=true")
     body = {"model": MODEL, "prompt": list(range(50, 850)), "max_tokens": 40, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
     times = []
@@ -349,8 +351,9 @@ async def test_client_timing_matches_virtual_clock(srv, aclient):
                 times.append(time.perf_counter())
                 rid = rid or json.loads(line[6:])["id"]
     assert len(times) == 40
-    timings = (await aclient.get("/kernelsight/timings")).json()["requests"]
-    rec = timings[rid]
+    timings = (await aclient.get("/kernelsight/timings")).json()
+    late_s = timings["late_s_max"]          # 0 on a machine that keeps up
+    rec = timings["requests"][rid]
     # the worst release lateness is kept until a reset (per benchmark level); nothing runs after the stream
     srv.call(lambda: setattr(srv.bridge, "late_s_max", 0.25))
     assert (await aclient.get("/kernelsight/timings?reset_late=true")).json()["late_s_max"] == 0.25
@@ -360,9 +363,9 @@ async def test_client_timing_matches_virtual_clock(srv, aclient):
     ttft_c = times[0] - t0
     itl_v = np.diff(virt)
     itl_c = np.diff(times)
-    assert abs(ttft_c - ttft_v) < 0.01, (ttft_c, ttft_v)
+    assert abs(ttft_c - ttft_v) < 0.01 + late_s, (ttft_c, ttft_v, late_s)
     err = np.abs(itl_c - itl_v)
-    assert np.median(err) < 0.002 and np.percentile(err, 90) < 0.006, err
+    assert np.median(err) < 0.002 + late_s and np.percentile(err, 90) < 0.006 + late_s, (err, late_s)
 
 
 async def test_time_scale_speeds_up():
@@ -373,7 +376,8 @@ async def test_time_scale_speeds_up():
             wall = time.perf_counter() - t0
             assert r.json()["usage"]["completion_tokens"] == 200
             virtual = s.call(lambda: s.bridge.engine.now_s)
-            assert virtual > 1.0 and wall < virtual / 20 + 0.3, (wall, virtual)
+            late_s = s.call(lambda: s.bridge.late_s_max)     # what a starved CPU added, as the server reports it
+            assert virtual > 1.0 and wall < virtual / 20 + 0.3 + late_s, (wall, virtual, late_s)
 
 
 # -- metrics -----------------------------------------------------------------------------------------------
