@@ -237,7 +237,8 @@ def test_a_run_directory_of_a_dp2_ep_run_validates(tmp_path):
     counts = [r["requests"] for r in ranks]
     assert sum(counts) == 12 and min(counts) >= 4         # a steady stream is shared between the ranks
     assert all(r.success for r in v.sim.records)
-    assert "simulated data-parallel ranks" in format_validation(v.result)
+    report = format_validation(v.result)
+    assert "simulated data-parallel ranks" in report and "(TP 1, DP 2, EP, " in report.splitlines()[0]
     assert v.result["work_pricing"] is None      # one engine's pricing of a tick's work does not apply
 
 

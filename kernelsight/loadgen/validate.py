@@ -422,7 +422,10 @@ def header_line(result: Mapping[str, Any]) -> str:
     c = result["config"]
     measured_blocks = result.get("measured_num_gpu_blocks")
     blocks = f"{c['num_gpu_blocks']} KV blocks" + (f" (measured {measured_blocks})" if measured_blocks else "")
-    return (f"kernelsight validate {result['run']}: {c['model']} on {c['hardware']} (TP {c['tensor_parallel_size']}, "
+    dp = c.get("data_parallel_size", 1)
+    parallel = f"TP {c['tensor_parallel_size']}" + (f", DP {dp}" if dp > 1 else "") + (
+        ", EP" if c.get("enable_expert_parallel") else "")
+    return (f"kernelsight validate {result['run']}: {c['model']} on {c['hardware']} ({parallel}, "
             f"{c['dtype']}, kv {c['kv_cache_dtype']}, max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens "
             f"{c['max_num_batched_tokens']}, prefix caching {'on' if c['enable_prefix_caching'] else 'off'}, "
             f"async scheduling {'on' if c['async_scheduling'] else 'off'}, {blocks}, seed {c['seed']}), "
