@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from kernelsight import profiles
+from kernelsight.engine_args import create_engine_config
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model, resolve_engine_config
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
@@ -193,3 +194,16 @@ def test_step_model_caches_answer_exactly_what_a_fresh_model_computes(llama8b, h
     other = warm.decode_window(40, 40 * 701, 8)        # another start context: not the kept first step
     assert other[0] == build_step_model(cfg).decode_window(40, 40 * 701, 8)[0]
     assert other[0][0] != warm.decode_window(40, 40 * 700, 8)[0][0]
+
+
+def test_moe_weight_traffic_counts_the_experts_a_batch_can_hit():
+    # one decode token picks exactly top_k experts; many tokens approach all of them
+    assert K.expected_active_experts(128, 8, 1) == pytest.approx(8.0)
+    assert K.expected_active_experts(128, 8, 2) == pytest.approx(128 * (1 - (120 / 128) ** 2))
+    assert 127.9 < K.expected_active_experts(128, 8, 1000) <= 128
+    model = profiles.load_model("Qwen/Qwen3-30B-A3B")
+    prec = create_engine_config(EngineArgs(model="Qwen/Qwen3-30B-A3B", hardware="h100")).precision
+    gate_up = {k.name: k for k in K.moe_kernels(model, 1, 1, prec, 1)}["moe_gate_up"]
+    expert_bytes = model.hidden_size * 2 * model.moe_intermediate_size * prec.weight_bytes_per_param
+    # a single token reads its 8 experts' weights (plus its own activations), not ~52 experts'
+    assert 8 * expert_bytes <= gate_up.bytes_moved < 8.01 * expert_bytes

@@ -207,11 +207,14 @@ def attention_decode_kernel(num_decodes: int, context_tokens: int, q_heads: int,
                   features, count)
 
 
-def expected_active_experts(num_experts: int, top_k: int, routed_tokens: int) -> float:
-    """Experts hit at least once when ``routed_tokens`` tokens each pick top_k of num_experts uniformly."""
-    if routed_tokens <= 0:
+def expected_active_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    """Experts hit at least once when ``tokens`` tokens each pick top_k distinct experts of num_experts uniformly.
+
+    One token misses a given expert with probability 1 - top_k/num_experts, so the exponent is the token count,
+    not tokens x top_k (that would count one token as hitting ~52 of Qwen3-30B's 128 experts instead of 8)."""
+    if tokens <= 0:
         return 0.0
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** routed_tokens)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
@@ -259,7 +262,7 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     e, k = model.num_experts, model.experts_per_token
     inter = model.moe_intermediate_size // tp
     routed = m * k
-    active = expected_active_experts(e, k, routed)
+    active = expected_active_experts(e, k, m)
     own_m = m
     if ep_size > 1:
         own_m = max(m // ep_size, 1)
