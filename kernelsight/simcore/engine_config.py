@@ -14,6 +14,8 @@ from kernelsight.simcore.expert_parallel import (
     DEFAULT_EXPERT_LOAD_IMBALANCE,
 )
 from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
+from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.memory import MemoryPlan, plan_memory
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision, resolve_precision
@@ -223,6 +225,14 @@ def moe_group_timing(cfg: EngineConfig) -> MoEGroupTiming | None:
                           a.expert_load_imbalance)
 
 
+def kv_cache_manager(cfg: EngineConfig) -> KVCacheManager | None:
+    """The KV manager a model needs beyond the plain one: vLLM's hybrid allocator for sliding + full layers."""
+    if not cfg.model.is_hybrid_attention:
+        return None
+    return HybridKVCacheManager(cfg.memory.num_gpu_blocks, cfg.scheduler.block_size,
+                                hybrid_layout(cfg.model).sliding_window, cfg.scheduler.enable_prefix_caching)
+
+
 def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
     """The one place a single engine is built from a resolved configuration (serve, simulate and tests alike;
     a data-parallel group's engines: :func:`build_dp_group`).
@@ -232,7 +242,7 @@ def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
     moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
     sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
     return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
-                  per_token_events=per_token_events)
+                  per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
 
 
 def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
@@ -241,5 +251,6 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
     moe = moe_group_timing(cfg)
     engines = [Engine(cfg.scheduler, cfg.memory.num_gpu_blocks,
                       build_step_model(cfg, StepModel if moe is None else LockstepStepModel), seed=cfg.args.seed,
-                      per_token_events=per_token_events) for _ in range(cfg.args.data_parallel_size)]
+                      per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
+               for _ in range(cfg.args.data_parallel_size)]
     return DPGroup(engines, moe)
