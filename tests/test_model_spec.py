@@ -12,7 +12,9 @@ from kernelsight.profiles import UnknownModelError, list_models, load_model, mod
 from kernelsight.simcore.model_spec import ModelSpec, UnsupportedArchitectureError, model_spec_from_hf_config
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B"
-SUPPORTED_BUNDLED = [m for m in list_models() if m != "deepseek-ai/DeepSeek-V3"]
+#: bundled configs the kernel model cannot time yet (the error names what is missing: test_model_arch.py)
+UNSUPPORTED_BUNDLED = {"meta-llama/Llama-4-Scout-17B-16E"}
+SUPPORTED_BUNDLED = [m for m in list_models() if m not in UNSUPPORTED_BUNDLED]
 
 
 def _bundled_config(model_id: str) -> dict:
@@ -46,7 +48,9 @@ def test_every_supported_bundled_model_loads(model_id: str) -> None:
     assert spec.num_attention_heads % spec.num_kv_heads == 0
     assert spec.eos_token_ids and spec.num_layers > 0 and spec.vocab_size > 0
     assert spec.is_moe == (spec.num_moe_layers > 0)
-    assert spec.quantization == ("fp8" if "FP8" in model_id else None)
+    block_fp8 = spec.architecture == "DeepseekV3ForCausalLM" and "FP4" not in model_id   # DeepSeek/Kimi ship FP8
+    expected = "fp8" if "FP8" in model_id or block_fp8 else "nvfp4" if "FP4" in model_id else None
+    assert spec.quantization == expected
 
 
 def test_llama_31_8b_numbers() -> None:
@@ -105,14 +109,15 @@ def test_instruct_variant_keeps_architecture_but_uses_instruct_eos() -> None:
         base.num_layers, base.hidden_size, base.vocab_size)
 
 
-def test_deepseek_v3_fails_loudly() -> None:
-    with pytest.raises(UnsupportedArchitectureError, match="DeepseekV3ForCausalLM") as err:
-        load_model("deepseek-ai/DeepSeek-V3")
-    assert "LlamaForCausalLM" in str(err.value)   # the message says what is supported
+def test_llama4_fails_naming_what_is_missing() -> None:
+    with pytest.raises(UnsupportedArchitectureError, match="Llama4ForConditionalGeneration") as err:
+        load_model("meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    assert "attention_chunk_size" in str(err.value) and "interleaved MoE" in str(err.value)
+    assert "DeepseekV3ForCausalLM" in str(err.value)   # the message says what is supported
 
 
 @pytest.mark.parametrize(("edit", "match"), [
-    ({"kv_lora_rank": 512}, "latent"),                      # MLA on an otherwise Llama config
+    ({"kv_lora_rank": 512}, "latent"),                      # MLA outside the DeepSeek architectures
     ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
     ({"architectures": []}, "architectures"),
     ({"num_hidden_layers": None}, "num_hidden_layers"),
