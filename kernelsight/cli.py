@@ -168,6 +168,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 # -- profiles ----------------------------------------------------------------------------------------
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
+    from kernelsight.simcore.precision import resolve_precision
 
     print("hardware:")
     calibrated = set(profiles.list_calibrations())
@@ -181,8 +182,15 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
     for mid in profiles.list_models():
         try:
             m = profiles.load_model(mid)
+            resolve_precision(m.torch_dtype, m.quantization, "auto", fp8_scheme=m.fp8_scheme)  # a format we price?
             kind = f"MoE {m.num_experts}x top-{m.experts_per_token}" if m.is_moe else "dense"
-            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}")
+            n_sw = m.num_window_layers
+            attn = ("MLA" if m.mla is not None
+                    else f"sliding {m.sliding_window} x{n_sw} + full x{m.num_layers - n_sw}" if m.is_hybrid_attention
+                    else "GQA" if m.num_kv_heads < m.num_attention_heads else "MHA")
+            fmt = m.quantization or (f"{m.expert_quantization} experts" if m.expert_quantization else m.torch_dtype)
+            extra = f"  MTP x{m.num_mtp_layers}" if m.num_mtp_layers else ""
+            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}")
         except ValueError as exc:
             print(f"  {mid:<40} not supported: {str(exc).splitlines()[0]}")
     return 0

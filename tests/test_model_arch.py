@@ -243,3 +243,13 @@ def test_simulate_end_to_end_is_deterministic_and_frees_every_block(model: str, 
     assert hit_tokens >= 20 * (600 // BS) * BS     # the shared 600-token prefix hits (hybrid rules included)
     again, _, _ = _run(model, hw, tp, seed=3)
     assert again == done
+
+
+def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    from kernelsight.cli import main
+    assert main(["profiles"]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ") and "/" in ln}
+    assert "MLA" in lines["deepseek-ai/DeepSeek-V3"] and "MTP x1" in lines["deepseek-ai/DeepSeek-V3"]
+    assert "sliding 128 x12 + full x12" in lines["openai/gpt-oss-20b"] and "mxfp4" in lines["openai/gpt-oss-20b"]
+    assert "not supported" in lines["nvidia/Llama-3.1-8B-Instruct-FP4"] and "NVFP4" in lines["nvidia/DeepSeek-R1-FP4"]
+    assert "attention_chunk_size" in lines["meta-llama/Llama-4-Scout-17B-16E"]
