@@ -100,6 +100,11 @@ def test_hybrid_capacity_vs_dense_twin() -> None:
     hybrid_tokens = hyb.num_gpu_blocks // (full_blocks + sw_blocks) * length
     dense_tokens = dense.num_gpu_blocks // full_blocks * length
     assert 1.8 < hybrid_tokens / dense_tokens < 2.05
+    # vLLM's "Maximum concurrency" counts the sliding group's window (+ one chunk), not max_model_len, blocks
+    sw_tokens = min(WINDOW - 1 + cfg.scheduler.max_num_batched_tokens, 8192)
+    per_request = math.ceil(8192 / BS) + math.ceil(sw_tokens / BS) + 1
+    assert hyb.max_concurrency(8192, BS) == pytest.approx(hyb.num_gpu_blocks / per_request)
+    assert dense.max_concurrency(8192, BS) == pytest.approx(dense.num_gpu_blocks * BS / 8192)
 
 
 # -- the hybrid allocator ------------------------------------------------------------------------------

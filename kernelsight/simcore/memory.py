@@ -92,8 +92,12 @@ class MemoryPlan:
     kv_cache_bytes: float
     block_bytes: float
     num_gpu_blocks: int
+    #: blocks one max_model_len request holds at most (0: ceil(max_model_len / block_size), one group)
+    request_blocks: int = 0
 
     def max_concurrency(self, max_model_len: int, block_size: int) -> float:
+        if self.request_blocks:     # hybrid allocator: the sliding-window group holds only the window
+            return self.num_gpu_blocks / self.request_blocks
         return self.num_gpu_blocks * block_size / max_model_len
 
 
@@ -139,4 +143,5 @@ def plan_memory(model: ModelSpec, hw: HardwareSpec, precision: Precision, *, tp:
             f"maximum model length is {est_len}. Try increasing `gpu_memory_utilization` or decreasing "
             "`max_model_len` when initializing the engine."
         )
-    return MemoryPlan(total, requested, weights, activation, non_torch, kv_bytes, block_bytes, blocks)
+    return MemoryPlan(total, requested, weights, activation, non_torch, kv_bytes, block_bytes, blocks,
+                      needed_blocks if model.is_hybrid_attention else 0)
