@@ -7,7 +7,7 @@ every sequence at a 2,048-token context; prefill tokens/s is 4,096 / the time of
 4,096-token prompt from scratch. The bound beside each is the same step's kernels at their roofline (peak
 FLOP/s or memory bandwidth, whichever binds, with wave quantization; no η, no fixed latencies, launch, host or
 collectives): no implementation on that GPU can beat it with this decomposition. A model the kernel model
-cannot price (NVFP4, Llama 4) is listed with the reason. Public figures: none are quoted (the column is left
+cannot price (NVFP4) is listed with the reason. Public figures: none are quoted (the column is left
 empty rather than filled with numbers we cannot cite for these exact shapes).
 Writes benchmarks/results/model_table.json.
 Usage: python benchmarks/model_table.py [--hardware h100,h200,b200,mi300x] [--models ID,...]

@@ -185,8 +185,10 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
             resolve_precision(m.torch_dtype, m.quantization, "auto", fp8_scheme=m.fp8_scheme)  # a format we price?
             kind = f"MoE {m.num_experts}x top-{m.experts_per_token}" if m.is_moe else "dense"
             n_sw = m.num_window_layers
+            n_ch = m.num_chunked_layers
             attn = ("MLA" if m.mla is not None
                     else f"sliding {m.sliding_window} x{n_sw} + full x{m.num_layers - n_sw}" if m.is_hybrid_attention
+                    else f"chunked {m.attention_chunk_size} x{n_ch} + full x{m.num_layers - n_ch}" if n_ch
                     else "GQA" if m.num_kv_heads < m.num_attention_heads else "MHA")
             fmt = m.quantization or (f"{m.expert_quantization} experts" if m.expert_quantization else m.torch_dtype)
             extra = f"  MTP x{m.num_mtp_layers}" if m.num_mtp_layers else ""

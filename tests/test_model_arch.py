@@ -18,7 +18,6 @@ from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, sliding_gr
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk, decompose_step
 from kernelsight.simcore.kv_events import BlockRemoved, BlockStored
 from kernelsight.simcore.memory import kv_bytes_per_token, plan_memory, weight_bytes_per_rank
-from kernelsight.simcore.model_spec import UnsupportedArchitectureError
 from kernelsight.simcore.precision import Precision
 from kernelsight.simcore.request import FinishReason, Request
 from kernelsight.simcore.roofline import kernel_roofline_s
@@ -66,12 +65,21 @@ def test_mxfp4_experts_weigh_four_and_a_quarter_bits() -> None:
     assert 55e9 < weight_bytes_per_rank(oss, p, 1) < 70e9
 
 
-@pytest.mark.parametrize(("model", "match"), [
-    ("meta-llama/Llama-4-Scout-17B-16E", "attention_chunk_size"),
-])
-def test_unsupported_bundled_models_name_what_is_missing(model: str, match: str) -> None:
-    with pytest.raises(UnsupportedArchitectureError, match=match):
-        load_model(model)
+def test_chunked_local_attention_splits_at_chunk_boundaries() -> None:
+    """Llama 4's RoPE layers attend within their 8192-token chunk (vLLM's virtual batches)."""
+    from kernelsight.simcore.kernels import chunked_local_decode_context, chunked_local_prefills
+    parts = chunked_local_prefills((PrefillChunk(3000, 7000, True),), 8192)
+    assert parts == (PrefillChunk(1192, 7000, False), PrefillChunk(1808, 0, True))
+    assert chunked_local_decode_context(4, 4 * 9000, 8192) == 4 * (9000 - 8192)
+    assert chunked_local_decode_context(4, 4 * 5000, 8192) == 4 * 5000
+    cfg = make_config(model="meta-llama/Llama-4-Scout-17B-16E", hardware="h100", tensor_parallel_size=4,
+                      max_model_len=32768)
+    long = [k for k in decompose_step(cfg.model, BatchShape((), 8, 8 * 20000), 4, cfg.precision)
+            if k.family == "attn_decode"]
+    assert sorted(k.count for k in long) == [12, 36]
+    full = next(k for k in long if k.count == 12)
+    chunked = next(k for k in long if k.count == 36)
+    assert chunked.flops / full.flops == pytest.approx((20000 - 2 * 8192) / 20000)
 
 
 def test_nvfp4_checkpoint_fails_naming_fp4_pricing() -> None:
@@ -188,6 +196,7 @@ def test_sliding_group_events_carry_group_idx_and_window() -> None:
 
 # -- physics and end to end ------------------------------------------------------------------------------
 NEW_MODELS = [("deepseek-ai/DeepSeek-V3", "h200", 8), ("moonshotai/Kimi-K2-Instruct", "b200", 8),
+              ("meta-llama/Llama-4-Scout-17B-16E", "h100", 4),
               ("openai/gpt-oss-20b", "h100", 1), ("openai/gpt-oss-120b", "mi300x", 1),
               ("openai/gpt-oss-120b", "h100", 2)]
 BATCHES = [BatchShape((), 1, 1000), BatchShape((), 32, 32 * 3000), BatchShape((), 256, 256 * 700),
@@ -257,4 +266,4 @@ def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.Captu
     assert "MLA" in lines["deepseek-ai/DeepSeek-V3"] and "MTP x1" in lines["deepseek-ai/DeepSeek-V3"]
     assert "sliding 128 x12 + full x12" in lines["openai/gpt-oss-20b"] and "mxfp4" in lines["openai/gpt-oss-20b"]
     assert "not supported" in lines["nvidia/Llama-3.1-8B-Instruct-FP4"] and "NVFP4" in lines["nvidia/DeepSeek-R1-FP4"]
-    assert "attention_chunk_size" in lines["meta-llama/Llama-4-Scout-17B-16E"]
+    assert "chunked 8192 x36 + full x12" in lines["meta-llama/Llama-4-Scout-17B-16E"]

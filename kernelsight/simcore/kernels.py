@@ -183,8 +183,11 @@ def attention_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: P
     q_heads = model.num_attention_heads // tp
     kv_heads = max(model.num_kv_heads // tp, 1)
     n_sliding = model.num_window_layers
-    groups = [(model.sliding_window, n_sliding), (None, model.num_layers - n_sliding)]
+    n_chunked = model.num_chunked_layers
     out = []
+    if n_chunked and model.attention_chunk_size:
+        out += _chunked_attention_kernels(model, batch, q_heads, kv_heads, precision, n_chunked)
+    groups = [(model.sliding_window, n_sliding), (None, model.num_layers - n_sliding - n_chunked)]
     for window, n_layers in groups:
         if not n_layers:
             continue
@@ -196,6 +199,45 @@ def attention_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: P
             out.append(attention_decode_kernel(batch.num_decodes, batch.decode_context_tokens, q_heads, kv_heads,
                                                model.head_dim, precision.act_bytes, precision.kv_bytes_per_element,
                                                n_layers, window=window))
+    return out
+
+
+def chunked_local_prefills(chunks: tuple[PrefillChunk, ...], chunk_size: int) -> tuple[PrefillChunk, ...]:
+    """Llama 4's chunked local attention as vLLM runs it (``make_local_attention_virtual_batches``): each prefill
+    chunk splits at the attention-chunk boundaries into virtual sequences that attend only within their chunk."""
+    out = []
+    for c in chunks:
+        start, end = c.num_cached_tokens, c.num_cached_tokens + c.num_new_tokens
+        pos = start
+        while pos < end:
+            boundary = (pos // chunk_size + 1) * chunk_size
+            stop = min(end, boundary)
+            out.append(PrefillChunk(stop - pos, pos % chunk_size, c.samples and stop == end))
+            pos = stop
+    return tuple(out)
+
+
+def chunked_local_decode_context(num_decodes: int, context_tokens: int, chunk_size: int) -> int:
+    """Keys a decode step's chunked-local layer reads: each sequence only its current chunk (ragged contexts taken
+    at their mean, as sliding windows are)."""
+    if not num_decodes:
+        return 0
+    mean = context_tokens / num_decodes
+    return int(round(num_decodes * (((math.ceil(mean) - 1) % chunk_size) + 1)))
+
+
+def _chunked_attention_kernels(model: ModelSpec, batch: BatchShape, q_heads: int, kv_heads: int,
+                               precision: Precision, n_layers: int) -> list[Kernel]:
+    c = model.attention_chunk_size or 0
+    out = []
+    if batch.prefills:
+        out.append(attention_prefill_kernel(chunked_local_prefills(batch.prefills, c), q_heads, kv_heads,
+                                            model.head_dim, precision.act_bytes, precision.kv_bytes_per_element,
+                                            None, n_layers))
+    if batch.num_decodes:
+        ctx = chunked_local_decode_context(batch.num_decodes, batch.decode_context_tokens, c)
+        out.append(attention_decode_kernel(batch.num_decodes, ctx, q_heads, kv_heads, model.head_dim,
+                                           precision.act_bytes, precision.kv_bytes_per_element, n_layers))
     return out
 
 

@@ -74,6 +74,10 @@ class ModelSpec:
     attention_sinks: bool = False        # gpt-oss: a learned sink logit per head (one extra score, no KV)
     #: the routed experts' checkpoint format when it differs from the rest ("mxfp4": gpt-oss)
     expert_quantization: str | None = None
+    #: Llama 4's chunked local attention: RoPE layers attend only within their ``attention_chunk_size``-token
+    #: chunk of the sequence, NoPE layers (every 4th: iRoPE) attend everything
+    attention_chunk_size: int | None = None
+    num_chunked_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -92,6 +96,11 @@ class ModelSpec:
         return 0 < self.num_window_layers < self.num_layers
 
     @property
+    def has_mixed_attention(self) -> bool:
+        """Layers of more than one attention kind (sliding + full, chunked + full) or MLA: priced kernel by kernel."""
+        return self.mla is not None or self.is_hybrid_attention or self.num_chunked_layers > 0
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -104,16 +113,11 @@ class ModelSpec:
 # exactly what the kernel model implements.
 _DENSE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 _MOE_ARCHS = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                        "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM"})
+                        "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
+                        "Llama4ForConditionalGeneration", "Llama4ForCausalLM"})
+_LLAMA4_ARCHS = frozenset({"Llama4ForConditionalGeneration", "Llama4ForCausalLM"})
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_DENSE_ARCHS | _MOE_ARCHS))
 _DEEPSEEK_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"})
-#: Architectures we know and cannot time yet, with what is missing.
-_KNOWN_MISSING = {
-    "Llama4ForConditionalGeneration": "Llama 4's chunked local attention (attention_chunk_size, iRoPE: NoPE full "
-                                      "attention every 4th layer) and interleaved MoE layers are not modelled",
-    "Llama4ForCausalLM": "Llama 4's chunked local attention (attention_chunk_size, iRoPE: NoPE full attention every "
-                         "4th layer) and interleaved MoE layers are not modelled",
-}
 # Qwen gates its sliding window behind use_sliding_window; Mistral-family uses it whenever it is set.
 _QWEN_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM",
                          "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
@@ -152,10 +156,13 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     """
     archs = config.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else str(config.get("model_type", "<none>"))
+    if arch in _LLAMA4_ARCHS and isinstance(config.get("text_config"), dict):
+        # the multimodal config nests the language model's; the vision tower (~1% of Scout's weights) is left out
+        config = {**config["text_config"], "architectures": archs,
+                  "torch_dtype": config.get("torch_dtype") or config["text_config"].get("torch_dtype"),
+                  "quantization_config": config.get("quantization_config")}
     if not (isinstance(archs, list) and archs):
         raise _unsupported(name, arch, "config.json has no 'architectures' entry")
-    if arch in _KNOWN_MISSING:
-        raise _unsupported(name, arch, _KNOWN_MISSING[arch])
     if arch not in _DENSE_ARCHS and arch not in _MOE_ARCHS:
         raise _unsupported(name, arch, "unknown architecture")
     if config.get("kv_lora_rank") is not None and arch not in _DEEPSEEK_ARCHS:
@@ -180,6 +187,8 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     num_mtp = 0
     num_sliding: int | None = None
     expert_quant: str | None = None
+    chunk_size: int | None = None
+    num_chunked = 0
 
     num_experts = experts_per_token = moe_inter = shared_inter = num_moe_layers = 0
     if arch == "MixtralForCausalLM":
@@ -226,13 +235,34 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         quant_cfg = config.get("quantization_config")
         if isinstance(quant_cfg, dict) and str(quant_cfg.get("quant_method", "")).lower() == "mxfp4":
             expert_quant = "mxfp4"     # modules_to_not_convert: attention, router, embeddings, LM head stay bf16
+    elif arch in _LLAMA4_ARCHS:
+        num_experts = _int(config, "num_local_experts", name, arch)
+        experts_per_token = _int(config, "num_experts_per_tok", name, arch)
+        moe_inter = intermediate                  # Llama4MoE: experts and the shared expert are intermediate_size wide
+        shared_inter = intermediate
+        intermediate = _int(config, "intermediate_size_mlp", name, arch)   # the dense layers' MLP
+        moe_layers = config.get("moe_layers")
+        if isinstance(moe_layers, list) and moe_layers:
+            num_moe_layers = sum(1 for i in set(moe_layers) if 0 <= i < num_layers)
+        else:
+            step = _int(config, "interleave_moe_layer_step", name, arch, default=1)
+            num_moe_layers = sum(1 for i in range(num_layers) if (i + 1) % step == 0)
+        chunk_size = config.get("attention_chunk_size")
+        if chunk_size is not None:
+            chunk_size = _int(config, "attention_chunk_size", name, arch)
+            # no_rope_layers[i] == 1: RoPE layer, chunked local attention; 0: NoPE layer, full attention
+            no_rope = config.get("no_rope_layers")
+            if isinstance(no_rope, list) and len(no_rope) == num_layers:
+                num_chunked = sum(1 for v in no_rope if v)
+            else:   # vLLM's default: every 4th layer is NoPE
+                num_chunked = sum(1 for i in range(num_layers) if (i + 1) % 4 != 0)
     if experts_per_token > num_experts:
         raise _unsupported(name, arch, f"num_experts_per_tok {experts_per_token} > num_experts {num_experts}")
 
     sliding_window = config.get("sliding_window")
     if arch in _QWEN_ARCHS and not config.get("use_sliding_window", False):
         sliding_window = None
-    if arch == "LlamaForCausalLM":
+    if arch == "LlamaForCausalLM" or arch in _LLAMA4_ARCHS:
         sliding_window = None          # Llama attention has no window even if a config carries the key
     if sliding_window is not None:
         sliding_window = _int(config, "sliding_window", name, arch)
@@ -293,4 +323,6 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         num_sliding_layers=num_sliding,
         attention_sinks=arch == "GptOssForCausalLM",
         expert_quantization=expert_quant,
+        attention_chunk_size=chunk_size,
+        num_chunked_layers=num_chunked,
     )

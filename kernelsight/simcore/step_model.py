@@ -128,7 +128,7 @@ class StepModel:
         self._prefill_attn_memo: dict[tuple[tuple[int, int], ...], float] = {}
         # MLA and mixed sliding/full layers price attention as several kernels (kernels.attention_kernels): the
         # inline GQA decode path below is for one uniform attention kind
-        self._generic_attention = model.mla is not None or model.is_hybrid_attention
+        self._generic_attention = model.has_mixed_attention
         # decode_window's first step: ((num_decodes, start context), (breakdown, seconds)) of the last call
         self._window_first: tuple[tuple[int, int] | None, tuple[np.ndarray, float] | None] = (None, None)
 
