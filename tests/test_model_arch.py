@@ -267,3 +267,27 @@ def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.Captu
     assert "sliding 128 x12 + full x12" in lines["openai/gpt-oss-20b"] and "mxfp4" in lines["openai/gpt-oss-20b"]
     assert "not supported" in lines["nvidia/Llama-3.1-8B-Instruct-FP4"] and "NVFP4" in lines["nvidia/DeepSeek-R1-FP4"]
     assert "chunked 8192 x36 + full x12" in lines["meta-llama/Llama-4-Scout-17B-16E"]
+
+
+def test_hybrid_preemption_frees_everything_and_events_stay_chained() -> None:
+    """Under KV pressure requests are preempted and recomputed; every block comes back and every stored
+    sliding-window block's parent hash is known to the publisher (no orphans)."""
+    cfg = make_config(model="openai/gpt-oss-20b", max_model_len=2048, num_gpu_blocks_override=300)
+    eng = build_engine(cfg, per_token_events=False)
+    eng.kv.enable_events()
+    rng = random.Random(9)
+    shared = [rng.randrange(50000) for _ in range(400)]
+    for i in range(24):
+        prompt = shared + [rng.randrange(50000) for _ in range(rng.randint(100, 1200))]
+        n_out = rng.randint(50, 400)
+        # known output ids (as the server has): generated blocks are registered, and published, on preemption
+        eng.add_request(f"r{i}", prompt, n_out, ignore_eos=True, arrival_s=0.0,
+                        output_token_ids=[rng.randrange(50000) for _ in range(n_out)])
+    tr = HashTranslator()
+    finished = 0
+    while (res := eng.step(max_steps=16)) is not None:
+        finished += sum(1 for ev in res.events if ev.kind == FINISHED)
+        tr.translate(eng.kv.take_events())
+    assert finished == 24 and eng.scheduler.num_preemptions > 0
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks - 1
+    assert tr.orphans == 0

@@ -245,12 +245,15 @@ class HybridKVCacheManager(KVCacheManager):
             run_start = j
 
     def free(self, req: Request, preempted: bool = False) -> None:
+        """Both groups' blocks back to the pool, full-attention group first (vLLM frees its managers in group
+        order); a preempted request's full-attention blocks are registered first too, since the sliding group's
+        stored events name them as parents."""
         rid = req.request_id
         table = self._sw.pop(rid, [])
+        super().free(req, preempted)
         if preempted and self.enable_caching and table:
             self._cache_sliding_blocks(req, table, req.num_computed_tokens, preempted=True)
         self._sw_cached.pop(rid, None)
-        super().free(req, preempted)
         live = [b for b in table if b != _NULL_BLOCK]
         if live:
             self.pool.release(live[::-1])
