@@ -15,9 +15,11 @@ Attention takes one of two paths per token, as vLLM's ``MLACommonImpl`` splits t
 
 η mapping (no MLA kernels in the measured tables): the up-projected prefill is the ``attn_prefill`` family at its
 own shape (H/T heads, head_dim 192, 16-bit K/V: the tables hold head_dim 192); the absorbed decode is
-``attn_decode`` at (batch, context, min(H/T, 64) query heads, 1 KV head, head_dim 512): MQA over a 512-wide
-latent, the closest measured shape (the tables' largest group is 64 query heads per KV head, and 512 is FlashMLA's
-value width). The roofline of every kernel uses its true FLOPs and bytes (576-wide keys, all H/T heads). The two
+``attn_decode`` at (batch, context, min(H/T, 64) query heads, 1 KV head, head_dim 256): MQA, as FlashMLA runs,
+at the widest head dim the tables time with FlashAttention-3 (their largest group is 64 query heads per KV head).
+Their head_dim-512 rows time FA4's path, a kernel MLA never runs (η 0.3 against 0.5 at head_dim 256 for 32
+sequences of 1k tokens on H100/H200), while FlashMLA is a Hopper-tuned kernel of FA3's class. The roofline of every
+kernel uses its true FLOPs and bytes (576-wide keys, 512-wide values, all H/T heads). The two
 bmms and ``kv_b_proj`` are GEMMs (η of the ``gemm`` family) timed inside the attention parts, since vLLM runs them
 inside its MLA attention op and their shapes follow the decode rows / the prefill context, not the padded rows.
 """
@@ -44,8 +46,8 @@ from kernelsight.simcore.precision import Precision
 _ATTN_Q_TILE = 128
 #: The measured attention tables hold up to 64 query heads per KV head: the decode η is looked up there.
 _MAX_MEASURED_GROUP = 64
-#: FlashMLA's value width: the head_dim at which the decode η is looked up.
-_DECODE_ETA_HEAD_DIM = 512
+#: The widest head dim the tables time with FlashAttention-3 (MQA rows): where the decode η is looked up.
+_DECODE_ETA_HEAD_DIM = 256
 
 
 def _mla(model: ModelSpec) -> MLASpec:
