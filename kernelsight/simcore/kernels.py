@@ -7,8 +7,11 @@ decoder with tensor-parallel degree T (all shapes per rank):
     norm → QKV GEMM → RoPE → KV-cache write → attention (prefill part, decode part) → O GEMM →
     [all-reduce] → norm → gate_up GEMM → SiLU·mul → down GEMM → [all-reduce]
 
-MoE layers replace the MLP with a router GEMM and grouped expert GEMMs. After the last layer: final norm,
-the LM head over the rows that sample only, and the sampler.
+MoE layers replace the MLP with a router GEMM and grouped expert GEMMs (in the experts' own format:
+``expert_formats.py``). MLA models replace the attention block with ``mla.py``'s kernels. Layers of different
+attention kinds (gpt-oss's sliding-window and full layers, Llama 4's chunked-local and full layers) are priced as
+separate attention kernels. After the last layer: final norm, the LM head over the rows that sample only, and the
+sampler. The primitives (Kernel, BatchShape, one GEMM / attention kernel) live in ``kernel_shapes.py``.
 
 η features per family (what calibration fits on):
     gemm, lm_head       (m, n, k, format code)    format code: GEMM_FORMAT_CODES (bf16 0, fp8 1, fp8_block 2)

@@ -150,9 +150,9 @@ def _token_ids(value: object) -> tuple[int, ...]:
 def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     """Parse a HuggingFace ``config.json`` dict into a ModelSpec. Pure: no I/O.
 
-    Raises UnsupportedArchitectureError for anything the kernel model does not implement (MLA,
-    unknown architectures, missing keys) rather than guessing: a wrong spec gives plausible-looking
-    but wrong timings, which is worse than a loud failure.
+    Raises UnsupportedArchitectureError for anything the kernel model does not implement (unknown
+    architectures or layer types, MLA outside the DeepSeek family, missing keys) rather than guessing: a
+    wrong spec gives plausible-looking but wrong timings, which is worse than a loud failure.
     """
     archs = config.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else str(config.get("model_type", "<none>"))
