@@ -16,6 +16,7 @@ Usage: python benchmarks/model_table.py [--hardware h100,h200,b200,mi300x] [--mo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -50,6 +51,16 @@ def fitting_config(model: str, hardware: str):
     return None, f"does not fit on {TP_CHOICES[-1]} GPUs"
 
 
+def kv_fits(cfg, batch: int, context: int) -> bool:
+    """Whether ``batch`` sequences of ``context`` tokens fit the KV cache (a hybrid model's sliding-window group
+    holds only the window's blocks)."""
+    bs = cfg.scheduler.block_size
+    per_seq = math.ceil((context + 1) / bs)
+    if cfg.model.is_hybrid_attention:
+        per_seq += math.ceil(cfg.model.sliding_window / bs) + 1
+    return batch <= cfg.scheduler.max_num_seqs and batch * per_seq <= cfg.num_gpu_blocks
+
+
 def step_and_bound_s(sm, cfg, batch: BatchShape) -> tuple[float, float]:
     tp = cfg.args.tensor_parallel_size
     _, padded = sm.graph_mode(batch)
@@ -78,7 +89,7 @@ def main() -> int:
                    "tier": cfg.calibration.tier, "tpot_ms": {}, "tpot_bound_ms": {}, "public": None}
             cells = []
             for b in BATCHES:
-                if b > cfg.scheduler.max_num_seqs or b * (CONTEXT_TOKENS + 1) > cfg.num_gpu_blocks * 16:
+                if not kv_fits(cfg, b, CONTEXT_TOKENS):
                     cells.append("KV full")
                     continue
                 t, bound = step_and_bound_s(sm, cfg, BatchShape((), b, b * CONTEXT_TOKENS))
