@@ -83,7 +83,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     print(f"kernelsight simulate: {s['model']} on {replicas}{s['hardware']} ({dp}TP {s['tensor_parallel_size']}, "
           f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {s['calibration_tier']})")
     print(f"  {describe_expected_error(s['calibration_tier'])}")
-    print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens = {s['kv_cache_tokens']} tokens; "
+    groups = s["num_gpu_blocks"] * s["block_size"] // max(s["kv_cache_tokens"], 1)
+    per_group = f" over {groups} KV-cache groups" if groups > 1 else ""
+    print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens{per_group} = "
+          f"{s['kv_cache_tokens']} tokens; "
           f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, "
           f"max_model_len {s['max_model_len']}")
     print(format_report(result, title=" Simulated Serving Benchmark Result "))

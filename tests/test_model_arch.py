@@ -309,3 +309,14 @@ def test_mtp_module_is_one_moe_mla_layer_plus_eh_proj() -> None:
         assert ref.count == {"moe_gate_up": 58, "lm_head": 1}.get(name, 61)
     with pytest.raises(ValueError, match="no MTP"):
         mtp_step_kernels(load_model("moonshotai/Kimi-K2-Instruct"), batch, 8, cfg.precision)
+
+
+def test_gpt_oss_accepts_its_own_quantization_flag_and_reports_it() -> None:
+    own = make_config(model="openai/gpt-oss-20b", quantization="mxfp4")
+    plain = make_config(model="openai/gpt-oss-20b")
+    assert own.precision == plain.precision and own.memory == plain.memory
+    summary = plain.summary()
+    assert summary["quantization"] == "mxfp4"
+    assert summary["kv_cache_tokens"] == plain.num_gpu_blocks // 2 * BS   # per group, as vLLM logs it
+    with pytest.raises(ValueError, match="MXFP4"):
+        make_config(model="Qwen/Qwen3-8B", quantization="mxfp4")

@@ -80,7 +80,8 @@ class EngineConfig:
         return {
             "model": self.model.name, "hardware": self.hardware.name,
             "tensor_parallel_size": self.args.tensor_parallel_size,
-            "dtype": self.precision.act_dtype, "quantization": self.args.quantization or self.model.quantization,
+            "dtype": self.precision.act_dtype,
+            "quantization": self.args.quantization or self.model.quantization or self.model.expert_quantization,
             "fp8_scheme": self.precision.fp8_scheme.label if self.precision.fp8_scheme else None,
             "kv_cache_dtype": self.precision.kv_dtype,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
@@ -88,7 +89,9 @@ class EngineConfig:
             "enable_prefix_caching": s.enable_prefix_caching, "enable_chunked_prefill": s.enable_chunked_prefill,
             "scheduling_policy": s.policy, "gpu_memory_utilization": self.args.gpu_memory_utilization,
             "num_gpu_blocks": self.memory.num_gpu_blocks,
-            "kv_cache_tokens": self.memory.num_gpu_blocks * s.block_size,
+            # vLLM reports a hybrid model's KV tokens per group (each of its 2 groups holds a block per token page)
+            "kv_cache_tokens": self.memory.num_gpu_blocks // (2 if self.model.is_hybrid_attention else 1)
+            * s.block_size,
             "max_concurrency": round(self.memory.max_concurrency(s.max_model_len, s.block_size), 2),
             "weight_bytes_per_gpu": int(self.memory.weight_bytes),
             "enforce_eager": self.args.enforce_eager, "async_scheduling": self.args.async_scheduling,
@@ -158,6 +161,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"expert parallelism over data_parallel_size×tensor_parallel_size={dp * tp} GPUs exceeds "
                          f"the {hw.gpus_per_node} GPUs of one {hw.name} node (multi-node EP is not modelled)")
     quant = args.quantization or model.quantization
+    if quant is not None and quant == model.expert_quantization:
+        quant = None     # `--quantization mxfp4` on gpt-oss names the checkpoint's own expert format
     # an fp8 checkpoint keeps its own scale types under --quantization fp8 too (vLLM reads them from its config)
     # --kv-cache-dtype auto is the checkpoint's KV quantization when it has one (vLLM resolve_kv_cache_dtype_string)
     kv_cache_dtype = model.kv_cache_dtype if args.kv_cache_dtype == "auto" and model.kv_cache_dtype else \
