@@ -83,7 +83,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     print(f"kernelsight simulate: {s['model']} on {replicas}{s['hardware']} ({dp}TP {s['tensor_parallel_size']}, "
           f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {s['calibration_tier']})")
     print(f"  {describe_expected_error(s['calibration_tier'])}")
-    print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens = {s['kv_cache_tokens']} tokens; "
+    groups = s["num_gpu_blocks"] * s["block_size"] // max(s["kv_cache_tokens"], 1)
+    per_group = f" over {groups} KV-cache groups" if groups > 1 else ""
+    print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens{per_group} = "
+          f"{s['kv_cache_tokens']} tokens; "
           f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, "
           f"max_model_len {s['max_model_len']}")
     print(format_report(result, title=" Simulated Serving Benchmark Result "))
@@ -168,6 +171,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 # -- profiles ----------------------------------------------------------------------------------------
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
+    from kernelsight.simcore.precision import resolve_precision
 
     print("hardware:")
     calibrated = set(profiles.list_calibrations())
@@ -181,8 +185,17 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
     for mid in profiles.list_models():
         try:
             m = profiles.load_model(mid)
+            resolve_precision(m.torch_dtype, m.quantization, "auto", fp8_scheme=m.fp8_scheme)  # a format we price?
             kind = f"MoE {m.num_experts}x top-{m.experts_per_token}" if m.is_moe else "dense"
-            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}")
+            n_sw = m.num_window_layers
+            n_ch = m.num_chunked_layers
+            attn = ("MLA" if m.mla is not None
+                    else f"sliding {m.sliding_window} x{n_sw} + full x{m.num_layers - n_sw}" if m.is_hybrid_attention
+                    else f"chunked {m.attention_chunk_size} x{n_ch} + full x{m.num_layers - n_ch}" if n_ch
+                    else "GQA" if m.num_kv_heads < m.num_attention_heads else "MHA")
+            fmt = m.quantization or (f"{m.expert_quantization} experts" if m.expert_quantization else m.torch_dtype)
+            extra = f"  MTP x{m.num_mtp_layers}" if m.num_mtp_layers else ""
+            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}")
         except ValueError as exc:
             print(f"  {mid:<40} not supported: {str(exc).splitlines()[0]}")
     return 0

@@ -85,10 +85,15 @@ class Engine:
 
     def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, step_model: StepModel,
                  seed: int = 0, output_length_model: OutputLengthModel | None = None,
-                 per_token_events: bool = True, use_decode_group: bool = True) -> None:
+                 per_token_events: bool = True, use_decode_group: bool = True,
+                 kv_cache: KVCacheManager | None = None) -> None:
         self.config = scheduler_config
-        self.kv = KVCacheManager(num_gpu_blocks, scheduler_config.block_size,
-                                 scheduler_config.enable_prefix_caching)
+        # a model-specific KV manager (the hybrid allocator) replaces the plain one; one that allocates more
+        # than the full-attention table runs vLLM's per-request loop, not the decode group
+        self.kv = kv_cache or KVCacheManager(num_gpu_blocks, scheduler_config.block_size,
+                                             scheduler_config.enable_prefix_caching)
+        if getattr(self.kv, "exact_loop_only", False):
+            use_decode_group = False
         # the decode group is an exact optimization; turning it off is for equivalence tests
         self.scheduler = Scheduler(scheduler_config, self.kv, use_decode_group)
         self.step_model = step_model

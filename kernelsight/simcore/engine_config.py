@@ -14,6 +14,8 @@ from kernelsight.simcore.expert_parallel import (
     DEFAULT_EXPERT_LOAD_IMBALANCE,
 )
 from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
+from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.memory import MemoryPlan, plan_memory
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision, resolve_precision
@@ -78,7 +80,8 @@ class EngineConfig:
         return {
             "model": self.model.name, "hardware": self.hardware.name,
             "tensor_parallel_size": self.args.tensor_parallel_size,
-            "dtype": self.precision.act_dtype, "quantization": self.args.quantization or self.model.quantization,
+            "dtype": self.precision.act_dtype,
+            "quantization": self.args.quantization or self.model.quantization or self.model.expert_quantization,
             "fp8_scheme": self.precision.fp8_scheme.label if self.precision.fp8_scheme else None,
             "kv_cache_dtype": self.precision.kv_dtype,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
@@ -86,7 +89,9 @@ class EngineConfig:
             "enable_prefix_caching": s.enable_prefix_caching, "enable_chunked_prefill": s.enable_chunked_prefill,
             "scheduling_policy": s.policy, "gpu_memory_utilization": self.args.gpu_memory_utilization,
             "num_gpu_blocks": self.memory.num_gpu_blocks,
-            "kv_cache_tokens": self.memory.num_gpu_blocks * s.block_size,
+            # vLLM reports a hybrid model's KV tokens per group (each of its 2 groups holds a block per token page)
+            "kv_cache_tokens": self.memory.num_gpu_blocks // (2 if self.model.is_hybrid_attention else 1)
+            * s.block_size,
             "max_concurrency": round(self.memory.max_concurrency(s.max_model_len, s.block_size), 2),
             "weight_bytes_per_gpu": int(self.memory.weight_bytes),
             "enforce_eager": self.args.enforce_eager, "async_scheduling": self.args.async_scheduling,
@@ -156,6 +161,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"expert parallelism over data_parallel_size×tensor_parallel_size={dp * tp} GPUs exceeds "
                          f"the {hw.gpus_per_node} GPUs of one {hw.name} node (multi-node EP is not modelled)")
     quant = args.quantization or model.quantization
+    if quant is not None and quant == model.expert_quantization:
+        quant = None     # `--quantization mxfp4` on gpt-oss names the checkpoint's own expert format
     # an fp8 checkpoint keeps its own scale types under --quantization fp8 too (vLLM reads them from its config)
     # --kv-cache-dtype auto is the checkpoint's KV quantization when it has one (vLLM resolve_kv_cache_dtype_string)
     kv_cache_dtype = model.kv_cache_dtype if args.kv_cache_dtype == "auto" and model.kv_cache_dtype else \
@@ -223,6 +230,14 @@ def moe_group_timing(cfg: EngineConfig) -> MoEGroupTiming | None:
                           a.expert_load_imbalance)
 
 
+def kv_cache_manager(cfg: EngineConfig) -> KVCacheManager | None:
+    """The KV manager a model needs beyond the plain one: vLLM's hybrid allocator for sliding + full layers."""
+    if not cfg.model.is_hybrid_attention:
+        return None
+    return HybridKVCacheManager(cfg.memory.num_gpu_blocks, cfg.scheduler.block_size,
+                                hybrid_layout(cfg.model).sliding_window, cfg.scheduler.enable_prefix_caching)
+
+
 def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
     """The one place a single engine is built from a resolved configuration (serve, simulate and tests alike;
     a data-parallel group's engines: :func:`build_dp_group`).
@@ -232,7 +247,7 @@ def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
     moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
     sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
     return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
-                  per_token_events=per_token_events)
+                  per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
 
 
 def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
@@ -241,5 +256,6 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
     moe = moe_group_timing(cfg)
     engines = [Engine(cfg.scheduler, cfg.memory.num_gpu_blocks,
                       build_step_model(cfg, StepModel if moe is None else LockstepStepModel), seed=cfg.args.seed,
-                      per_token_events=per_token_events) for _ in range(cfg.args.data_parallel_size)]
+                      per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
+               for _ in range(cfg.args.data_parallel_size)]
     return DPGroup(engines, moe)

@@ -25,6 +25,8 @@ class BlockStored:
     block_size: int
     first_block_index: int
     extra_keys: tuple | None
+    group_idx: int = 0       # the KV-cache group (hybrid models: 0 full attention, 1 sliding window)
+    sliding_window: int | None = None   # the group's window when it is a sliding-window group
 
 
 @dataclass(slots=True)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kernelsight.simcore.expert_formats import expert_weight_bytes_per_param
 from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.hybrid_kv_cache import hybrid_layout, max_request_kv_blocks
+from kernelsight.simcore.mla import mla_attention_params
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
 
@@ -30,7 +33,10 @@ class InsufficientMemoryError(ValueError):
 def param_counts(model: ModelSpec) -> tuple[int, int]:
     """(parameters in linear layers that quantization applies to, other parameters)."""
     h, d = model.hidden_size, model.head_dim
-    attn = h * (model.num_attention_heads + 2 * model.num_kv_heads) * d + model.num_attention_heads * d * h
+    if model.mla is not None:
+        attn = mla_attention_params(model)
+    else:
+        attn = h * (model.num_attention_heads + 2 * model.num_kv_heads) * d + model.num_attention_heads * d * h
     n_moe = model.num_moe_layers if model.is_moe else 0
     dense_mlp = 3 * h * model.intermediate_size
     moe_mlp = model.num_experts * 3 * h * model.moe_intermediate_size + 3 * h * model.shared_expert_intermediate_size
@@ -45,15 +51,22 @@ def weight_bytes_per_rank(model: ModelSpec, precision: Precision, tp: int, ep_da
     across ``ep_data_parallel`` data-parallel ranks the routed experts are further split that many ways (each
     rank keeps its own copy of everything else)."""
     linear, other = param_counts(model)
-    total = (linear * precision.weight_bytes_per_param + other * 2.0) / tp
+    w = precision.weight_bytes_per_param
+    experts = model.num_moe_layers * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
+    w_expert = expert_weight_bytes_per_param(model, precision)   # MXFP4 experts: 4.25 bits
+    total = ((linear - experts) * w + experts * w_expert + other * 2.0) / tp
     if ep_data_parallel > 1 and model.is_moe:
-        experts = model.num_moe_layers * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
-        total -= experts * precision.weight_bytes_per_param / tp * (1.0 - 1.0 / ep_data_parallel)
+        total -= experts * w_expert / tp * (1.0 - 1.0 / ep_data_parallel)
     return total
 
 
 def kv_bytes_per_token(model: ModelSpec, precision: Precision, tp: int) -> float:
-    """KV-cache bytes per token on one rank (K and V, every layer)."""
+    """KV-cache bytes per token on one rank (K and V, every layer).
+
+    MLA caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per token per layer, whole on every
+    tensor-parallel rank (vLLM replicates it: the latent has no heads to split)."""
+    if model.mla is not None:
+        return model.num_layers * model.mla.latent_dim * precision.kv_bytes_per_element
     kv_heads = max(model.num_kv_heads // tp, 1)
     return model.num_layers * kv_heads * model.head_dim * 2 * precision.kv_bytes_per_element
 
@@ -79,8 +92,12 @@ class MemoryPlan:
     kv_cache_bytes: float
     block_bytes: float
     num_gpu_blocks: int
+    #: blocks one max_model_len request holds at most (0: ceil(max_model_len / block_size), one group)
+    request_blocks: int = 0
 
     def max_concurrency(self, max_model_len: int, block_size: int) -> float:
+        if self.request_blocks:     # hybrid allocator: the sliding-window group holds only the window
+            return self.num_gpu_blocks / self.request_blocks
         return self.num_gpu_blocks * block_size / max_model_len
 
 
@@ -101,14 +118,22 @@ def plan_memory(model: ModelSpec, hw: HardwareSpec, precision: Precision, *, tp:
     activation = activation_peak_bytes(model, precision, tp, max_num_batched_tokens, max_num_seqs)
     non_torch = NON_TORCH_BYTES + (TP_COMM_BUFFER_BYTES if tp * ep_data_parallel > 1 else 0)
     kv_bytes = requested - weights - activation - non_torch
-    block_bytes = block_size * kv_bytes_per_token(model, precision, tp)
+    per_token = kv_bytes_per_token(model, precision, tp)
+    block_bytes = block_size * per_token
+    needed_blocks = math.ceil(max_model_len / block_size)
+    if model.is_hybrid_attention:
+        # vLLM's hybrid allocator: a block is a page in each layer of one group (half the layers for gpt-oss), and
+        # a request holds a table per group, the sliding-window one only the window's blocks
+        layout = hybrid_layout(model)
+        block_bytes = layout.block_bytes(block_size, per_token / model.num_layers)
+        needed_blocks = max_request_kv_blocks(layout, block_size, max_model_len, max_num_batched_tokens)
     if kv_bytes <= 0:
         raise InsufficientMemoryError(
             "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
             "initializing the engine."
         )
     blocks = int(kv_bytes // block_bytes) if num_gpu_blocks_override is None else num_gpu_blocks_override
-    needed_bytes = math.ceil(max_model_len / block_size) * block_bytes
+    needed_bytes = needed_blocks * block_bytes
     if blocks * block_bytes < needed_bytes:
         est_len = blocks * block_size
         raise InsufficientMemoryError(
@@ -118,4 +143,5 @@ def plan_memory(model: ModelSpec, hw: HardwareSpec, precision: Precision, *, tp:
             f"maximum model length is {est_len}. Try increasing `gpu_memory_utilization` or decreasing "
             "`max_model_len` when initializing the engine."
         )
-    return MemoryPlan(total, requested, weights, activation, non_torch, kv_bytes, block_bytes, blocks)
+    return MemoryPlan(total, requested, weights, activation, non_torch, kv_bytes, block_bytes, blocks,
+                      needed_blocks if model.is_hybrid_attention else 0)

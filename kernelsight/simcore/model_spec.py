@@ -8,7 +8,30 @@ from kernelsight.simcore.gemm_dispatch import Fp8Scheme, fp8_scheme_from_quant_c
 
 
 class UnsupportedArchitectureError(ValueError):
-    """The config describes an architecture the kernel model does not implement (e.g. MLA)."""
+    """The config describes an architecture the kernel model does not implement (e.g. Llama 4's chunked attention)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi K2): K and V are cached as one latent per token.
+
+    ``q_lora_rank`` 0 means queries are projected straight from the hidden state (DeepSeek-V2-Lite)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int          # width of the compressed KV latent (512)
+    qk_nope_head_dim: int      # per-head query/key width without RoPE (128)
+    qk_rope_head_dim: int      # the shared RoPE key width, cached beside the latent (64)
+    v_head_dim: int            # per-head value width (128)
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements cached per token per layer: the latent plus the RoPE key (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width of the up-projected (prefill) attention (192)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +66,39 @@ class ModelSpec:
     quantization: str | None = None  # from the config's quantization_config, e.g. "fp8"
     fp8_scheme: Fp8Scheme | None = None  # an fp8 checkpoint's weight/activation scale types (picks vLLM's kernel)
     kv_cache_dtype: str | None = None    # the KV-cache dtype the checkpoint asks for ("fp8"): --kv-cache-dtype auto
+    mla: MLASpec | None = None           # multi-head latent attention (then num_kv_heads is 1: one latent "head")
+    num_mtp_layers: int = 0              # multi-token-prediction layers (num_nextn_predict_layers): spec decode's
+    #: layers that use ``sliding_window`` (the rest attend everything); None: every layer when a window is set
+    #: (configs without per-layer ``layer_types``, e.g. Mistral)
+    num_sliding_layers: int | None = None
+    attention_sinks: bool = False        # gpt-oss: a learned sink logit per head (one extra score, no KV)
+    #: the routed experts' checkpoint format when it differs from the rest ("mxfp4": gpt-oss)
+    expert_quantization: str | None = None
+    #: Llama 4's chunked local attention: RoPE layers attend only within their ``attention_chunk_size``-token
+    #: chunk of the sequence, NoPE layers (every 4th: iRoPE) attend everything
+    attention_chunk_size: int | None = None
+    num_chunked_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def num_window_layers(self) -> int:
+        """Layers that attend only the last ``sliding_window`` tokens."""
+        if not self.sliding_window:
+            return 0
+        return self.num_layers if self.num_sliding_layers is None else self.num_sliding_layers
+
+    @property
+    def is_hybrid_attention(self) -> bool:
+        """Some layers slide a window and others attend everything (gpt-oss): vLLM's hybrid KV allocator."""
+        return 0 < self.num_window_layers < self.num_layers
+
+    @property
+    def has_mixed_attention(self) -> bool:
+        """Layers of more than one attention kind (sliding + full, chunked + full) or MLA: priced kernel by kernel."""
+        return self.mla is not None or self.is_hybrid_attention or self.num_chunked_layers > 0
 
     @property
     def q_size(self) -> int:
@@ -60,8 +112,12 @@ class ModelSpec:
 # Architectures whose attention is standard MHA/GQA and whose MLP is SwiGLU (dense or MoE):
 # exactly what the kernel model implements.
 _DENSE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-_MOE_ARCHS = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"})
+_MOE_ARCHS = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                        "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
+                        "Llama4ForConditionalGeneration", "Llama4ForCausalLM"})
+_LLAMA4_ARCHS = frozenset({"Llama4ForConditionalGeneration", "Llama4ForCausalLM"})
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_DENSE_ARCHS | _MOE_ARCHS))
+_DEEPSEEK_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"})
 # Qwen gates its sliding window behind use_sliding_window; Mistral-family uses it whenever it is set.
 _QWEN_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM",
                          "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
@@ -94,19 +150,23 @@ def _token_ids(value: object) -> tuple[int, ...]:
 def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     """Parse a HuggingFace ``config.json`` dict into a ModelSpec. Pure: no I/O.
 
-    Raises UnsupportedArchitectureError for anything the kernel model does not implement (MLA,
-    unknown architectures, missing keys) rather than guessing: a wrong spec gives plausible-looking
-    but wrong timings, which is worse than a loud failure.
+    Raises UnsupportedArchitectureError for anything the kernel model does not implement (unknown
+    architectures or layer types, MLA outside the DeepSeek family, missing keys) rather than guessing: a
+    wrong spec gives plausible-looking but wrong timings, which is worse than a loud failure.
     """
     archs = config.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else str(config.get("model_type", "<none>"))
-    if config.get("kv_lora_rank") is not None:
-        # MLA (DeepSeek-V2/V3, Kimi K2 ...) compresses KV into a latent: other kernels, other KV size.
-        raise _unsupported(name, arch, "multi-head latent attention (kv_lora_rank) is not modelled")
+    if arch in _LLAMA4_ARCHS and isinstance(config.get("text_config"), dict):
+        # the multimodal config nests the language model's; the vision tower (~1% of Scout's weights) is left out
+        config = {**config["text_config"], "architectures": archs,
+                  "torch_dtype": config.get("torch_dtype") or config["text_config"].get("torch_dtype"),
+                  "quantization_config": config.get("quantization_config")}
     if not (isinstance(archs, list) and archs):
         raise _unsupported(name, arch, "config.json has no 'architectures' entry")
     if arch not in _DENSE_ARCHS and arch not in _MOE_ARCHS:
         raise _unsupported(name, arch, "unknown architecture")
+    if config.get("kv_lora_rank") is not None and arch not in _DEEPSEEK_ARCHS:
+        raise _unsupported(name, arch, "multi-head latent attention outside the DeepSeek architectures")
 
     hidden = _int(config, "hidden_size", name, arch)
     num_layers = _int(config, "num_hidden_layers", name, arch)
@@ -123,6 +183,12 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     vocab = _int(config, "vocab_size", name, arch)
     max_pos = _int(config, "max_position_embeddings", name, arch)
     intermediate = _int(config, "intermediate_size", name, arch)
+    mla: MLASpec | None = None
+    num_mtp = 0
+    num_sliding: int | None = None
+    expert_quant: str | None = None
+    chunk_size: int | None = None
+    num_chunked = 0
 
     num_experts = experts_per_token = moe_inter = shared_inter = num_moe_layers = 0
     if arch == "MixtralForCausalLM":
@@ -142,16 +208,74 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         # Same rule as HF/vLLM Qwen*MoE decoder layers: layer i is sparse unless listed in mlp_only_layers
         # and only every `decoder_sparse_step`-th layer is sparse.
         num_moe_layers = sum(1 for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+    elif arch in _DEEPSEEK_ARCHS:
+        mla = MLASpec(q_lora_rank=_int(config, "q_lora_rank", name, arch, default=0, minimum=0)
+                      if config.get("q_lora_rank") is not None else 0,
+                      kv_lora_rank=_int(config, "kv_lora_rank", name, arch),
+                      qk_nope_head_dim=_int(config, "qk_nope_head_dim", name, arch),
+                      qk_rope_head_dim=_int(config, "qk_rope_head_dim", name, arch),
+                      v_head_dim=_int(config, "v_head_dim", name, arch))
+        kv_heads, head_dim = 1, mla.latent_dim    # one latent "head" per token: what the KV cache holds
+        num_experts = _int(config, "n_routed_experts", name, arch)
+        experts_per_token = _int(config, "num_experts_per_tok", name, arch)
+        moe_inter = _int(config, "moe_intermediate_size", name, arch)
+        shared_inter = moe_inter * _int(config, "n_shared_experts", name, arch, default=0, minimum=0)
+        first_dense = _int(config, "first_k_dense_replace", name, arch, default=0, minimum=0)
+        freq = _int(config, "moe_layer_freq", name, arch, default=1)
+        # vLLM's DeepseekV2DecoderLayer: MoE where layer_idx >= first_k_dense_replace and layer_idx % freq == 0
+        num_moe_layers = sum(1 for i in range(num_layers) if i >= first_dense and i % freq == 0)
+        num_mtp = _int(config, "num_nextn_predict_layers", name, arch, default=0, minimum=0)
+    elif arch == "GptOssForCausalLM":
+        num_experts = _int(config, "num_local_experts", name, arch)
+        experts_per_token = _int(config, "num_experts_per_tok", name, arch,
+                                 default=config.get("experts_per_token"))
+        moe_inter = intermediate       # gpt-oss's intermediate_size is the expert width; every layer is MoE
+        intermediate = 0
+        num_moe_layers = num_layers
+        quant_cfg = config.get("quantization_config")
+        if isinstance(quant_cfg, dict) and str(quant_cfg.get("quant_method", "")).lower() == "mxfp4":
+            expert_quant = "mxfp4"     # modules_to_not_convert: attention, router, embeddings, LM head stay bf16
+    elif arch in _LLAMA4_ARCHS:
+        num_experts = _int(config, "num_local_experts", name, arch)
+        experts_per_token = _int(config, "num_experts_per_tok", name, arch)
+        moe_inter = intermediate                  # Llama4MoE: experts and the shared expert are intermediate_size wide
+        shared_inter = intermediate
+        intermediate = _int(config, "intermediate_size_mlp", name, arch)   # the dense layers' MLP
+        moe_layers = config.get("moe_layers")
+        if isinstance(moe_layers, list) and moe_layers:
+            num_moe_layers = sum(1 for i in set(moe_layers) if 0 <= i < num_layers)
+        else:
+            step = _int(config, "interleave_moe_layer_step", name, arch, default=1)
+            num_moe_layers = sum(1 for i in range(num_layers) if (i + 1) % step == 0)
+        chunk_size = config.get("attention_chunk_size")
+        if chunk_size is not None:
+            chunk_size = _int(config, "attention_chunk_size", name, arch)
+            # no_rope_layers[i] == 1: RoPE layer, chunked local attention; 0: NoPE layer, full attention
+            no_rope = config.get("no_rope_layers")
+            if isinstance(no_rope, list) and len(no_rope) == num_layers:
+                num_chunked = sum(1 for v in no_rope if v)
+            else:   # vLLM's default: every 4th layer is NoPE
+                num_chunked = sum(1 for i in range(num_layers) if (i + 1) % 4 != 0)
     if experts_per_token > num_experts:
         raise _unsupported(name, arch, f"num_experts_per_tok {experts_per_token} > num_experts {num_experts}")
 
     sliding_window = config.get("sliding_window")
     if arch in _QWEN_ARCHS and not config.get("use_sliding_window", False):
         sliding_window = None
-    if arch == "LlamaForCausalLM":
+    if arch == "LlamaForCausalLM" or arch in _LLAMA4_ARCHS:
         sliding_window = None          # Llama attention has no window even if a config carries the key
     if sliding_window is not None:
         sliding_window = _int(config, "sliding_window", name, arch)
+        layer_types = config.get("layer_types")
+        if isinstance(layer_types, list) and layer_types:
+            if len(layer_types) != num_layers:
+                raise _unsupported(name, arch, f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            unknown = sorted({t for t in layer_types if t not in ("sliding_attention", "full_attention")})
+            if unknown:
+                raise _unsupported(name, arch, f"layer types {unknown} are not modelled")
+            num_sliding = sum(1 for t in layer_types if t == "sliding_attention")
+            if num_sliding == 0:
+                sliding_window = None
 
     quant = config.get("quantization_config")
     # The checkpoint's scale types (per-tensor, per-channel/token, 128x128 blocks) decide which GEMM kernel vLLM
@@ -161,6 +285,10 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     fp8_scheme = fp8_scheme_from_quant_config(quant)
     if fp8_scheme is not None:
         quantization = "fp8"
+    elif expert_quant is not None:
+        quantization = None            # only the experts are quantized (ModelSpec.expert_quantization)
+    elif isinstance(quant, dict) and str(quant.get("quant_algo", "")).upper() == "NVFP4":
+        quantization = "nvfp4"         # ModelOpt NVFP4 (W4A4, 16-element blocks, FP8 scales)
     elif isinstance(quant, dict) and quant.get("quant_method"):
         quantization = str(quant["quant_method"]).lower()
 
@@ -190,4 +318,11 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         quantization=quantization,
         fp8_scheme=fp8_scheme,
         kv_cache_dtype=kv_cache_dtype_from_quant_config(quant),
+        mla=mla,
+        num_mtp_layers=num_mtp,
+        num_sliding_layers=num_sliding,
+        attention_sinks=arch == "GptOssForCausalLM",
+        expert_quantization=expert_quant,
+        attention_chunk_size=chunk_size,
+        num_chunked_layers=num_chunked,
     )

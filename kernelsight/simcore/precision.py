@@ -9,6 +9,13 @@ from kernelsight.simcore.gemm_dispatch import ONLINE_FP8, Fp8Scheme
 _BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "fp4": 0.5, "fp32": 4.0}
 
 SUPPORTED_QUANTIZATION = (None, "fp8")
+#: Formats vLLM runs that the kernel model does not price yet, with what is missing.
+_UNPRICED_QUANTIZATION = {
+    "nvfp4": "NVFP4 (W4A4, FP8 block scales) linear layers need FP4 GEMM pricing (FP4 tensor-core peaks and an η "
+             "for the nvfp4 format), which is not modelled yet",
+    "mxfp4": "MXFP4 on every linear layer is not modelled (gpt-oss checkpoints, whose MXFP4 covers the experts only, "
+             "are)",
+}
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -57,6 +64,9 @@ def resolve_precision(
             "auto": "bf16"}.get(model_dtype)
     if base is None:
         raise ValueError(f"unsupported dtype {model_dtype!r}: expected bfloat16 or float16")
+    if quantization in _UNPRICED_QUANTIZATION:
+        raise ValueError(f"unsupported quantization {quantization!r}: {_UNPRICED_QUANTIZATION[quantization]}; "
+                         "supported are none and 'fp8'")
     if quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"unsupported quantization {quantization!r}: supported are none and 'fp8'")
     if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:

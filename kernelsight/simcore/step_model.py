@@ -126,6 +126,9 @@ class StepModel:
                                hw.num_sms, self._attn_peak_flops_per_s, hw.usable_mem_bytes_per_s,
                                q_heads == kv_heads, m.num_layers)
         self._prefill_attn_memo: dict[tuple[tuple[int, int], ...], float] = {}
+        # MLA and mixed sliding/full layers price attention as several kernels (kernels.attention_kernels): the
+        # inline GQA decode path below is for one uniform attention kind
+        self._generic_attention = model.has_mixed_attention
         # decode_window's first step: ((num_decodes, start context), (breakdown, seconds)) of the last call
         self._window_first: tuple[tuple[int, int] | None, tuple[np.ndarray, float] | None] = (None, None)
 
@@ -287,8 +290,12 @@ class StepModel:
         if t is None:
             if len(self._prefill_attn_memo) > 100_000:   # bounded: mixed batches make many distinct keys
                 self._prefill_attn_memo.clear()
-            t = self._prefill_attn_memo[key] = self.kernel_time_s(
-                self._prefill_attention_kernel(BatchShape(prefills)))
+            if self._generic_attention:
+                t = sum(self.kernel_time_s(k) for k in K.attention_kernels(
+                    self.model, BatchShape(prefills), self.config.tp, self.precision))
+            else:
+                t = self.kernel_time_s(self._prefill_attention_kernel(BatchShape(prefills)))
+            self._prefill_attn_memo[key] = t
         return t
 
     def _prefill_attention_kernel(self, batch: BatchShape) -> Kernel:
@@ -304,6 +311,9 @@ class StepModel:
         context) and the roofline is evaluated inline (the same expressions, constants read once in
         ``_decode_consts``); the result equals the generic path's.
         """
+        if self._generic_attention:
+            return sum(self.kernel_time_s(k) for k in K.attention_kernels(
+                self.model, BatchShape((), num_decodes, context_tokens), self.config.tp, self.precision))
         key = (num_decodes, _snap_log(context_tokens / max(num_decodes, 1)))
         hit = self._decode_eta.get(key)
         if hit is None:

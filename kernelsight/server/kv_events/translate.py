@@ -43,6 +43,7 @@ class HashTranslator:
         self.hashed = self.reused = 0         # blocks hashed / whose hash was remembered
         self._lora_ids: dict[str, int] = {}   # vLLM's lora_int_id: 1, 2, ... in order of first use
         self.orphans = 0                      # stored blocks whose parent's hash was unknown (not published)
+        self._group: dict[int, tuple[int, int]] = {}   # key -> (group, window) for keys outside group 0
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -74,7 +75,8 @@ class HashTranslator:
                     else:
                         del copies[key]
                         retired.append(key)
-                    out.append(WireRemoved([vllm[key][1]]))
+                    group = self._group.get(key)
+                    out.append(WireRemoved([vllm[key][1]], group[0] if group else 0))
             elif kind is BlockStored:
                 out_ev = self._stored(ev)
                 if out_ev is not None:
@@ -122,4 +124,9 @@ class HashTranslator:
         lora_id = self._lora_ids.setdefault(lora, len(self._lora_ids) + 1) if lora else None
         if extras is not None and all(e is None for e in extras):
             extras = None
-        return WireStored(wire, parent_wire, tokens, bs, lora_id, lora, extras)
+        window = None
+        if ev.group_idx:
+            window = ev.sliding_window
+            for key in ev.keys:
+                self._group[key] = (ev.group_idx, window or 0)
+        return WireStored(wire, parent_wire, tokens, bs, lora_id, lora, extras, ev.group_idx, window)

@@ -27,11 +27,14 @@ class WireStored:
     lora_id: int | None
     lora_name: str | None
     extra_keys: list[tuple | None] | None
+    group_idx: int = 0                   # the KV-cache group: 0 full attention, 1 a hybrid model's sliding window
+    sliding_window: int | None = None    # the group's window (kv_cache_spec_sliding_window)
 
 
 @dataclass(slots=True)
 class WireRemoved:
     block_hashes: list[Any]
+    group_idx: int = 0
 
 
 @dataclass(slots=True)
@@ -50,12 +53,17 @@ def _as_map(ev: WireEvent) -> dict[str, Any]:
                              "lora_name": ev.lora_name}
         if ev.extra_keys is not None:
             d["extra_keys"] = ev.extra_keys
-        # one KV-cache group (full attention) in every model the simulator runs
-        d["group_idx"] = 0
-        d["kv_cache_spec_kind"] = "full_attention"
+        # group 0 is full attention; a hybrid model's (gpt-oss) sliding-window layers are group 1
+        d["group_idx"] = ev.group_idx
+        if ev.sliding_window is None:
+            d["kv_cache_spec_kind"] = "full_attention"
+        else:
+            d["kv_cache_spec_kind"] = "sliding_window"
+            d["kv_cache_spec_sliding_window"] = ev.sliding_window
         return d
     if isinstance(ev, WireRemoved):
-        return {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": MEDIUM_GPU, "group_idx": 0}
+        return {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": MEDIUM_GPU,
+                "group_idx": ev.group_idx}
     return {"type": "AllBlocksCleared"}
 
 

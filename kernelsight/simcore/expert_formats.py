@@ -1,0 +1,31 @@
+"""The routed experts' GEMM format when a checkpoint quantizes them apart from the rest (gpt-oss: MXFP4).
+
+``expert_gemm_format`` is the one hook the MoE kernels ask. Until the FP4 GEMM pricing lands (a ``mxfp4`` /
+``nvfp4`` format with its own tensor-core peak and η), MXFP4 experts are priced as vLLM runs them on GPUs
+without FP4 tensor cores (Hopper's triton ``matmul_ogs``, Marlin): weights stream as 4-bit values plus one
+8-bit scale per 32 (4.25 bits), dequantized to bf16 and multiplied on the bf16 peak.
+"""
+
+from __future__ import annotations
+
+from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.precision import Precision
+
+#: MXFP4 (OCP microscaling): e2m1 values, one e8m0 scale per 32-element block.
+MXFP4_WEIGHT_BYTES_PER_PARAM = 0.5 + 1.0 / 32.0
+
+
+def mxfp4_bf16_fallback(precision: Precision) -> tuple[str, float]:
+    """MXFP4 weights dequantized in the kernel and multiplied in the activation dtype (bf16)."""
+    return precision.act_dtype, MXFP4_WEIGHT_BYTES_PER_PARAM
+
+
+def expert_gemm_format(model: ModelSpec, precision: Precision) -> tuple[str, float]:
+    """(compute dtype, weight bytes per parameter) of the routed experts' grouped GEMMs."""
+    if model.expert_quantization == "mxfp4":
+        return mxfp4_bf16_fallback(precision)
+    return precision.gemm_dtype, precision.weight_bytes_per_param
+
+
+def expert_weight_bytes_per_param(model: ModelSpec, precision: Precision) -> float:
+    return expert_gemm_format(model, precision)[1]

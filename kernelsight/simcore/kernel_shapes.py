@@ -1,0 +1,197 @@
+"""Kernel primitives: the Kernel record, the batch shape of a step, and the FLOPs/bytes/tiles of one GEMM,
+elementwise or attention kernel. ``kernels.py`` composes them into a model's layers (and re-exports them)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from kernelsight.simcore.gemm_dispatch import fp8_linear_kernel, priced_format
+from kernelsight.simcore.precision import Precision
+
+GEMM = "gemm"
+MOE_GEMM = "moe_gemm"
+ATTN_PREFILL = "attn_prefill"
+ATTN_DECODE = "attn_decode"
+KV_WRITE = "kv_write"
+ROPE = "rope"
+NORM = "norm"
+ACTIVATION = "activation"
+EMBEDDING = "embedding"
+SAMPLER = "sampler"
+ALL_REDUCE = "all_reduce"
+LAUNCH = "launch"
+HOST = "host"
+
+#: Every family a step breakdown reports, in a fixed order (GPU kernels, then communication, then CPU).
+FAMILIES: tuple[str, ...] = (GEMM, MOE_GEMM, ATTN_PREFILL, ATTN_DECODE, KV_WRITE, ROPE, NORM, ACTIVATION,
+                             EMBEDDING, SAMPLER, ALL_REDUCE, LAUNCH, HOST)
+FAMILY_INDEX = {f: i for i, f in enumerate(FAMILIES)}
+
+_GEMM_TILE = 128          # CUTLASS/cuBLAS-class tile edge for large GEMMs
+_GEMM_TILE_SMALL_M = 64   # skinny GEMMs use shorter tiles along m
+_GEMM_K_BLOCK = 64        # k-loop granularity split-K / stream-K schedule
+_ATTN_Q_TILE = 128        # FlashAttention query tile
+_FP32_BYTES = 4.0
+
+#: GEMM weight/compute formats told apart by η (they run different kernels): 4th gemm feature.
+GEMM_FORMAT_CODES: dict[str, int] = {"bf16": 0, "fp16": 0, "fp8": 1, "fp8_block": 2, "int8": 3}
+#: Tensor-core dtype each format computes in (block-scaled fp8 runs the fp8 peak).
+GEMM_COMPUTE_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8_block": "fp8",
+                                      "int8": "int8"}
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One kernel launch (``count`` identical launches, e.g. one per layer)."""
+
+    name: str
+    family: str
+    flops: float
+    bytes_moved: float
+    tiles: int
+    dtype: str
+    features: tuple[float, ...]
+    count: int = 1
+    impl: str = ""   # the vLLM kernel an fp8 linear layer dispatches to (gemm_dispatch); "" for the rest
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """A chunk of one request's prompt computed this step."""
+
+    num_new_tokens: int
+    num_cached_tokens: int   # tokens already in the KV cache before this chunk (prefix hits + earlier chunks)
+    samples: bool            # the chunk completes the prompt, so a token is sampled for it
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What the forward pass of one step computes."""
+
+    prefills: tuple[PrefillChunk, ...] = ()
+    num_decodes: int = 0
+    decode_context_tokens: int = 0   # Σ over decodes of the tokens each attends (incl. the new one)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decodes + sum(p.num_new_tokens for p in self.prefills)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return self.num_decodes + sum(1 for p in self.prefills if p.samples)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + len(self.prefills)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return not self.prefills
+
+
+def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, weight_bytes_per_param: float,
+                act_bytes: float, count: int = 1, family: str = GEMM) -> Kernel:
+    """y[m,n] = x[m,k]·W[k,n]: reads x and W once, writes y.
+
+    ``dtype`` is the format (``bf16``, ``fp16``, ``fp8`` per-tensor W8A8, ``fp8_block`` block-scaled W8A8,
+    ``int8``); the kernel's compute dtype is the tensor-core peak that format runs at.
+    """
+    flops = 2.0 * m * n * k
+    in_bytes = gemm_input_bytes(dtype, act_bytes)
+    bytes_moved = m * k * in_bytes + k * n * weight_bytes_per_param + m * n * act_bytes
+    tiles = gemm_tiles(m, n, k)
+    features = (float(m), float(n), float(k), float(GEMM_FORMAT_CODES.get(dtype, 0)))
+    compute_dtype = GEMM_COMPUTE_DTYPE.get(dtype, dtype)
+    return Kernel(name, family, flops, bytes_moved, tiles, compute_dtype, features, count)
+
+
+def linear_kernel(name: str, m: int, n: int, k: int, precision: Precision, count: int = 1) -> Kernel:
+    """One linear layer's GEMM in the format vLLM runs it: fp8 layers name the kernel vLLM dispatches for the
+    checkpoint's scale type, this GPU and this m (``gemm_dispatch.fp8_linear_kernel``) and take the format that
+    prices it (W8A8 on the fp8 peak; Marlin's weight-only FP8 on the bf16 peak with 1-byte weights)."""
+    w, a = precision.weight_bytes_per_param, precision.act_bytes
+    if precision.weight_dtype != "fp8" or precision.fp8_scheme is None:
+        return gemm_kernel(name, m, n, k, precision.gemm_dtype, w, a, count)
+    impl = fp8_linear_kernel(precision.fp8_scheme, precision.compute_capability or "9.0", m, n, k)
+    fmt = priced_format(impl)
+    if fmt != "fp8":
+        fmt = precision.act_dtype
+    return replace(gemm_kernel(name, m, n, k, fmt, w, a, count), impl=impl)
+
+
+def gemm_input_bytes(dtype: str, act_bytes: float) -> float:
+    """Bytes per input activation element: W8A8 formats quantize activations to 1 byte first."""
+    return 1.0 if dtype in ("fp8", "fp8_block", "int8") else act_bytes
+
+
+def gemm_tiles(m: int, n: int, k: int | None = None) -> int:
+    """Schedulable work units: output tiles × k-blocks.
+
+    cuBLAS/CUTLASS split the k loop (split-K / stream-K) when output tiles alone cannot fill the SMs, so
+    a 128×4096×4096 GEMM does not idle 100 of 132 SMs: wave quantization applies to k-blocks too
+    (fitting on H100/L40S GEMMs: 19% → 9% error of the smooth η form versus output tiles only).
+    """
+    tile_m = _GEMM_TILE_SMALL_M if m <= _GEMM_TILE_SMALL_M else _GEMM_TILE
+    k_blocks = math.ceil(k / _GEMM_K_BLOCK) if k else 1
+    return math.ceil(m / tile_m) * math.ceil(n / _GEMM_TILE) * k_blocks
+
+
+def elementwise_kernel(name: str, family: str, bytes_moved: float, dtype: str, count: int = 1) -> Kernel:
+    # Bandwidth-bound: FLOPs are negligible next to bytes; tiles only matter for the compute roof.
+    return Kernel(name, family, 0.0, bytes_moved, 1, dtype, (float(bytes_moved),), count)
+
+
+def attention_prefill_kernel(chunks: tuple[PrefillChunk, ...], q_heads: int, kv_heads: int, head_dim: int,
+                             act_bytes: float, kv_bytes: float, window: int | None = None,
+                             count: int = 1) -> Kernel:
+    """Causal attention of each chunk's new queries over its cached prefix plus itself."""
+    pairs = 0.0
+    kv_tokens = 0
+    tiles = 0
+    new_tokens = 0
+    for c in chunks:
+        q, p = c.num_new_tokens, c.num_cached_tokens
+        # query i (0-based) attends p + i + 1 keys (capped by the sliding window)
+        full = q * p + q * (q + 1) / 2.0
+        pairs += min(full, q * window) if window else full
+        kv_tokens += p + q
+        tiles += math.ceil(q / _ATTN_Q_TILE)
+        new_tokens += q
+    flops = 4.0 * q_heads * head_dim * pairs
+    bytes_moved = (2.0 * new_tokens * q_heads * head_dim * act_bytes
+                   + kv_tokens * 2.0 * kv_heads * head_dim * kv_bytes)
+    n = max(len(chunks), 1)
+    features = (float(len(chunks)), new_tokens / n, kv_tokens / n, float(q_heads), float(kv_heads),
+                float(head_dim), float(kv_bytes), float(window or 0))
+    return Kernel("attention_prefill", ATTN_PREFILL, flops, bytes_moved, max(tiles * q_heads, 1), "bf16",
+                  features, count)
+
+
+def attention_decode_kernel(num_decodes: int, context_tokens: int, q_heads: int, kv_heads: int,
+                            head_dim: int, act_bytes: float, kv_bytes: float, count: int = 1,
+                            window: int | None = None) -> Kernel:
+    """One query per sequence over its own context: reads the whole KV of every sequence once.
+
+    With a sliding window each sequence reads at most ``window`` keys (ragged contexts are approximated
+    by their mean when capping).
+    """
+    features = (float(num_decodes), context_tokens / max(num_decodes, 1), float(q_heads), float(kv_heads),
+                float(head_dim), float(kv_bytes), float(window or 0))
+    if window and num_decodes:
+        context_tokens = int(min(context_tokens, num_decodes * window))
+    flops = 4.0 * q_heads * head_dim * context_tokens
+    bytes_moved = (context_tokens * 2.0 * kv_heads * head_dim * kv_bytes
+                   + 2.0 * num_decodes * q_heads * head_dim * act_bytes)
+    return Kernel("attention_decode", ATTN_DECODE, flops, bytes_moved, max(num_decodes * q_heads, 1), "bf16",
+                  features, count)
+
+
+def expected_active_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    """Experts hit at least once when ``tokens`` tokens each pick top_k distinct experts of num_experts uniformly.
+
+    One token misses a given expert with probability 1 - top_k/num_experts, so the exponent is the token count,
+    not tokens x top_k (that would count one token as hitting ~52 of Qwen3-30B's 128 experts instead of 8)."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
