@@ -443,6 +443,11 @@ class EngineBridge:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
 
+    def wake(self) -> None:
+        """Something outside a submission can let the engine progress (a P/D pull freed held blocks)."""
+        if self._wake is not None:
+            self._wake.set()
+
     async def _wait_wake(self, until_v: float | None) -> bool:
         """Wait for a submission's wake-up or the virtual time ``until_v`` (None: no limit); True if woken."""
         assert self._wake is not None

@@ -8,13 +8,12 @@ import argparse
 import json
 import os
 
-from kernelsight.argtypes import OneLineParser, non_negative_float, positive_float, positive_int
-from kernelsight.engine_args import add_engine_args
+from kernelsight.argtypes import OneLineParser, positive_int
+from kernelsight.engine_args import add_engine_args, add_kv_link_args
 from kernelsight.server.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
 from kernelsight.server.kv_events.config import parse_kv_events_config
 from kernelsight.server.kv_transfer import parse_kv_transfer_config
 from kernelsight.server.options import ServerOptions, env_allows_lora_updates
-from kernelsight.simcore.kv_transfer import LINK_KINDS
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
 SERVE_DESCRIPTION = ("A drop-in `vllm serve`: same flags and wire format; tokens are released when the simulated "
@@ -124,13 +123,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--kv-events-array-like", action="store_true",
                      help="encode KV events as positional arrays (vLLM <= 0.11's array_like structs) instead of "
                           "0.33's tagged maps")
-    sim.add_argument("--kv-transfer-link", choices=LINK_KINDS, default=None,
-                     help="the link a decode instance pulls prompt KV over (default: nvlink where the GPU has it, "
-                          "else pcie; infiniband, roce, tcp: nominal per-GPU NIC rates)")
-    sim.add_argument("--kv-transfer-bandwidth-gbps", type=positive_float, default=None, metavar="GBPS",
-                     help="override the link's bandwidth per GPU, one direction (Gb/s)")
-    sim.add_argument("--kv-transfer-latency-us", type=non_negative_float, default=None, metavar="US",
-                     help="override the link's per-pull latency (µs)")
+    add_kv_link_args(sim)
     sim.add_argument("--record-timings", action="store_true",
                      help="keep per-request virtual token times, served at GET /kernelsight/timings")
     f = p.add_argument_group("fault injection (off by default; GET/POST /kernelsight/faults changes it live)")

@@ -360,7 +360,14 @@ class Engine:
             # Nothing could be scheduled (every block held, nothing running to preempt): only an abort or
             # a new arrival can change that, so jump to the next arrival instead of spinning.
             nxt = self.next_arrival_s
-            if nxt is None:
+            rel = self.next_release_s() if self._held else None      # P/D: blocks kept for a decode side
+            if rel is not None and (nxt is None or rel < nxt):
+                nxt = rel
+            if nxt is None or (until_s is not None and nxt > until_s and self._held):
+                if self._held:
+                    # only the decode side's pull (release_held) can free blocks before then: wait for it
+                    self._pending_events = events
+                    return None
                 raise RuntimeError("scheduler made no progress and no arrival can change that")
             self._pending_events = events
             self.now_s = max(nxt, self.now_s)

@@ -28,5 +28,6 @@ async def notify(request: Request) -> Response:
             freed = agent.release(request_id)
             bridge = next(b for b in server_state(request).bridges if b.kv_agent is agent)
             bridge.refresh_gauges()
+            bridge.wake()             # requests waiting for blocks may run now
             return json_response({"freed": freed})
     raise not_found(f"no KV transfer engine {engine_id!r} here", "remote_engine_id")
