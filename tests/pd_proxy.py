@@ -57,6 +57,12 @@ def make_proxy(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="application/json")
 
+    @app.get("/v1/models")
+    async def models():
+        # not in vLLM's toy proxy; load generators (kernelsight bench, vllm bench serve) ask for it first
+        r = await decode[0].get("/models")
+        return r.json()
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle("/completions", request)
