@@ -148,6 +148,8 @@ def _pd_split(ns: argparse.Namespace, config: Any) -> tuple[int, int] | None:
         return None
     if ns.replicas > 1 or config.args.data_parallel_size > 1:
         raise ValueError("--pd runs single engines per instance: leave out --replicas and --data-parallel-size")
+    if ns.timeline:
+        raise ValueError("--timeline is not recorded for --pd (the instances' steps interleave); leave it out")
     return parse_pd(ns.pd)
 
 

@@ -395,6 +395,7 @@ class EngineBridge:
                     await self._wake.wait()
                 elif not await self._wait_wake(due):
                     eng.free_expired(self.virtual_now())     # P/D: unpulled blocks past their abort timeout
+                    self.refresh_gauges()
                 continue
             await self._read_window()
             await turn_gate().wait(first=True)     # the step's computation takes a turn of its own
