@@ -142,10 +142,11 @@ def test_unpulled_blocks_are_freed_after_the_abort_timeout(monkeypatch):
             NIXL]
     with ServerThread(argv) as p:
         free0 = _free_blocks(p)
-        body = {"model": "m", "prompt": _prompt(3), "max_tokens": 1, "ignore_eos": True,
-                "kv_transfer_params": {"do_remote_decode": True}}
-        r = httpx.post(p.base_url + "/v1/completions", json=body, timeout=30)
-        assert r.json()["kv_transfer_params"]["remote_block_ids"]
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 300}], "max_tokens": 1,
+                "ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}}      # chat answers them too
+        r = httpx.post(p.base_url + "/v1/chat/completions", json=body, timeout=30)
+        (blocks,) = r.json()["kv_transfer_params"]["remote_block_ids"]
+        assert len(blocks) == math.ceil(r.json()["usage"]["prompt_tokens"] / 16)
         assert _held(p) == 1 or _free_blocks(p) == free0     # (a starved test thread may look only after 0.1 s)
         assert _wait_for(lambda: _held(p) == 0)
         assert _free_blocks(p) == free0
