@@ -49,3 +49,17 @@ def range_ratio(text: str) -> float:
     if not 0.0 <= v < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return v
+
+
+def positive_float(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
+    return v

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from kernelsight.argtypes import OneLineParser, positive_int
-from kernelsight.engine_args import add_engine_args, create_engine_config, engine_args_from
+from kernelsight.engine_args import (
+    add_engine_args,
+    add_kv_link_args,
+    create_engine_config,
+    engine_args_from,
+    kv_link_from,
+)
 from kernelsight.plan.cli import add_plan_parser
 from kernelsight.profiles.accuracy import describe_expected_error, expected_error
 
@@ -34,6 +40,11 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=positive_int, default=1,
                    help="independent engines behind a round-robin router (request i goes to engine i mod N); "
                         "the timeline is engine 0's (default: 1)")
+    pd = p.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--pd", default=None, metavar="XPyD",
+                    help="X prefill and Y decode engines of this configuration behind vLLM's toy-proxy semantics "
+                         "(e.g. 1P1D, 2P3D): prefill with max_tokens 1, KV pulled over --kv-transfer-link, decode")
+    add_kv_link_args(pd)
     p.set_defaults(func=cmd_simulate)
 
 
@@ -57,8 +68,16 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) are longer than max_model_len={config.scheduler.max_model_len} "
                          f"(longest {max(too_long)} tokens)")
+    pd = _pd_split(ns, config)
     bar = Progress(len(samples), "requests (simulated)", enabled=ns.progress)
-    res = run_replicas(config, samples, wl.arrivals_s, ns.replicas, max_concurrency=ns.max_concurrency,
+    if pd is not None:
+        from kernelsight.loadgen.pd_fastforward import run_pd
+
+        res = run_pd(config, samples, wl.arrivals_s, *pd, link=kv_link_from(ns, config.hardware),
+                     max_concurrency=ns.max_concurrency, ignore_eos=wl.ignore_eos,
+                     on_finished=bar.update if bar.enabled else None)
+    else:
+        res = run_replicas(config, samples, wl.arrivals_s, ns.replicas, max_concurrency=ns.max_concurrency,
                            ignore_eos=wl.ignore_eos, record_timeline=ns.timeline is not None or ns.plot is not None,
                            on_finished=bar.update if bar.enabled else None)
     bar.close()
@@ -69,7 +88,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                            request_rate=wl.request_rate, burstiness=ns.burstiness, max_concurrency=ns.max_concurrency)
     busy = sum(res.breakdown_s.values()) or 1.0
     extra: dict[str, Any] = {
-        "config": {**config.summary(), "replicas": ns.replicas},
+        "config": {**config.summary(), "replicas": ns.replicas, **({"pd": ns.pd.upper()} if pd else {})},
         "kernel_time_breakdown": {f: {"seconds": round(s, 6), "fraction": round(s / busy, 5)}
                                   for f, s in res.breakdown_s.items()},
         "simulator": res.simulator_stats(),
@@ -79,7 +98,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
     s = config.summary()
     dp = f"DP {s['data_parallel_size']}{'+EP' if config.expert_parallel else ''}, " if 'data_parallel_size' in s else ""
-    replicas = f"{ns.replicas} replicas × " if ns.replicas > 1 else ""
+    replicas = f"{ns.replicas} replicas × " if ns.replicas > 1 else (f"{ns.pd.upper()} × " if pd else "")
     print(f"kernelsight simulate: {s['model']} on {replicas}{s['hardware']} ({dp}TP {s['tensor_parallel_size']}, "
           f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {s['calibration_tier']})")
     print(f"  {describe_expected_error(s['calibration_tier'])}")
@@ -97,6 +116,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if res.ranks:
         print("Data-parallel ranks" + (" (expert-parallel lockstep):" if config.expert_parallel else ":"))
         print(format_table(rank_rows(res.ranks), list(RANK_COLUMNS)))
+    if res.pd is not None:
+        _print_pd(res.pd)
     sim = result["simulator"]
     print(f"Simulated {res.duration_s:.1f} s in {sim['wall_s']:.2f} s of wall time ({sim['num_steps']} steps, "
           f"{sim['num_preemptions']} preemptions, prefix-cache hit rate {100 * sim['prefix_cache_hit_rate']:.1f}%)")
@@ -118,6 +139,32 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                         summary=summary, timeline=timeline)
         print(f"wrote {ns.plot}")
     return 0
+
+
+def _pd_split(ns: argparse.Namespace, config: Any) -> tuple[int, int] | None:
+    """``--pd XPyD`` → (X, Y); None without it. P/D engines are single engines: no --replicas or DP with it."""
+    from kernelsight.loadgen.pd_fastforward import parse_pd
+
+    if ns.pd is None:
+        if ns.kv_transfer_link or ns.kv_transfer_bandwidth_gbps or ns.kv_transfer_latency_us is not None:
+            raise ValueError("--kv-transfer-link/-bandwidth-gbps/-latency-us need --pd")
+        return None
+    if ns.replicas > 1 or config.args.data_parallel_size > 1:
+        raise ValueError("--pd runs single engines per instance: leave out --replicas and --data-parallel-size")
+    if ns.timeline:
+        raise ValueError("--timeline is not recorded for --pd (the instances' steps interleave); leave it out")
+    return parse_pd(ns.pd)
+
+
+def _print_pd(pd: dict[str, Any]) -> None:
+    from kernelsight.loadgen.pd_fastforward import PD_COLUMNS
+    from kernelsight.loadgen.report import format_table
+
+    link = pd["link"]
+    print(f"Prefill/decode instances ({pd['prefill']}P{pd['decode']}D; KV pulled over {link['kind']}: "
+          f"{link['bytes_per_s'] * 8 / 1e9:.0f} Gb/s per GPU, {link['latency_s'] * 1e6:.0f} µs per pull):")
+    rows = [{**r, "peak_kv_%": round(100 * r["peak_kv_usage"], 2)} for r in pd["instances"]]
+    print(format_table(rows, list(PD_COLUMNS)))
 
 
 def _json_default(o: Any) -> Any:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 
 from kernelsight import profiles
-from kernelsight.argtypes import fraction, non_negative_int, positive_int
+from kernelsight.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
 from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
     DEFAULT_ALL2ALL_BACKEND,
     DEFAULT_EXPERT_LOAD_IMBALANCE,
 )
+from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.kv_transfer import LINK_KINDS, KVLink, kv_link
 
 __all__ = ["DEFAULT_HARDWARE", "DEFAULT_MODEL", "EngineArgs", "add_engine_args", "create_engine_config",
            "engine_args_from"]
@@ -122,3 +124,21 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     hw = profiles.load_hardware(args.hardware)
     calib = profiles.load_calibration(hw.name, args.calibration)
     return resolve_engine_config(args, model, hw, calib)
+
+
+def add_kv_link_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The link a P/D decode instance pulls prompt KV over (serve and simulate; ``simcore/kv_transfer.py``)."""
+    p.add_argument("--kv-transfer-link", choices=LINK_KINDS, default=None,
+                   help="the link a decode instance pulls prompt KV over (default: nvlink where the GPU has it, "
+                        "else pcie; infiniband, roce, tcp: nominal per-GPU NIC rates)")
+    p.add_argument("--kv-transfer-bandwidth-gbps", type=positive_float, default=None, metavar="GBPS",
+                   help="override the link's bandwidth per GPU, one direction (Gb/s)")
+    p.add_argument("--kv-transfer-latency-us", type=non_negative_float, default=None, metavar="US",
+                   help="override the link's per-pull latency (µs)")
+
+
+def kv_link_from(ns: argparse.Namespace, hw: HardwareSpec) -> KVLink:
+    """The link of ``add_kv_link_args``'s flags on ``hw`` (ValueError: e.g. nvlink on a GPU without it)."""
+    lat = ns.kv_transfer_latency_us
+    return kv_link(hw, ns.kv_transfer_link, bandwidth_gbps=ns.kv_transfer_bandwidth_gbps,
+                   latency_s=None if lat is None else lat * 1e-6)

@@ -62,6 +62,7 @@ class FastForwardResult:
     finish_reasons: dict[str, int]
     timeline: list[tuple] | None = None
     ranks: list[dict[str, Any]] | None = None     # per data-parallel rank (DP > 1): see RankStats.summary
+    pd: dict[str, Any] | None = None              # a P/D deployment (loadgen/pd_fastforward.py): link, instances
 
     def simulator_stats(self) -> dict[str, Any]:
         wall = max(self.wall_s, 1e-9)
@@ -73,6 +74,8 @@ class FastForwardResult:
                "finish_reasons": self.finish_reasons}
         if self.ranks is not None:
             out["data_parallel_ranks"] = self.ranks
+        if self.pd is not None:
+            out["pd"] = self.pd
         return out
 
 

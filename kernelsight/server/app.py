@@ -24,6 +24,7 @@ from kernelsight.server.routes import (
     chat,
     completions,
     kv_cache,
+    kv_transfer,
     lora,
     models,
     scale_out,
@@ -62,6 +63,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
     _include(app, admin.router)
     _include(app, tokenize.router)
     _include(app, kv_cache.router)
+    _include(app, kv_transfer.router)
     if kv_cache.dev_mode():
         _include(app, kv_cache.dev_router)
         _include(app, sleep.dev_router)

@@ -37,6 +37,7 @@ from typing import Protocol
 
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
 from kernelsight.server.kv_events.publisher import KVEventPublisher
+from kernelsight.server.kv_transfer import KVTransferAgent
 from kernelsight.server.lateness import LatenessWatch
 from kernelsight.server.metrics import EngineMetrics
 from kernelsight.server.output_tokens import OutputTokens
@@ -164,6 +165,7 @@ class EngineBridge:
         self.kv_publisher = kv_publisher
         if kv_publisher is not None:
             self.engine.kv.enable_events()
+        self.kv_agent: KVTransferAgent | None = None   # --kv-transfer-config: P/D disaggregation (ServerState)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -262,7 +264,8 @@ class EngineBridge:
     def submit(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, *, min_tokens: int = 0,
                ignore_eos: bool = False, priority: int = 0, extra_keys: tuple | None = None,
                keys: list[int] | None = None, echo_output: bool = False, label: str | None = None,
-               arrival_wall_s: float | None = None) -> Submission:
+               arrival_wall_s: float | None = None, hold_kv: bool = False,
+               remote_prefill: bool = False) -> Submission:
         """Queue one engine request per prompt (each fanning out into n sequences).
 
         ``arrival_wall_s``: perf_counter() when the request reached the server (default: now). The time it then
@@ -272,7 +275,8 @@ class EngineBridge:
         v = self.virtual_now()
         if arrival_wall_s is not None:
             v = min(v, max((arrival_wall_s - self._wall0) * self.time_scale, 0.0))
-        idle = not eng.has_unfinished()
+        # nothing to step before this request (idle, or only KV pulls in flight): wake the loop
+        idle = not eng.num_running and not eng.num_waiting
         # the true (wall-mapped) arrival, even when it is before now_s: mid-step (also while the step in flight
         # finishes every request, so the engine already looks idle) the request joins at the next boundary and
         # waits for it, as in vLLM; if the loop lags behind wall time it joins the first step starting later
@@ -287,7 +291,8 @@ class EngineBridge:
                 outs.append(OutputTokens(self.tok, key, mt, prompt if echo_output else None))
             seq_ids = eng.add_request(eid, prompt, mt, min_tokens=min(min_tokens, mt), ignore_eos=ignore_eos, n=n,
                                       priority=priority, arrival_s=arrival, extra_keys=extra_keys,
-                                      output_token_ids=outs[0] if n == 1 else None)
+                                      output_token_ids=outs[0] if n == 1 else None, hold_kv=hold_kv,
+                                      remote_prefill=remote_prefill)
             ids.append(eid)
             for i, sid in enumerate(seq_ids):
                 req = eng.get_request(sid)
@@ -341,7 +346,9 @@ class EngineBridge:
                 s.finished, s.finish_reason = True, "abort"
         for eid in sub.engine_ids:
             self.engine.abort(eid)
-        self._refresh_gauges()
+        if self.kv_agent is not None:
+            self.kv_agent.announce_pulls()      # an aborted remote prefill frees the prefill side's blocks
+        self.refresh_gauges()
 
     def abort_all(self) -> None:
         """Abort every request in flight (sleep mode's ``mode=abort``): blocks freed, handlers woken to see it."""
@@ -366,9 +373,9 @@ class EngineBridge:
         self._subs_of.pop(seq.seq_id, None)
         self.engine.abort(seq.seq_id)
         self._record_finish(seq, reason, seq.last_token_v, num_tokens)
-        self._refresh_gauges()
+        self.refresh_gauges()
 
-    def _refresh_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
         if self.metrics is not None:
             e = self.engine
             self.metrics.set_gauges(e.num_running, e.num_waiting, e.kv.usage)
@@ -380,16 +387,22 @@ class EngineBridge:
         while not self._closing:
             if not eng.has_unfinished():
                 self._wake.clear()
-                self._refresh_gauges()
+                self.refresh_gauges()
                 if gc_owner():
                     collect_when_idle()   # costs nobody a deadline
-                await self._wake.wait()
+                due = eng.next_release_s() if eng.num_held else None
+                if due is None:
+                    await self._wake.wait()
+                elif not await self._wait_wake(due):
+                    eng.free_expired(self.virtual_now())     # P/D: unpulled blocks past their abort timeout
+                    self.refresh_gauges()
                 continue
             await self._read_window()
             await turn_gate().wait(first=True)     # the step's computation takes a turn of its own
             try:
                 t_busy = time.perf_counter()
-                res = eng.step(max_steps=1)
+                # with KV pulls in flight the engine must not jump its clock to their end: wait for it instead
+                res = eng.step(max_steps=1, until_s=self.virtual_now() if self.kv_agent is not None else None)
             except Exception:  # noqa: BLE001 - keep serving; the failing requests are aborted
                 log.exception("engine step failed; aborting in-flight requests")
                 for sub in set(self._subs_of.values()):
@@ -397,11 +410,21 @@ class EngineBridge:
                     sub.event.set()
                 continue
             if res is None:
-                nxt = eng.next_arrival_s      # only future arrivals left: wait for the first one
+                nxt = eng.next_arrival_s      # only future arrivals (or KV pulls) left: wait for the first one
                 if nxt is None:
+                    if self.kv_agent is not None:        # pulls waiting for blocks that held ones keep
+                        self._wake.clear()
+                        await self._wait_wake(eng.next_release_s())
+                        eng.free_expired(self.virtual_now())
                     continue
-                await asyncio.sleep(max(self.wall_of(nxt) - time.perf_counter(), 0.0))
+                if self.kv_agent is None:
+                    await asyncio.sleep(max(self.wall_of(nxt) - time.perf_counter(), 0.0))
+                else:
+                    self._wake.clear()
+                    await self._wait_wake(nxt)
                 continue
+            if self.kv_agent is not None:
+                self.kv_agent.announce_pulls()
             # yield between the phases of a step's work (here and after the writes): sockets are read (arrival
             # stamps) and one request is admitted between them, not after several ms of engine work
             await asyncio.sleep(0)
@@ -420,6 +443,23 @@ class EngineBridge:
             # let handlers write this step's chunks before the next step's scheduling work
             await asyncio.sleep(0)
             await asyncio.sleep(0)
+
+    def wake(self) -> None:
+        """Something outside a submission can let the engine progress (a P/D pull freed held blocks)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _wait_wake(self, until_v: float | None) -> bool:
+        """Wait for a submission's wake-up or the virtual time ``until_v`` (None: no limit); True if woken."""
+        assert self._wake is not None
+        if until_v is None:
+            await self._wake.wait()
+            return True
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(self.wall_of(until_v) - time.perf_counter(), 0.0))
+        except TimeoutError:
+            return False
+        return True
 
     def read_window_s(self, now: float) -> float:
         """How long the loop may keep reading sockets before computing the next step (≤ 0: not at all)."""

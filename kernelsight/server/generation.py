@@ -27,6 +27,7 @@ from kernelsight.server.faults import (
     drop_connection,
     request_fault_error,
 )
+from kernelsight.server.kv_transfer import NO_TRANSFER, transfer_role
 from kernelsight.server.logprobs import MAX_LOGPROBS
 from kernelsight.server.protocol.version import MAX_STOP_STRINGS
 from kernelsight.server.sleep_mode import SLEEPING_MESSAGE
@@ -176,6 +177,7 @@ class Generation:
         self.model = lora or state.model_name
         self.created = int(time.time())
         self.echo_text: str | None = None
+        self.kv_role = NO_TRANSFER            # P/D disaggregation: what kv_transfer_params asked of this instance
         self.tail_done = False                 # streaming: the usage chunk and [DONE] are rendered
         self._role_sent = False
         self._echoed: set[int] = set()
@@ -301,13 +303,19 @@ class Generation:
         self.fault = fault
         self._fault_at = max(1, limits[0] // 2)       # stream-abort / stream-stall strike half-way
         self._raw_send = self.request.scope.get(RAW_SEND_KEY)
+        if bridge.kv_agent is not None:
+            self.kv_role = transfer_role(req.kv_transfer_params, len(prompts) * req.n == 1)
+            self.kv_bridge = bridge
         extra = ("lora", self.lora) if self.lora else None
         if req.cache_salt:
             extra = (*(extra or ()), "cache_salt", req.cache_salt)
         sub = bridge.submit([ids for ids, _ in prompts], limits, req.n, min_tokens=req.min_tokens,
                             ignore_eos=req.ignore_eos, priority=self._priority(), extra_keys=extra,
                             keys=self._keys(prompts), echo_output=self.state.opts.output_mode == "echo",
-                            label=self.rid, arrival_wall_s=self.request.scope.get(RECV_KEY))
+                            label=self.rid, arrival_wall_s=self.request.scope.get(RECV_KEY),
+                            hold_kv=self.kv_role.hold_kv, remote_prefill=self.kv_role.source is not None)
+        if self.kv_role.source is not None:
+            bridge.kv_agent.expect_pull(sub.seqs[0].seq_id, self.kv_role.source)
         admission_done(self.request.scope)
         self.views = [_SeqView(s, self.stops, req.include_stop_str_in_output) for s in sub.seqs]
         if req.stream:
@@ -442,7 +450,8 @@ class Generation:
                     "usage": self._usage(total, details_null=True),
                     "prompt_logprobs": self._choice_prompt_lp(0),
                     "prompt_token_ids": self.prompts[0][0] if self.req.return_token_ids else None,
-                    "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+                    "prompt_text": None, "kv_transfer_params": self._kv_transfer_params(), "ec_transfer_params": None,
+                    "metrics": None}
         n = self.req.n
         choices = []
         for v in self.views:
@@ -466,8 +475,17 @@ class Generation:
     def _completion_envelope(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "service_tier": None, "system_fingerprint": self.state.fingerprint,
-                "usage": self._usage(completion_tokens, details_null=True), "kv_transfer_params": None,
+                "usage": self._usage(completion_tokens, details_null=True),
+                "kv_transfer_params": self._kv_transfer_params() if self.views else None,
                 "ec_transfer_params": None, "metrics": None}
+
+    def _kv_transfer_params(self) -> dict[str, Any] | None:
+        """A prefill instance's answer to do_remote_decode: where the decode side pulls the KV from."""
+        if not self.kv_role.hold_kv:
+            return None
+        url = self.request.url
+        return self.kv_bridge.kv_agent.response_params(self.views[0].seq.seq_id, url.hostname or "localhost",
+                                                       url.port or 80)
 
     def _echo_only(self, prompts: list[tuple[list[int], str | None]]) -> Response:
         """echo with max_tokens=0: the prompt back, no generation."""

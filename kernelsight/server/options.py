@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kernelsight.server.faults import FaultConfig
 from kernelsight.server.kv_events.config import KVEventsConfig
+from kernelsight.server.kv_transfer import KVTransferConfig
 
 
 @dataclass
@@ -44,6 +45,10 @@ class ServerOptions:
     shutdown_timeout_s: float = 0.0            # on SIGTERM: wait this long for in-flight requests, then abort them
     enable_sleep_mode: bool = False            # /sleep and /wake_up act (dev mode registers them)
     show_hidden_metrics_for_version: str | None = None   # e.g. "0.10": the deprecated metric names come back
+    kv_transfer: KVTransferConfig | None = None          # --kv-transfer-config: P/D disaggregation
+    kv_transfer_link: str | None = None                  # --kv-transfer-link (None: the GPU profile's default)
+    kv_transfer_bandwidth_gbps: float | None = None
+    kv_transfer_latency_us: float | None = None
 
 
 def env_allows_lora_updates() -> bool:

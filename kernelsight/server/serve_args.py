@@ -9,9 +9,10 @@ import json
 import os
 
 from kernelsight.argtypes import OneLineParser, positive_int
-from kernelsight.engine_args import add_engine_args
+from kernelsight.engine_args import add_engine_args, add_kv_link_args
 from kernelsight.server.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
 from kernelsight.server.kv_events.config import parse_kv_events_config
+from kernelsight.server.kv_transfer import parse_kv_transfer_config
 from kernelsight.server.options import ServerOptions, env_allows_lora_updates
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
@@ -86,6 +87,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "\"buffer_steps\": ..., \"hwm\": ..., \"max_queue_size\": ..., \"publisher\": "
                         "\"zmq\"|\"null\"}; DP rank r (and replica i of --replicas, after the ranks of the "
                         "replicas before it) adds its offset to the ports")
+    s.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None, metavar="JSON",
+                   help="prefill/decode disaggregation, as vLLM's: {\"kv_connector\": \"NixlConnector\", \"kv_role\": "
+                        "\"kv_both\"} (kv_producer/kv_consumer/kv_both; engine_id, kv_connector_extra_config, ...); "
+                        "requests' kv_transfer_params then follow the NIXL connector's protocol (README: P/D)")
     s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to this "
                         "long, then abort the rest (streams end with finish_reason \"abort\" and [DONE]); as vLLM's, "
@@ -118,6 +123,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--kv-events-array-like", action="store_true",
                      help="encode KV events as positional arrays (vLLM <= 0.11's array_like structs) instead of "
                           "0.33's tagged maps")
+    add_kv_link_args(sim)
     sim.add_argument("--record-timings", action="store_true",
                      help="keep per-request virtual token times, served at GET /kernelsight/timings")
     f = p.add_argument_group("fault injection (off by default; GET/POST /kernelsight/faults changes it live)")
@@ -243,4 +249,6 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         max_num_queued_reqs=ns.max_num_queued_reqs, max_num_queued_tokens=ns.max_num_queued_tokens,
         kv_events=ns.kv_events_config, kv_events_array_like=ns.kv_events_array_like,
         prefix_caching_hash_algo=ns.prefix_caching_hash_algo, enable_sleep_mode=ns.enable_sleep_mode,
-        show_hidden_metrics_for_version=ns.show_hidden_metrics_for_version)
+        show_hidden_metrics_for_version=ns.show_hidden_metrics_for_version, kv_transfer=ns.kv_transfer_config,
+        kv_transfer_link=ns.kv_transfer_link, kv_transfer_bandwidth_gbps=ns.kv_transfer_bandwidth_gbps,
+        kv_transfer_latency_us=ns.kv_transfer_latency_us)

@@ -3,6 +3,7 @@ as ``app.state.ks``; ``server_state`` gets it from a request."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -14,6 +15,7 @@ from kernelsight.server.bridge import EngineBridge
 from kernelsight.server.errors import APIError, not_found
 from kernelsight.server.faults import BUSY_MESSAGE, FAULT_TYPES, TOKEN_BACKLOG_MESSAGE, FaultConfig, FaultInjector
 from kernelsight.server.kv_events.publisher import KVEventPublisher
+from kernelsight.server.kv_transfer import KVTransferAgent
 from kernelsight.server.logprobs import LogprobSynth
 from kernelsight.server.metrics import ServerMetrics
 from kernelsight.server.options import ServerOptions
@@ -21,6 +23,7 @@ from kernelsight.server.protocol.version import VLLM_VERSION
 from kernelsight.server.sleep_mode import SleepMode
 from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.kv_transfer import kv_link
 
 
 class ServerState:
@@ -43,6 +46,7 @@ class ServerState:
                                      opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
                                      engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers
                                      else None) for i in range(n)]
+        self.kv_agents = _kv_transfer_agents(config, opts, self.bridges, first)
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size
@@ -117,6 +121,22 @@ def _kv_publishers(config: EngineConfig, opts: ServerOptions, replica_index: int
             p.shutdown()
         raise
     return pubs
+
+
+def _kv_transfer_agents(config: EngineConfig, opts: ServerOptions, bridges: list[EngineBridge],
+                        first_rank: int) -> list[KVTransferAgent]:
+    """--kv-transfer-config: each engine prices pulls over the chosen link and gets a connector agent."""
+    cfg = opts.kv_transfer
+    if cfg is None or not cfg.is_kv_transfer_instance:
+        return []
+    link = kv_link(config.hardware, opts.kv_transfer_link, bandwidth_gbps=opts.kv_transfer_bandwidth_gbps,
+                   latency_s=None if opts.kv_transfer_latency_us is None else opts.kv_transfer_latency_us * 1e-6)
+    agents = []
+    for i, b in enumerate(bridges):
+        b.engine.kv_transfer = dataclasses.replace(b.engine.kv_transfer, link=link)
+        b.kv_agent = KVTransferAgent(cfg, b.engine, first_rank + i, config.args.tensor_parallel_size)
+        agents.append(b.kv_agent)
+    return agents
 
 
 def _cache_config_info(config: EngineConfig, hash_algo: str = "sha256") -> dict[str, Any]:

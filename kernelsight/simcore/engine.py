@@ -21,6 +21,7 @@ import numpy as np
 
 from kernelsight.simcore.kernels import FAMILIES
 from kernelsight.simcore.kv_cache import KVCacheManager
+from kernelsight.simcore.kv_transfer import KVTransferModel
 from kernelsight.simcore.output_len import OutputLengthModel
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
 from kernelsight.simcore.scheduler import Scheduler, SchedulerConfig
@@ -31,6 +32,8 @@ FIRST_TOKEN = "first_token"
 TOKENS = "tokens"
 FINISHED = "finished"
 PREEMPTED = "preempted"
+#: vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default: a prefill instance frees blocks nobody pulled after this long.
+NIXL_ABORT_REQUEST_TIMEOUT_S = 480.0
 
 
 @dataclass(slots=True)
@@ -108,16 +111,32 @@ class Engine:
         self._requests: dict[str, Request] = {}          # live sequences by id
         self._children: dict[str, list[str]] = {}        # parent id -> sequence ids (n > 1)
         self._pending_events: list[RequestEvent] = []     # aborts between steps
+        # prefill/decode disaggregation (see ``add_request``'s hold_kv / remote_prefill)
+        self.kv_transfer: KVTransferModel | None = None   # prices a decode side's pull; set by the builder
+        self.abort_timeout_s = NIXL_ABORT_REQUEST_TIMEOUT_S
+        self._held: dict[str, tuple[Request, float]] = {}   # prefill side: id -> (request, expiry), blocks kept
+        self._releases: list[tuple[float, str]] = []         # prefill side: frees due at a time (pulls, timeouts)
+        self._pull_blocked: list[Request] = []               # decode side: arrived, waiting for free blocks
+        self._pulled: list[tuple[str, float]] = []           # decode side: (id, time) the prefill side may free
+        self.num_pulls = 0
+        self.pull_s_total = 0.0
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int, *,
                     min_tokens: int = 0, ignore_eos: bool = False, n: int = 1, priority: int = 0,
                     arrival_s: float | None = None, extra_keys: tuple | None = None,
-                    output_token_ids: Sequence[int] | None = None) -> list[str]:
+                    output_token_ids: Sequence[int] | None = None, hold_kv: bool = False,
+                    remote_prefill: bool = False) -> list[str]:
         """Queue a request (arriving now, or at ``arrival_s`` on the virtual clock). Returns sequence ids.
 
         ``n > 1`` fans out into n sequences sharing the prompt (ids ``"{i}_{request_id}"`` as in vLLM).
+        P/D disaggregation, as vLLM's NIXL connector: ``hold_kv`` (the prefill side, ``do_remote_decode``) keeps the
+        blocks of a length finish until ``release_held`` or the abort timeout; ``remote_prefill`` (the decode side,
+        ``do_remote_prefill``) allocates the prompt's blocks on arrival, pulls the KV not cached locally over
+        ``kv_transfer``'s link, then computes only the last prompt token.
         """
+        if remote_prefill and self.kv_transfer is None:
+            raise ValueError("remote prefill needs a KV transfer model (engine.kv_transfer)")
         plen = len(prompt_token_ids)
         if plen == 0:
             raise ValueError("prompt must contain at least one token")
@@ -142,10 +161,10 @@ class Engine:
             if plen + length > max_len:      # the context window ends generation
                 length, reason = max_len - plen, FinishReason.LENGTH
             req = Request(sid, prompt, max_tokens, length, reason, t, priority, next(self._seq),
-                          request_id if n > 1 else None, i, extra_keys, output_token_ids)
+                          request_id if n > 1 else None, i, extra_keys, output_token_ids, hold_kv, remote_prefill)
             self._requests[sid] = req
             self.kv.hash_prompt(req)
-            if t <= self.now_s:
+            if t <= self.now_s and not remote_prefill:     # a pull starts at the next step (_admit_arrivals)
                 self.scheduler.add(req)
             else:
                 heapq.heappush(self._arrivals, (t, req.seq_no, req))
@@ -160,6 +179,11 @@ class Engine:
             if req is None or req.is_finished:
                 continue
             found = True
+            if req.remote_prefill and req.num_computed_tokens == 0 and req.num_preemptions == 0:
+                # not yet taken in (``_pull_done``): vLLM notifies the prefill side of an aborted remote prefill, so it
+                # frees the blocks at once
+                ready = req.kv_ready_s
+                self._pulled.append((sid, self.now_s if ready is None else min(ready, self.now_s)))
             join = req.decode_join_step
             if req.status is RequestStatus.WAITING and req.arrival_s > self.now_s and req.block_ids == []:
                 # still in the future-arrivals heap: mark finished; it is skipped when it surfaces
@@ -191,14 +215,118 @@ class Engine:
         return self._arrivals[0][0] if self._arrivals else None
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or bool(self._arrivals)
+        return (bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or bool(self._arrivals)
+                or bool(self._pull_blocked))
 
     def _admit_arrivals(self) -> None:
+        if self._releases and self._releases[0][0] <= self.now_s:
+            self._free_released()
+        if self._pull_blocked:
+            self._retry_pulls()
         arrivals = self._arrivals
         while arrivals and arrivals[0][0] <= self.now_s:
             _, _, req = heapq.heappop(arrivals)
-            if not req.is_finished:
-                self.scheduler.add(req)
+            if req.is_finished:
+                continue
+            if req.remote_prefill and not req.block_ids and req.num_preemptions == 0:
+                if self._pull_blocked or not self._start_pull(req):
+                    self._pull_blocked.append(req)      # FCFS behind earlier pulls waiting for blocks
+                continue
+            if req.kv_ready_s is not None and req.num_computed_tokens == 0 and req.block_ids:
+                self._pull_done(req)
+            self.scheduler.add(req)
+
+    # -- P/D disaggregation -------------------------------------------------------------------------
+    def _start_pull(self, req: Request) -> bool:
+        """Decode side: blocks for the prompt now, the pull's end as the request's next arrival."""
+        num_blocks = self.kv.allocate_for_pull(req)
+        if num_blocks is None:
+            return False
+        assert self.kv_transfer is not None
+        pull_s = self.kv_transfer.time_s(num_blocks)
+        self.num_pulls += 1
+        self.pull_s_total += pull_s
+        req.kv_ready_s = self.now_s + pull_s
+        heapq.heappush(self._arrivals, (req.kv_ready_s, req.seq_no, req))
+        return True
+
+    def _retry_pulls(self) -> None:
+        blocked = self._pull_blocked
+        while blocked:
+            if blocked[0].is_finished:
+                blocked.pop(0)
+            elif self._start_pull(blocked[0]):
+                blocked.pop(0)
+            else:
+                break
+
+    def _pull_done(self, req: Request) -> None:
+        """The pulled KV is in place: every prompt token but the last counts as computed (vLLM recomputes the last
+        one to sample the first token), and the prefill side may free its copy."""
+        self.kv.cache_pulled(req)
+        req.num_computed_tokens = req.prompt_len - 1
+        self._pulled.append((req.request_id, req.kv_ready_s or self.now_s))
+
+    def take_pulled(self) -> list[tuple[str, float]]:
+        """Decode side: (request id, virtual time) of each pull completed (or abandoned) since the last call: the
+        prefill side frees those blocks then (vLLM's NIXL completion notification)."""
+        out, self._pulled = self._pulled, []
+        return out
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        """Prefill side: the blocks a finished request keeps for the decode side (None: not held)."""
+        entry = self._held.get(request_id)
+        return list(entry[0].block_ids) if entry is not None else None
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def release_held(self, request_id: str, at_s: float | None = None) -> bool:
+        """Prefill side: the decode side pulled the blocks (at virtual ``at_s``; default now): free them then.
+        False if the request holds nothing (already freed, expired, or unknown)."""
+        if request_id not in self._held:
+            return False
+        if at_s is not None and at_s > self.now_s:
+            heapq.heappush(self._releases, (at_s, request_id))
+        else:
+            self._free_held(request_id)
+        return True
+
+    def next_release_s(self) -> float | None:
+        """When the next held blocks are due to be freed (a pull announced for later, or an abort timeout)."""
+        rel = self._releases
+        while rel and rel[0][1] not in self._held:
+            heapq.heappop(rel)
+        return rel[0][0] if rel else None
+
+    def free_expired(self, now_s: float | None = None) -> int:
+        """Free what is due at ``now_s`` (default: the engine clock; an idle server's clock follows wall time)."""
+        if now_s is not None and now_s > self.now_s and not self.has_unfinished():
+            self.now_s = now_s
+        return self._free_released()
+
+    def _free_released(self) -> int:
+        now, freed = self.now_s, 0
+        rel = self._releases
+        while rel and rel[0][0] <= now:
+            freed += self._free_held(heapq.heappop(rel)[1])
+        return freed
+
+    def _free_held(self, request_id: str) -> int:
+        entry = self._held.pop(request_id, None)
+        if entry is None:
+            return 0
+        self.kv.free(entry[0])
+        return 1
+
+    def _collect_held(self, end_s: float) -> None:
+        sched = self.scheduler
+        for req in sched.held:
+            expiry = end_s + self.abort_timeout_s
+            self._held[req.request_id] = (req, expiry)
+            heapq.heappush(self._releases, (expiry, req.request_id))
+        sched.held.clear()
 
     # -- stepping -----------------------------------------------------------------------------------
     def step(self, max_steps: int = 1, until_s: float | None = None) -> StepResult | None:
@@ -237,7 +365,14 @@ class Engine:
             # Nothing could be scheduled (every block held, nothing running to preempt): only an abort or
             # a new arrival can change that, so jump to the next arrival instead of spinning.
             nxt = self.next_arrival_s
-            if nxt is None:
+            rel = self.next_release_s() if self._held else None      # P/D: blocks kept for a decode side
+            if rel is not None and (nxt is None or rel < nxt):
+                nxt = rel
+            if nxt is None or (until_s is not None and nxt > until_s and self._held):
+                if self._held:
+                    # only the decode side's pull (release_held) can free blocks before then: wait for it
+                    self._pending_events = events
+                    return None
                 raise RuntimeError("scheduler made no progress and no arrival can change that")
             self._pending_events = events
             self.now_s = max(nxt, self.now_s)
@@ -269,6 +404,8 @@ class Engine:
                     events.append(RequestEvent(TOKENS, req.request_id, join, run, None, req.parent_id,
                                                req.index))
         last_index = first_index + k - 1
+        if sched.held:
+            self._collect_held(ends[-1])
         for req in upd.finished:
             self._forget(req)
             events.append(RequestEvent(FINISHED, req.request_id, last_index, 0, req.finish_reason.value,

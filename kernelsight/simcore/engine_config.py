@@ -16,6 +16,7 @@ from kernelsight.simcore.expert_parallel import (
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
 from kernelsight.simcore.kv_cache import KVCacheManager
+from kernelsight.simcore.kv_transfer import KVLink, kv_link, kv_transfer_model
 from kernelsight.simcore.memory import MemoryPlan, plan_memory
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision, resolve_precision
@@ -238,16 +239,20 @@ def kv_cache_manager(cfg: EngineConfig) -> KVCacheManager | None:
                                 hybrid_layout(cfg.model).sliding_window, cfg.scheduler.enable_prefix_caching)
 
 
-def build_engine(cfg: EngineConfig, per_token_events: bool = True) -> Engine:
+def build_engine(cfg: EngineConfig, per_token_events: bool = True, link: KVLink | None = None) -> Engine:
     """The one place a single engine is built from a resolved configuration (serve, simulate and tests alike;
     a data-parallel group's engines: :func:`build_dp_group`).
 
     ``per_token_events``: report every decoded token (the server streams them); fast-forward needs only first
-    tokens and finishes."""
+    tokens and finishes. ``link``: what a P/D decode side pulls prompt KV over (default: the GPU profile's, see
+    ``simcore/kv_transfer.py``)."""
     moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
     sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
-    return Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
-                  per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
+    eng = Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
+                 per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
+    eng.kv_transfer = kv_transfer_model(cfg.model, cfg.precision, cfg.args.tensor_parallel_size,
+                                        cfg.scheduler.block_size, link or kv_link(cfg.hardware))
+    return eng
 
 
 def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:

@@ -168,6 +168,28 @@ class KVCacheManager:
             self._cache_full_blocks(req, total)
         return True
 
+    def allocate_for_pull(self, req: Request) -> int | None:
+        """P/D decode side: blocks for the whole prompt, the local prefix hit reused, the rest to be pulled from the
+        prefill instance. Returns the number of blocks to pull, or None (and no change) when they do not fit.
+
+        The pulled blocks enter the prefix cache only once their data has arrived (``cache_pulled``), as vLLM caches
+        them when the load completes."""
+        hits, _ = self.get_computed_blocks(req)
+        pool = self.pool
+        to_alloc = self.blocks_needed(req.prompt_len) - len(hits)
+        if to_alloc + sum(1 for b in hits if pool.ref_cnt[b] == 0) > pool.num_free_blocks:
+            return None
+        pool.touch(hits)
+        req.block_ids = hits + (pool.allocate(to_alloc) if to_alloc > 0 else [])
+        req.num_hashed_blocks_cached = len(hits)
+        req.num_cached_tokens = len(hits) * self.block_size
+        return to_alloc
+
+    def cache_pulled(self, req: Request) -> None:
+        """The pulled KV is in place: its full prompt blocks become prefix-cache hits for others."""
+        if self.enable_caching:
+            self._cache_full_blocks(req, req.prompt_len)
+
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Register blocks that become full once ``num_tokens`` are computed (vLLM does it at allocation)."""
         full = self.shareable_blocks(req, num_tokens)

@@ -36,6 +36,11 @@ class Request:
     index: int = 0                  # position among the parent's n sequences
     extra_keys: tuple | None = None  # e.g. ("lora", name) / cache salt: enters the first block hash
     output_token_ids: Sequence[int] | None = None  # when the driver knows them (prefix-caches generated text)
+    # prefill/decode disaggregation (simcore/kv_transfer.py): a prefill instance's request keeps its blocks after a
+    # length finish until the decode side pulls them; a decode instance's request loads its prompt's KV instead of
+    # computing it
+    hold_kv: bool = False
+    remote_prefill: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -49,6 +54,7 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
+    kv_ready_s: float | None = None     # remote prefill: when the pulled KV is in place (None: pull not started)
 
     @property
     def prompt_len(self) -> int:

@@ -127,6 +127,7 @@ class Scheduler:
         self.individuals: list[Request] = []      # running requests outside the decode group, same order
         self.waiting = WaitingQueue(config.policy)
         self.num_preemptions = 0
+        self.held: list[Request] = []             # finished with their blocks kept (P/D prefill side), for the engine
         self.step_index = 0                       # index of the next step to run
         # decode group
         self.members: dict[Request, None] = {}
@@ -159,7 +160,10 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if req.hold_kv and reason is FinishReason.LENGTH:
+            self.held.append(req)     # vLLM's NIXL connector delays the free until the decode side reads them
+        else:
+            self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         return run
@@ -313,7 +317,12 @@ class Scheduler:
             waiting = self.waiting
             while len(waiting) and budget > 0 and len(running) < cfg.max_num_seqs:
                 req = waiting.peek()
-                hits, num_cached = kv.get_computed_blocks(req)
+                if req.remote_prefill and req.block_ids:
+                    # its prompt's KV was pulled from the prefill instance: only the last token is computed here
+                    hits, num_cached, new_cached = [], req.num_computed_tokens, 0
+                else:
+                    hits, num_cached = kv.get_computed_blocks(req)
+                    new_cached = num_cached
                 num_new = req.num_tokens - num_cached
                 if not cfg.enable_chunked_prefill and num_new > budget:
                     break
@@ -323,7 +332,7 @@ class Scheduler:
                     num_new = budget
                 if cfg.reserve_full_prompt and not kv.can_fit(req, req.num_tokens, hits):
                     break
-                if not kv.allocate_slots(req, num_new, hits, num_cached):
+                if not kv.allocate_slots(req, num_new, hits, new_cached):
                     break
                 waiting.pop()
                 if req.num_preemptions == 0 and req.num_cached_tokens < 0:

@@ -53,6 +53,7 @@ class _Common(BaseModel):
     priority: int = 0
     request_id: str | None = None
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None     # P/D disaggregation (server/kv_transfer.py)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = True
     return_token_ids: bool | None = False
