@@ -95,6 +95,13 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         print("Data-parallel ranks" + (" (expert-parallel lockstep):" if config.expert_parallel else ":"))
         print(format_table(rank_rows(res.ranks), list(RANK_COLUMNS)))
     sim = result["simulator"]
+    if res.spec_decode is not None:
+        sd = res.spec_decode
+        rates = ", ".join(f"{r:.3f}" for r in sd["acceptance_rate_per_pos"])
+        print(f"Speculative decoding ({config.speculative.method}, k={config.speculative.num_speculative_tokens}): "
+              f"mean acceptance length {sd['mean_acceptance_length']:.2f}, per-position acceptance rate {rates}; "
+              f"{sd['num_drafts']} drafts; drafting {sd['draft_s']:.2f} s of {sd['verify_s'] + sd['draft_s']:.2f} s; "
+              f"estimated decode speedup {sd['estimated_decode_speedup']:.2f}x (the same batches without drafts)")
     print(f"Simulated {res.duration_s:.1f} s in {sim['wall_s']:.2f} s of wall time ({sim['num_steps']} steps, "
           f"{sim['num_preemptions']} preemptions, prefix-cache hit rate {100 * sim['prefix_cache_hit_rate']:.1f}%)")
     if ns.result_json:

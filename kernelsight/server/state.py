@@ -43,6 +43,9 @@ class ServerState:
                                      opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
                                      engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers
                                      else None) for i in range(n)]
+        if config.speculative is not None:
+            self.metrics.bind_spec_decode([lambda b=b: b.engine.spec_decoder.stats for b in self.bridges],
+                                          config.speculative.num_speculative_tokens)
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size
