@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from kernelsight.simcore.spec_decode_step import SpecStepModel, verify_step
 from kernelsight.simcore.step_model import StepModel
 from tests.conftest import make_config
 
+MODEL_8B = "meta-llama/Llama-3.1-8B"
 EAGLE = {"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3}
 
 
@@ -220,3 +222,27 @@ def test_bad_config_stops_the_command_at_start(cmd, flags, says):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
     assert says in lines[0]
+
+
+def test_eagle_drops_the_last_prefix_hit_block_as_vllm_does():
+    def hit_tokens(spec: dict | None) -> int:
+        eng = build_engine(make_config(speculative_config=spec))
+        prompt = list(range(1, 66))                        # 4 full blocks + 1 token
+        eng.add_request("a", prompt, 2)
+        while eng.has_unfinished():
+            eng.step()
+        eng.add_request("b", prompt, 2)
+        eng.step()
+        return eng.get_request("b").num_cached_tokens
+    assert hit_tokens(None) == 64
+    assert hit_tokens({"method": "ngram", "num_speculative_tokens": 2}) == 64
+    assert hit_tokens(EAGLE) == 48
+
+
+def test_a_runs_speculative_config_comes_from_its_engine_kwargs():
+    from kernelsight.loadgen.vllm_run import engine_args_from_run
+
+    args = engine_args_from_run({"engine_kwargs": {"model": MODEL_8B, "speculative_config": json.dumps(EAGLE)}})
+    assert args.speculative_config == EAGLE
+    args = engine_args_from_run({"engine_kwargs": {"model": MODEL_8B, "speculative_config": EAGLE}})
+    assert args.speculative_config == EAGLE

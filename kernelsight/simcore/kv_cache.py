@@ -28,6 +28,9 @@ class KVCacheManager:
         # prefix-cache counters as vLLM reports them (queries/hits in tokens)
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        # EAGLE-family speculative decoding: vLLM drops the last block of a prefix hit, whose hidden states the
+        # drafter needs recomputed (KVCacheManager(use_eagle=True))
+        self.drop_last_hit_block = False
 
     # -- KV-cache events --------------------------------------------------------------------------
     def enable_events(self) -> None:
@@ -136,6 +139,8 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         if req.num_preemptions == 0:
             self.prefix_queries_tokens += req.num_tokens
             self.prefix_hits_tokens += len(hits) * self.block_size

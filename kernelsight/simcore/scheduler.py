@@ -148,6 +148,7 @@ class Scheduler:
         decode group (one token per member per step) cannot express, so every request is scheduled one by one."""
         self.spec = spec
         self._group_allowed = self._group_on = False
+        self.kv.drop_last_hit_block = spec.config.uses_eagle
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -79,6 +79,11 @@ class SpeculativeConfig:
         return 0 if self.method == NGRAM else self.num_speculative_tokens
 
     @property
+    def uses_eagle(self) -> bool:
+        """vLLM's ``use_eagle()``: the drafter runs on the target's hidden states (EAGLE heads, MTP layers)."""
+        return self.method in (EAGLE, EAGLE3, MTP)
+
+    @property
     def mean_acceptance_length(self) -> float:
         """Expected tokens per verification step (vLLM's convention: the bonus token included)."""
         return 1.0 + sum(self.acceptance_rates)

@@ -2,8 +2,8 @@
 
 Verification: each decoding request computes its bonus token plus its draft tokens, so the token-parallel kernels
 see ``num_decodes · (1 + k)`` decode rows (a small-m GEMM load), the LM head and sampler run over every verified
-position (the rejection sampler needs the target's logits at each), and attention is a prefill-like kernel with
-``1 + k`` query tokens over each request's cached context.
+position (the rejection sampler needs the target's logits at each), and attention reads each request's KV once for
+its ``1 + k`` query tokens (:func:`verify_attention_s`).
 
 Drafting (vLLM's EAGLE / draft-model proposers): a first pass of the draft over every token the target computed
 this step (it needs their hidden states or tokens, prompts included), then ``k - 1`` sequential passes over one row
@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 
 from kernelsight.simcore import kernels as K
-from kernelsight.simcore.kernels import FAMILY_INDEX, BatchShape, PrefillChunk
+from kernelsight.simcore.kernels import FAMILY_INDEX, BatchShape
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.spec_decode import NGRAM, NGRAM_HOST_S_PER_REQUEST, SpecDecodeStats, SpeculativeConfig
 from kernelsight.simcore.step_model import StepModel
 
 _I_HOST = FAMILY_INDEX[K.HOST]
 _I_ATTN_PREFILL = FAMILY_INDEX[K.ATTN_PREFILL]
+_I_ATTN_DECODE = FAMILY_INDEX[K.ATTN_DECODE]
 
 
 def mtp_layers(model: ModelSpec) -> int:
@@ -54,16 +55,29 @@ def verify_step(sm: StepModel, batch: BatchShape, sampling_rows: int) -> tuple[n
     num_tokens = num_decodes + batch.num_spec_tokens + sum(p.num_new_tokens for p in prefills)
     mode, m_padded = sm._graph_mode(num_tokens, not prefills)
     out, base_s = sm._token_part(m_padded, sampling_rows)
-    chunks = list(prefills)
+    attn_s = 0.0
+    if prefills:
+        t = sm._prefill_attention_s(prefills)
+        out[_I_ATTN_PREFILL] += t
+        attn_s += t
     if num_decodes:
-        # each decode as a chunk of 1 + drafts new tokens over its cached context (their mean: the attention
-        # kernel's features are means over the sequences)
-        q = round(1 + batch.num_spec_tokens / num_decodes)
-        cached = max(round(batch.decode_context_tokens / num_decodes) - q, 0)
-        chunks += [PrefillChunk(q, cached, True)] * num_decodes
-    t = sm._prefill_attention_s(tuple(chunks))
-    out[_I_ATTN_PREFILL] += t
-    return sm._finish(out, base_s + t, mode, num_decodes + len(prefills), num_tokens)
+        t = verify_attention_s(sm, num_decodes, batch.decode_context_tokens, batch.num_spec_tokens)
+        out[_I_ATTN_DECODE] += t
+        attn_s += t
+    return sm._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens)
+
+
+def verify_attention_s(sm: StepModel, num_decodes: int, context_tokens: int, num_spec_tokens: int) -> float:
+    """Attention of decodes that each verify ``1 + drafts`` query tokens: vLLM's backends run them as decodes
+    (FlashAttention / FlashInfer pack a sequence's query tokens with its GQA group, as extra query heads over the
+    same KV), so it is the decode kernel with ``q_len`` times the query heads: the KV is read once, the FLOPs and
+    query bytes grow with ``q_len``. (The prefill kernel's η is fitted on chunks of many tokens, not on 2-8.)"""
+    m, tp, p = sm.model, sm.config.tp, sm.precision
+    q_len = 1 + num_spec_tokens / num_decodes
+    q_heads = max(round(m.num_attention_heads // tp * q_len), 1)
+    k = K.attention_decode_kernel(num_decodes, context_tokens, q_heads, max(m.num_kv_heads // tp, 1), m.head_dim,
+                                  p.act_bytes, p.kv_bytes_per_element, m.num_layers, m.sliding_window)
+    return sm.kernel_time_s(k)
 
 
 class SpecStepModel(StepModel):
