@@ -93,27 +93,32 @@ class SpecStepModel(StepModel):
         self.drafter = drafter
         self.verify_s = 0.0          # Σ over steps: the target's part
         self.draft_s = 0.0           # Σ over steps: the drafter's part
-        self.spec_s = 0.0            # Σ over steps with drafts: verification + drafting
-        self.baseline_s = 0.0        # Σ over steps with drafts: the same batches without draft tokens
+        # over decode-only steps with drafts: their time (verification + drafting), the same batches' time without
+        # draft tokens, and how many there were
+        self.spec_s = 0.0
+        self.baseline_s = 0.0
+        self.num_decode_steps = 0
 
     def step(self, batch: BatchShape) -> tuple[np.ndarray, float]:
         if batch.num_spec_tokens:
             out, total = verify_step(self, batch, batch.num_sampling_rows)
-            self.baseline_s += StepModel.step(self, replace(batch, num_spec_tokens=0))[1]
+            if not batch.prefills:
+                self.baseline_s += StepModel.step(self, replace(batch, num_spec_tokens=0))[1]
         else:
             out, total = StepModel.step(self, batch)
         self.verify_s += total
         draft_out, draft_s = self.draft(batch)
         self.draft_s += draft_s
-        if batch.num_spec_tokens:
+        if batch.num_spec_tokens and not batch.prefills:
             self.spec_s += total + draft_s
+            self.num_decode_steps += 1
         return out + draft_out, total + draft_s
 
     def summary(self) -> dict[str, float]:
-        """Seconds spent verifying and drafting, and the verification steps' time against the same batches
-        without draft tokens (what a run without speculation would have spent on them, step for step)."""
-        return {"verify_s": round(self.verify_s, 6), "draft_s": round(self.draft_s, 6),
-                "spec_steps_s": round(self.spec_s, 6), "same_batches_without_spec_s": round(self.baseline_s, 6)}
+        """Seconds spent verifying and drafting, and the decode-only verification steps' time against the same
+        batches without draft tokens (what one step of them costs without speculation)."""
+        return {"verify_s": self.verify_s, "draft_s": self.draft_s, "decode_steps": self.num_decode_steps,
+                "decode_steps_s": self.spec_s, "same_decode_batches_without_spec_s": self.baseline_s}
 
     def draft(self, batch: BatchShape) -> tuple[np.ndarray, float]:
         """The proposer's time after the target's pass: host time for n-gram, else the draft's passes."""
@@ -145,14 +150,17 @@ class SpecStepModel(StepModel):
 
 def spec_decode_summary(engines: list) -> dict[str, Any] | None:
     """Speculative decoding over engines (``Engine`` objects; None without it): vLLM's counters, the measured mean
-    acceptance length and per-position rates, and the speedup estimated step for step: tokens per verification step
-    times the same batches' time without speculation over their time with it."""
+    acceptance length and per-position rates, and the decode speedup estimated step for step over the decode-only
+    steps: mean acceptance length × the same batches' time without drafts / their time with them (a mixed step's
+    prefill is not sped up, and in a prefill-bound run the end-to-end gain is far smaller: benchmarks/spec_decode.py
+    prints both)."""
     parts = [(e.spec_decoder.stats, e.step_model) for e in engines if e.spec_decoder is not None]
     if not parts:
         return None
     k = parts[0][0].num_spec_tokens
     total = SpecDecodeStats(k)
-    times = {"verify_s": 0.0, "draft_s": 0.0, "spec_steps_s": 0.0, "same_batches_without_spec_s": 0.0}
+    times = {"verify_s": 0.0, "draft_s": 0.0, "decode_steps": 0, "decode_steps_s": 0.0,
+             "same_decode_batches_without_spec_s": 0.0}
     for st, sm in parts:
         total.num_drafts += st.num_drafts
         total.num_draft_tokens += st.num_draft_tokens
@@ -163,8 +171,8 @@ def spec_decode_summary(engines: list) -> dict[str, Any] | None:
             for key, v in sm.summary().items():
                 times[key] += v
     length = total.mean_acceptance_length
-    speedup = (length * times["same_batches_without_spec_s"] / times["spec_steps_s"]
-               if times["spec_steps_s"] > 0 else 1.0)
+    speedup = (length * times["same_decode_batches_without_spec_s"] / times["decode_steps_s"]
+               if times["decode_steps_s"] > 0 else None)
     return {"num_drafts": total.num_drafts, "num_draft_tokens": total.num_draft_tokens,
             "num_accepted_tokens": total.num_accepted_tokens,
             "num_accepted_tokens_per_pos": total.num_accepted_tokens_per_pos,
@@ -172,4 +180,4 @@ def spec_decode_summary(engines: list) -> dict[str, Any] | None:
             "acceptance_rate_per_pos": [round(r, 4) for r in total.acceptance_rates()],
             "draft_acceptance_rate": round(total.num_accepted_tokens / max(total.num_draft_tokens, 1), 4),
             **{key: round(v, 6) for key, v in times.items()},
-            "estimated_decode_speedup": round(speedup, 4)}
+            "estimated_decode_speedup": round(speedup, 4) if speedup is not None else None}
