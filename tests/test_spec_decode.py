@@ -246,3 +246,40 @@ def test_a_runs_speculative_config_comes_from_its_engine_kwargs():
     assert args.speculative_config == EAGLE
     args = engine_args_from_run({"engine_kwargs": {"model": MODEL_8B, "speculative_config": EAGLE}})
     assert args.speculative_config == EAGLE
+
+
+def test_preemption_under_kv_pressure_keeps_every_token_and_frees_every_block():
+    """A KV cache too small for the batch: drafts' slots and lookahead push requests out (recompute), yet each
+    request ends with exactly its tokens and the cache is empty afterwards."""
+    for spec in (EAGLE, {"method": "ngram", "num_speculative_tokens": 4}):
+        cfg = make_config(speculative_config=spec, num_gpu_blocks_override=80, max_num_seqs=16, max_model_len=1024)
+        eng = build_engine(cfg, per_token_events=False)
+        samples = random_dataset(24, 300, 120, 0.0, cfg.model.vocab_size, seed=3)
+        tokens: dict[str, int] = {}
+        for i, s in enumerate(samples):
+            eng.add_request(f"r{i}", s.prompt_token_ids, 120, ignore_eos=True)
+        while eng.has_unfinished():
+            res = eng.step()
+            for ev in res.events:
+                if ev.kind in ("tokens", "first_token"):
+                    tokens[ev.request_id] = tokens.get(ev.request_id, 0) + ev.num_tokens
+        assert eng.stats.num_preemptions > 0
+        assert tokens == {f"r{i}": 120 for i in range(24)}
+        assert eng.kv.usage == 0.0 and eng.kv.num_free_blocks == cfg.num_gpu_blocks - 1
+
+
+def test_drafts_stop_at_max_model_len():
+    """vLLM caps a step's tokens at max_model_len - 1 - computed: near the end fewer drafts are verified, and a
+    request that runs into the context limit gets exactly the tokens left."""
+    cfg = make_config(speculative_config=synthetic([1.0, 1.0, 1.0, 1.0]), max_model_len=300)
+    eng = build_engine(cfg)
+    eng.add_request("r", list(range(1, 281)), 100, ignore_eos=True)     # 20 tokens fit the context
+    bursts = []
+    while eng.has_unfinished():
+        for ev in eng.step().events:
+            if ev.kind in ("tokens", "first_token"):
+                bursts.append(ev.num_tokens)
+    # first token, three steps of 1 + 4, then 3 drafts only (300 - 1 - 296 computed = 4 tokens may be scheduled)
+    assert bursts == [1, 5, 5, 5, 4]
+    st = eng.spec_decoder.stats
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (4, 15, 15)
