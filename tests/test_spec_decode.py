@@ -120,7 +120,7 @@ def _spec_sm(spec: dict, **kw) -> SpecStepModel:
 
 
 def test_draft_cost_is_linear_in_k_and_zero_on_the_gpu_for_ngram():
-    batch = BatchShape((), 32, 32 * 1500, 0)
+    batch = BatchShape((), 120, 120 * 1500, 0)     # 120 rows: a CUDA-graph size for every k (multiples of 1 + k)
     draft_s = {}
     for k in (1, 2, 4):
         sm = _spec_sm({"model": "meta-llama/Llama-3.1-8B", "num_speculative_tokens": k},
@@ -283,3 +283,11 @@ def test_drafts_stop_at_max_model_len():
     assert bursts == [1, 5, 5, 5, 4]
     st = eng.spec_decoder.stats
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (4, 15, 15)
+
+
+def test_cuda_graph_sizes_follow_vllms_spec_decode_rule():
+    base = make_config(max_num_seqs=32).cudagraph_capture_sizes
+    sizes = make_config(max_num_seqs=32, speculative_config=EAGLE).cudagraph_capture_sizes
+    assert base[-1] == 64                                   # min(2 · 32, 512)
+    assert sizes[-1] == 256 and all(s % 4 == 0 for s in sizes)   # min(2 · 32 · 4, 512), multiples of 1 + k
+    assert sizes[:4] == (4, 8, 16, 24)

@@ -242,9 +242,25 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
                             enable_prefix_caching=args.enable_prefix_caching,
                             enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling_policy,
                             long_prefill_token_threshold=args.long_prefill_token_threshold)
-    capture = () if args.enforce_eager else default_cudagraph_capture_sizes(max_num_seqs,
-                                                                           args.max_cudagraph_capture_size)
+    if args.enforce_eager:
+        capture: tuple[int, ...] = ()
+    elif spec is not None:
+        capture = spec_decode_capture_sizes(max_num_seqs, args.max_cudagraph_capture_size,
+                                            1 + spec.num_speculative_tokens)
+    else:
+        capture = default_cudagraph_capture_sizes(max_num_seqs, args.max_cudagraph_capture_size)
     return EngineConfig(args, model, hw, calib, precision, sched, memory, capture, spec, draft)
+
+
+def spec_decode_capture_sizes(max_num_seqs: int, max_capture_size: int | None, decode_query_len: int
+                              ) -> tuple[int, ...]:
+    """vLLM's CUDA-graph sizes under speculative decoding: the default maximum becomes
+    min(2 · max_num_seqs · (1 + k), 512), and every size is rounded up to a multiple of 1 + k so that uniform
+    verify batches replay a full graph (adjust_cudagraph_sizes_for_spec_decode)."""
+    cap = max_capture_size if max_capture_size is not None else min(2 * max_num_seqs * decode_query_len, 512)
+    sizes = default_cudagraph_capture_sizes(max_num_seqs, cap)
+    q = decode_query_len
+    return tuple(sorted({-(-s // q) * q for s in sizes}))
 
 
 def _draft_memory(spec: SpeculativeConfig | None, draft: ModelSpec | None, target: ModelSpec,
