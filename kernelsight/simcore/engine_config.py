@@ -282,7 +282,13 @@ def _draft_memory(spec: SpeculativeConfig | None, draft: ModelSpec | None, targe
 def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwargs: Any) -> StepModel:
     if cfg.speculative is not None and cls is StepModel:
         cls = SpecStepModel
-        kwargs.update(spec=cfg.speculative, drafter=_drafter(cfg))
+        plain = () if cfg.args.enforce_eager else default_cudagraph_capture_sizes(cfg.scheduler.max_num_seqs,
+                                                                                 cfg.args.max_cudagraph_capture_size)
+        baseline = StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
+                             StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=plain,
+                                        enforce_eager=cfg.args.enforce_eager,
+                                        async_scheduling=cfg.args.async_scheduling))
+        kwargs.update(spec=cfg.speculative, drafter=_drafter(cfg), baseline=baseline)
     return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                           enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling),

@@ -87,10 +87,13 @@ class SpecStepModel(StepModel):
     verification, drafting and of the same batch without speculation are kept for the report's speedup.
     """
 
-    def __init__(self, *args, spec: SpeculativeConfig, drafter: StepModel | None = None, **kwargs) -> None:
+    def __init__(self, *args, spec: SpeculativeConfig, drafter: StepModel | None = None,
+                 baseline: StepModel | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.spec = spec
         self.drafter = drafter
+        # the same target without speculation (its own CUDA-graph sizes): prices the report's counterfactual
+        self.baseline = baseline
         self.verify_s = 0.0          # Σ over steps: the target's part
         self.draft_s = 0.0           # Σ over steps: the drafter's part
         # over decode-only steps with drafts: their time (verification + drafting), the same batches' time without
@@ -103,7 +106,9 @@ class SpecStepModel(StepModel):
         if batch.num_spec_tokens:
             out, total = verify_step(self, batch, batch.num_sampling_rows)
             if not batch.prefills:
-                self.baseline_s += StepModel.step(self, replace(batch, num_spec_tokens=0))[1]
+                plain = replace(batch, num_spec_tokens=0)
+                self.baseline_s += (self.baseline.step(plain) if self.baseline is not None
+                                    else StepModel.step(self, plain))[1]
         else:
             out, total = StepModel.step(self, batch)
         self.verify_s += total
