@@ -173,6 +173,20 @@ class _MTPModel(ModelSpec):
     num_nextn_predict_layers: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class _ArchMTPModel(ModelSpec):
+    num_mtp_layers: int = 2       # the arch branch's field name for the same count
+
+
+def test_the_mtp_hook_reads_either_field(llama8b):
+    from kernelsight.simcore.spec_decode_step import mtp_layers
+
+    fields_ = {f: getattr(llama8b, f) for f in llama8b.__slots__}
+    assert mtp_layers(llama8b) == 0
+    assert mtp_layers(_MTPModel(**fields_)) == 1
+    assert mtp_layers(_ArchMTPModel(**fields_)) == 2
+
+
 def test_mtp_uses_the_targets_mtp_layers(llama8b, h100):
     from kernelsight import profiles
 

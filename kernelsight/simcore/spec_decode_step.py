@@ -32,8 +32,9 @@ _I_ATTN_DECODE = FAMILY_INDEX[K.ATTN_DECODE]
 
 def mtp_layers(model: ModelSpec) -> int:
     """The target's MTP layers (``num_nextn_predict_layers`` of its config.json; 0 where the spec has no such
-    field): the hook through which MTP-capable model specs (DeepSeek-V3/R1 and the like) enable method 'mtp'."""
-    return int(getattr(model, "num_nextn_predict_layers", 0) or 0)
+    field): the hook through which MTP-capable model specs (DeepSeek-V3/R1 and the like) enable method 'mtp'. The
+    spec field is ``num_mtp_layers`` (the ``arch`` branch's ModelSpec) or ``num_nextn_predict_layers``."""
+    return int(getattr(model, "num_mtp_layers", 0) or getattr(model, "num_nextn_predict_layers", 0) or 0)
 
 
 #: The draft vocabulary of the published EAGLE-3 heads (``draft_vocab_size`` in their config.json, e.g.
