@@ -119,6 +119,16 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     if res.pd is not None:
         _print_pd(res.pd)
     sim = result["simulator"]
+    if res.spec_decode is not None:
+        sd = res.spec_decode
+        rates = ", ".join(f"{r:.3f}" for r in sd["acceptance_rate_per_pos"])
+        speedup = (f"estimated decode speedup {sd['estimated_decode_speedup']:.2f}x over {sd['decode_steps']} "
+                   "decode-only steps (the same batches without drafts)" if sd["estimated_decode_speedup"]
+                   else "no decode-only step to estimate a speedup on")
+        print(f"Speculative decoding ({config.speculative.method}, k={config.speculative.num_speculative_tokens}): "
+              f"mean acceptance length {sd['mean_acceptance_length']:.2f}, per-position acceptance rate {rates}; "
+              f"{sd['num_drafts']} drafts; drafting {sd['draft_s']:.2f} s of {sd['verify_s'] + sd['draft_s']:.2f} s; "
+              f"{speedup}")
     print(f"Simulated {res.duration_s:.1f} s in {sim['wall_s']:.2f} s of wall time ({sim['num_steps']} steps, "
           f"{sim['num_preemptions']} preemptions, prefix-cache hit rate {100 * sim['prefix_cache_hit_rate']:.1f}%)")
     if ns.result_json:

@@ -9,6 +9,7 @@ itself, so the dataclass lives there and this module maps command lines onto it.
 from __future__ import annotations
 
 import argparse
+import json
 
 from kernelsight import profiles
 from kernelsight.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
@@ -20,6 +21,7 @@ from kernelsight.simcore.expert_parallel import (
 )
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.kv_transfer import LINK_KINDS, KVLink, kv_link
+from kernelsight.simcore.model_spec import ModelSpec
 
 __all__ = ["DEFAULT_HARDWARE", "DEFAULT_MODEL", "EngineArgs", "add_engine_args", "create_engine_config",
            "engine_args_from"]
@@ -95,7 +97,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-load-imbalance", type=float, default=DEFAULT_EXPERT_LOAD_IMBALANCE,
                    help="simulator: routed tokens of the busiest expert-parallel rank over the mean; its expert "
                         "GEMMs set the group's pace (default: %(default)s; 1 = uniform routing)")
+    g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's SpeculativeConfig: method ngram / eagle / eagle3 / mtp / "
+                        "draft_model, num_speculative_tokens, model (draft model or EAGLE head), "
+                        "draft_tensor_parallel_size, prompt_lookup_max/min; rejection_sample_method 'synthetic' with "
+                        "synthetic_acceptance_rates or synthetic_acceptance_length sets the acceptance (default: a "
+                        "per-method default, see README)")
+    g.add_argument("--speculative-acceptance-rates", type=acceptance_rates, default=None, metavar="R1,R2,...",
+                   help="simulator: per-position acceptance rates of the drafts (one per speculative token, "
+                        "non-increasing; vLLM's accepted_tokens_per_pos / num_drafts), overriding the default")
     g.add_argument("--seed", type=int, default=0, help="seed for everything random (default: 0)")
+
+
+def speculative_config_json(text: str) -> dict:
+    """argparse type of ``--speculative-config JSON``: a JSON object (its fields are checked when the engine
+    config is resolved, as vLLM's SpeculativeConfig checks them)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return d
+
+
+def acceptance_rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -112,7 +142,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         long_prefill_token_threshold=ns.long_prefill_token_threshold, async_scheduling=ns.async_scheduling,
         calibration=ns.calibration, data_parallel_size=ns.data_parallel_size,
         data_parallel_rank=ns.data_parallel_rank, enable_expert_parallel=ns.enable_expert_parallel,
-        all2all_backend=ns.all2all_backend, expert_load_imbalance=ns.expert_load_imbalance)
+        all2all_backend=ns.all2all_backend, expert_load_imbalance=ns.expert_load_imbalance,
+        speculative_config=ns.speculative_config, speculative_acceptance_rates=ns.speculative_acceptance_rates)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -123,7 +154,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     model = profiles.load_model(args.model)
     hw = profiles.load_hardware(args.hardware)
     calib = profiles.load_calibration(hw.name, args.calibration)
-    return resolve_engine_config(args, model, hw, calib)
+    return resolve_engine_config(args, model, hw, calib, _draft_model(args))
 
 
 def add_kv_link_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -142,3 +173,14 @@ def kv_link_from(ns: argparse.Namespace, hw: HardwareSpec) -> KVLink:
     lat = ns.kv_transfer_latency_us
     return kv_link(hw, ns.kv_transfer_link, bandwidth_gbps=ns.kv_transfer_bandwidth_gbps,
                    latency_s=None if lat is None else lat * 1e-6)
+
+
+def _draft_model(args: EngineArgs) -> ModelSpec | None:
+    """A speculative config's draft model (method draft_model, vLLM's default when only ``model`` is given) from the
+    bundled profiles; EAGLE heads and MTP layers are derived from the target in simcore."""
+    sc = args.speculative_config
+    if not isinstance(sc, dict) or not isinstance(sc.get("model"), str):
+        return None
+    if sc.get("method", "draft_model") != "draft_model" or sc["model"] in ("ngram", "[ngram]"):
+        return None
+    return profiles.load_model(sc["model"])

@@ -23,6 +23,7 @@ from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, build_engine
 from kernelsight.simcore.kernels import FAMILIES
+from kernelsight.simcore.spec_decode_step import spec_decode_summary
 
 #: Steps a decode window may cover at once (bounded so a window's linear attention ramp stays exact).
 MAX_WINDOW_STEPS = 256
@@ -63,6 +64,7 @@ class FastForwardResult:
     timeline: list[tuple] | None = None
     ranks: list[dict[str, Any]] | None = None     # per data-parallel rank (DP > 1): see RankStats.summary
     pd: dict[str, Any] | None = None              # a P/D deployment (loadgen/pd_fastforward.py): link, instances
+    spec_decode: dict[str, Any] | None = None     # speculative decoding: spec_decode_summary
 
     def simulator_stats(self) -> dict[str, Any]:
         wall = max(self.wall_s, 1e-9)
@@ -76,6 +78,8 @@ class FastForwardResult:
             out["data_parallel_ranks"] = self.ranks
         if self.pd is not None:
             out["pd"] = self.pd
+        if self.spec_decode is not None:
+            out["spec_decode"] = self.spec_decode
         return out
 
 
@@ -140,7 +144,13 @@ class _Sender:
                 tr.rank = rank
             kind = ev.kind
             if kind == TOKENS:
-                tr.add_tokens(ev.step_index, ev.num_tokens)
+                if ev.burst:
+                    # speculative decoding: several tokens in one step reach the client as one chunk, which
+                    # vllm bench serve times as one ITL (its TPOT divides by every token)
+                    tr.add_tokens(ev.step_index, 1)
+                    tr.num_tokens += ev.num_tokens - 1
+                else:
+                    tr.add_tokens(ev.step_index, ev.num_tokens)
             elif kind == FIRST_TOKEN:
                 tr.first_step = ev.step_index
                 tr.add_tokens(ev.step_index, 1)
@@ -194,7 +204,7 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
         num_steps=engine.stats.num_steps,
         breakdown_s=dict(zip(FAMILIES, engine.stats.breakdown_s.tolist(), strict=True)),
         num_preemptions=engine.stats.num_preemptions, prefix_cache_hit_rate=hit_rate,
-        finish_reasons=reasons, timeline=timeline)
+        finish_reasons=reasons, timeline=timeline, spec_decode=spec_decode_summary([engine]))
 
 
 def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
@@ -252,7 +262,8 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
         breakdown_s=dict(zip(FAMILIES, breakdown.tolist(), strict=True)),
         num_preemptions=sum(e.stats.num_preemptions for e in group.engines),
         prefix_cache_hit_rate=hits / queries if queries else 0.0, finish_reasons=reasons, timeline=timeline,
-        ranks=[{"rank": i, **st.summary()} for i, st in enumerate(group.stats)])
+        ranks=[{"rank": i, **st.summary()} for i, st in enumerate(group.stats)],
+        spec_decode=spec_decode_summary(group.engines))
 
 
 def _record(tr: _Tracker, ends: np.ndarray, gaps: np.ndarray) -> RequestRecord:
@@ -348,4 +359,5 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
         breakdown_s=breakdown, num_preemptions=sum(res.num_preemptions for _, res in results),
         # weighted by requests: each engine's own hit rate is over its own token queries
         prefix_cache_hit_rate=sum(n * res.prefix_cache_hit_rate for n, res in results) / max(n_total, 1),
-        finish_reasons=reasons, timeline=results[0][1].timeline)
+        finish_reasons=reasons, timeline=results[0][1].timeline,
+        spec_decode=results[0][1].spec_decode)   # engine 0's, as the timeline

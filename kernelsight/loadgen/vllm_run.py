@@ -9,6 +9,7 @@ records keep :class:`~kernelsight.simcore.engine_config.EngineArgs`' defaults.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -39,12 +40,16 @@ RUN_ARG_SOURCES: dict[str, tuple[tuple[str, str] | None, str]] = {
     "data_parallel_size": (("parallel_config", "data_parallel_size"), "data_parallel_size"),
     "enable_expert_parallel": (("parallel_config", "enable_expert_parallel"), "enable_expert_parallel"),
     "all2all_backend": (("parallel_config", "all2all_backend"), "all2all_backend"),
+    # the run's --speculative-config as given (vLLM's resolved speculative_config holds objects, not JSON)
+    "speculative_config": (None, "speculative_config"),
 }
 
 
 def _normalized(name: str, value: Any) -> Any:
     if name == "dtype" and isinstance(value, str):
         return value.removeprefix("torch.")   # the resolved config prints torch dtypes: torch.bfloat16
+    if name == "speculative_config" and isinstance(value, str):
+        return json.loads(value)              # recorded as the command line's JSON text
     return value
 
 

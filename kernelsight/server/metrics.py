@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.gc_collector import GCCollector
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
@@ -211,6 +211,11 @@ class ServerMetrics:
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg)
         self._lora_last: tuple[str, str] | None = None
 
+    def bind_spec_decode(self, stats: list[Callable[[], Any]], num_spec_tokens: int) -> None:
+        """vLLM's spec-decode counters (registered only with a speculative config, as vLLM does), read at scrape time
+        from each engine's cumulative ``SpecDecodeStats`` (``stats[i]()``: engine i's)."""
+        self.registry.register(_SpecDecodeCollector(self._model_name, self._engine_labels, stats, num_spec_tokens))
+
     def set_sleep_state(self, state: str) -> None:
         """Every engine's ``vllm:engine_sleep_state``: 1 on ``state`` (one of SLEEP_STATES), 0 on the others."""
         for eng in self._engine_labels:
@@ -242,6 +247,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCollector:
+    """``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` (labels model_name, engine)
+    and ``vllm:spec_decode_num_accepted_tokens_per_pos`` (plus ``position``, one series per draft position), as
+    vLLM's SpecDecodingProm declares them (counters: exposed with the ``_total`` suffix)."""
+
+    _FAMILIES = (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+                 ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+                 ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"))
+
+    def __init__(self, model_name: str, engines: list[str], stats: list[Callable[[], Any]], k: int) -> None:
+        self._model_name, self._engines, self._stats, self._k = model_name, engines, stats, k
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        snaps = [get() for get in self._stats]
+        for name, doc, attr in self._FAMILIES:
+            fam = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            for eng, st in zip(self._engines, snaps, strict=True):
+                fam.add_metric([self._model_name, eng], getattr(st, attr))
+            yield fam
+        fam = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                  labels=["model_name", "engine", "position"])
+        for eng, st in zip(self._engines, snaps, strict=True):
+            for pos in range(self._k):
+                fam.add_metric([self._model_name, eng, str(pos)], st.num_accepted_tokens_per_pos[pos])
+        yield fam
 
 
 class EngineMetrics:

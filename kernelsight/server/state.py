@@ -47,6 +47,9 @@ class ServerState:
                                      engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers
                                      else None) for i in range(n)]
         self.kv_agents = _kv_transfer_agents(config, opts, self.bridges, first)
+        if config.speculative is not None:
+            self.metrics.bind_spec_decode([lambda b=b: b.engine.spec_decoder.stats for b in self.bridges],
+                                          config.speculative.num_speculative_tokens)
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size

@@ -25,6 +25,7 @@ from kernelsight.simcore.kv_transfer import KVTransferModel
 from kernelsight.simcore.output_len import OutputLengthModel
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
 from kernelsight.simcore.scheduler import Scheduler, SchedulerConfig
+from kernelsight.simcore.spec_decode import SpecDecoder
 from kernelsight.simcore.step_model import StepModel
 
 SCHEDULED = "scheduled"
@@ -42,7 +43,8 @@ class RequestEvent:
 
     ``step_index`` is the global index of the step it happened in; ``tokens`` events cover ``num_tokens``
     tokens, one per consecutive step starting at ``step_index`` (with per-token events off, a run may
-    start in an earlier result); ``first_token`` is always one token.
+    start in an earlier result) — or, when ``burst`` is set (speculative decoding), all of them in that one
+    step; ``first_token`` is always one token.
     """
 
     kind: str
@@ -52,6 +54,7 @@ class RequestEvent:
     finish_reason: str | None = None
     parent_id: str | None = None
     index: int = 0
+    burst: bool = False
 
 
 @dataclass(slots=True)
@@ -89,7 +92,7 @@ class Engine:
     def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, step_model: StepModel,
                  seed: int = 0, output_length_model: OutputLengthModel | None = None,
                  per_token_events: bool = True, use_decode_group: bool = True,
-                 kv_cache: KVCacheManager | None = None) -> None:
+                 kv_cache: KVCacheManager | None = None, spec_decoder: SpecDecoder | None = None) -> None:
         self.config = scheduler_config
         # a model-specific KV manager (the hybrid allocator) replaces the plain one; one that allocates more
         # than the full-attention table runs vLLM's per-request loop, not the decode group
@@ -99,6 +102,10 @@ class Engine:
             use_decode_group = False
         # the decode group is an exact optimization; turning it off is for equivalence tests
         self.scheduler = Scheduler(scheduler_config, self.kv, use_decode_group)
+        # speculative decoding (None: off); its counters are vLLM's spec-decode metrics
+        self.spec_decoder = spec_decoder
+        if spec_decoder is not None:
+            self.scheduler.enable_spec_decode(spec_decoder)
         self.step_model = step_model
         # True: a TOKENS event per sequence per step (the real-time server streams them). False: one
         # TOKENS event per run of consecutive steps, emitted when the run ends (fast-forward).
@@ -392,8 +399,16 @@ class Engine:
             req.first_token_s = ends[0]
             events.append(RequestEvent(FIRST_TOKEN, req.request_id, first_index, 1, None, req.parent_id,
                                        req.index))
-        for req in upd.tokens:
-            events.append(RequestEvent(TOKENS, req.request_id, first_index, 1, None, req.parent_id, req.index))
+        bursts = upd.bursts
+        if bursts:
+            for req in upd.tokens:
+                n = bursts.get(req, 1)
+                events.append(RequestEvent(TOKENS, req.request_id, first_index, n, None, req.parent_id, req.index,
+                                           n > 1))
+        else:
+            for req in upd.tokens:
+                events.append(RequestEvent(TOKENS, req.request_id, first_index, 1, None, req.parent_id,
+                                           req.index))
         if per_token:
             for req in snapshot:
                 events.append(RequestEvent(TOKENS, req.request_id, first_index, k, None, req.parent_id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kernelsight.simcore.calibration import Calibration
@@ -17,10 +17,19 @@ from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
 from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.kv_transfer import KVLink, kv_link, kv_transfer_model
-from kernelsight.simcore.memory import MemoryPlan, plan_memory
+from kernelsight.simcore.memory import MemoryPlan, kv_bytes_per_token, plan_memory, weight_bytes_per_rank
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision, resolve_precision
 from kernelsight.simcore.scheduler import FCFS, PRIORITY, SchedulerConfig
+from kernelsight.simcore.spec_decode import (
+    DRAFT_MODEL,
+    MTP,
+    NGRAM,
+    SpecDecoder,
+    SpeculativeConfig,
+    resolve_speculative_config,
+)
+from kernelsight.simcore.spec_decode_step import EAGLE3_DRAFT_VOCAB, SpecStepModel, mtp_layers, one_layer_draft
 from kernelsight.simcore.step_model import StepConfig, StepModel, default_cudagraph_capture_sizes
 
 GIB = 1024**3
@@ -57,6 +66,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False    # MoE experts split over the DP×TP ranks, which then step together
     all2all_backend: str = DEFAULT_ALL2ALL_BACKEND
     expert_load_imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE   # busiest EP rank's routed tokens / mean
+    speculative_config: dict[str, Any] | None = None   # vLLM's --speculative-config, as its JSON object
+    speculative_acceptance_rates: tuple[float, ...] | None = None   # per-position override (kernelsight's flag)
 
 
 @dataclass(slots=True)
@@ -71,6 +82,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     memory: MemoryPlan
     cudagraph_capture_sizes: tuple[int, ...] = field(default_factory=tuple)
+    speculative: SpeculativeConfig | None = None
+    draft_model: ModelSpec | None = None      # what the drafter runs (None: n-gram, no GPU draft)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -99,6 +112,7 @@ class EngineConfig:
             "max_cudagraph_capture_size": self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0,
             "calibration_tier": self.calibration.tier, "seed": self.args.seed,
             **self.parallel_summary(),
+            **({"speculative_config": self.speculative.summary()} if self.speculative else {}),
         }
 
     @property
@@ -132,9 +146,35 @@ def default_batch_limits(hw: HardwareSpec) -> tuple[int, int]:
     return 2048, 256
 
 
+def resolve_speculative(args: EngineArgs, model: ModelSpec, draft_model: ModelSpec | None = None
+                        ) -> tuple[SpeculativeConfig | None, ModelSpec | None]:
+    """The speculative config and the model its drafter runs: the given draft model (method draft_model), one
+    decoder layer of the target's shape (EAGLE heads), the target's MTP layers, or none (n-gram)."""
+    if args.speculative_config is None:
+        if args.speculative_acceptance_rates is not None:
+            raise ValueError("--speculative-acceptance-rates needs --speculative-config")
+        return None, None
+    spec = resolve_speculative_config(args.speculative_config, args.tensor_parallel_size, mtp_layers(model),
+                                      args.speculative_acceptance_rates)
+    if spec.method == NGRAM:
+        return spec, None
+    if spec.method == DRAFT_MODEL:
+        if draft_model is None:
+            raise ValueError(f"speculative draft model {spec.model!r}: no model spec given")
+        if draft_model.vocab_size != model.vocab_size:
+            raise ValueError(f"the draft model {spec.model!r} has vocab_size {draft_model.vocab_size}, the target "
+                             f"{model.vocab_size}: speculative decoding needs the same vocabulary")
+        return spec, draft_model
+    # an EAGLE head is one decoder layer; so is each MTP module, one per draft pass (k > its modules reuses them)
+    return spec, one_layer_draft(model, 1, EAGLE3_DRAFT_VOCAB if spec.method == "eagle3" else None)
+
+
 def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
-                          calib: Calibration) -> EngineConfig:
-    """Validate the arguments and fill vLLM's defaults. Raises ValueError with vLLM-style messages."""
+                          calib: Calibration, draft_model: ModelSpec | None = None) -> EngineConfig:
+    """Validate the arguments and fill vLLM's defaults. Raises ValueError with vLLM-style messages.
+
+    ``draft_model``: the spec of a speculative config's draft model (method ``draft_model``)."""
+    spec, draft = resolve_speculative(args, model, draft_model)
     tp = args.tensor_parallel_size
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be ≥ 1, got {tp}")
@@ -203,22 +243,78 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
                          num_gpu_blocks_override=args.num_gpu_blocks_override,
                          # a MoE model's experts are split over the DP ranks with or without EP (vLLM
                          # tensor-slices them over DP×TP when EP is off)
-                         ep_data_parallel=dp if model.is_moe else 1)
+                         ep_data_parallel=dp if model.is_moe else 1,
+                         **_draft_memory(spec, draft, model, precision))
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                             max_model_len=max_model_len, block_size=args.block_size,
                             enable_prefix_caching=args.enable_prefix_caching,
                             enable_chunked_prefill=args.enable_chunked_prefill, policy=args.scheduling_policy,
                             long_prefill_token_threshold=args.long_prefill_token_threshold)
-    capture = () if args.enforce_eager else default_cudagraph_capture_sizes(max_num_seqs,
-                                                                           args.max_cudagraph_capture_size)
-    return EngineConfig(args, model, hw, calib, precision, sched, memory, capture)
+    if args.enforce_eager:
+        capture: tuple[int, ...] = ()
+    elif spec is not None:
+        capture = spec_decode_capture_sizes(max_num_seqs, args.max_cudagraph_capture_size,
+                                            1 + spec.num_speculative_tokens)
+    else:
+        capture = default_cudagraph_capture_sizes(max_num_seqs, args.max_cudagraph_capture_size)
+    return EngineConfig(args, model, hw, calib, precision, sched, memory, capture, spec, draft)
+
+
+def spec_decode_capture_sizes(max_num_seqs: int, max_capture_size: int | None, decode_query_len: int
+                              ) -> tuple[int, ...]:
+    """vLLM's CUDA-graph sizes under speculative decoding: the default maximum becomes
+    min(2 · max_num_seqs · (1 + k), 512), and every size is rounded up to a multiple of 1 + k so that uniform
+    verify batches replay a full graph (adjust_cudagraph_sizes_for_spec_decode)."""
+    cap = max_capture_size if max_capture_size is not None else min(2 * max_num_seqs * decode_query_len, 512)
+    sizes = default_cudagraph_capture_sizes(max_num_seqs, cap)
+    q = decode_query_len
+    return tuple(sorted({-(-s // q) * q for s in sizes}))
+
+
+def _draft_memory(spec: SpeculativeConfig | None, draft: ModelSpec | None, target: ModelSpec,
+                  precision: Precision) -> dict[str, float]:
+    """The drafter's weights and KV per token on one GPU (its layers share the target's block table, as vLLM's
+    KV-cache groups do). An EAGLE head / MTP module shares the target's embedding and LM head: only its layers."""
+    if spec is None or draft is None:
+        return {}
+    tp = spec.draft_tensor_parallel_size
+    weights = weight_bytes_per_rank(draft, precision, tp)
+    kv = kv_bytes_per_token(draft, precision, tp)
+    if spec.method != DRAFT_MODEL:
+        weights -= weight_bytes_per_rank(replace(draft, num_layers=0, num_moe_layers=0), precision, tp)
+        modules = max(mtp_layers(target), 1) if spec.method == MTP else 1
+        weights, kv = weights * modules, kv * modules
+    return {"draft_weight_bytes": weights, "draft_kv_bytes_per_token": kv}
 
 
 def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwargs: Any) -> StepModel:
+    if cfg.speculative is not None and cls is StepModel:
+        cls = SpecStepModel
+        plain = () if cfg.args.enforce_eager else default_cudagraph_capture_sizes(cfg.scheduler.max_num_seqs,
+                                                                                 cfg.args.max_cudagraph_capture_size)
+        baseline = StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
+                             StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=plain,
+                                        enforce_eager=cfg.args.enforce_eager,
+                                        async_scheduling=cfg.args.async_scheduling))
+        kwargs.update(spec=cfg.speculative, drafter=_drafter(cfg), baseline=baseline)
     return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                           enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling),
                **kwargs)
+
+
+def _drafter(cfg: EngineConfig) -> StepModel | None:
+    """The draft's own step model (same GPU, calibration and precision; its own TP and CUDA graphs)."""
+    if cfg.draft_model is None:
+        return None
+    return StepModel(cfg.draft_model, cfg.hardware, cfg.calibration, cfg.precision,
+                     StepConfig(tp=cfg.speculative.draft_tensor_parallel_size,
+                                cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+                                enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling))
+
+
+def spec_decoder(cfg: EngineConfig) -> SpecDecoder | None:
+    return SpecDecoder(cfg.speculative, cfg.args.seed) if cfg.speculative is not None else None
 
 
 def moe_group_timing(cfg: EngineConfig) -> MoEGroupTiming | None:
@@ -247,9 +343,12 @@ def build_engine(cfg: EngineConfig, per_token_events: bool = True, link: KVLink 
     tokens and finishes. ``link``: what a P/D decode side pulls prompt KV over (default: the GPU profile's, see
     ``simcore/kv_transfer.py``)."""
     moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
+    if moe is not None and cfg.speculative is not None:
+        raise ValueError("speculative decoding with a data-parallel MoE group is not modelled")
     sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
     eng = Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
-                 per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
+                 per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),
+                 spec_decoder=spec_decoder(cfg))
     eng.kv_transfer = kv_transfer_model(cfg.model, cfg.precision, cfg.args.tensor_parallel_size,
                                         cfg.scheduler.block_size, link or kv_link(cfg.hardware))
     return eng
@@ -259,8 +358,11 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
     """The ``data_parallel_size`` engines of a configuration behind vLLM's router (every rank alike, as vLLM
     starts them: same config and seed). A MoE model's ranks step in lockstep (see ``simcore/dp_group.py``)."""
     moe = moe_group_timing(cfg)
+    if moe is not None and cfg.speculative is not None:
+        raise ValueError("speculative decoding with a data-parallel MoE group is not modelled")
     engines = [Engine(cfg.scheduler, cfg.memory.num_gpu_blocks,
                       build_step_model(cfg, StepModel if moe is None else LockstepStepModel), seed=cfg.args.seed,
-                      per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg))
+                      per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),
+                      spec_decoder=spec_decoder(cfg))
                for _ in range(cfg.args.data_parallel_size)]
     return DPGroup(engines, moe)

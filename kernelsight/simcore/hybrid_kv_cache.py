@@ -171,14 +171,15 @@ class HybridKVCacheManager(KVCacheManager):
         return to_full + to_sw + evictable <= self.pool.num_free_blocks
 
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None,
-                       num_new_computed_tokens: int = 0) -> bool:
+                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0) -> bool:
         hits = new_computed_blocks if new_computed_blocks is not None else []
         rid = req.request_id
         table = self._sw.setdefault(rid, [])
         if table:
             self._remove_skipped_blocks(table, req.num_computed_tokens)
         total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        to_full, to_sw, sw_real = self._to_allocate(req, total, hits, num_new_computed_tokens)
+        # a speculative drafter's lookahead slots are allocated in every group (vLLM's coordinator), never cached
+        to_full, to_sw, sw_real = self._to_allocate(req, total + num_lookahead_tokens, hits, num_new_computed_tokens)
         pool = self.pool
         ref = pool.ref_cnt
         evictable = sum(1 for b in hits if ref[b] == 0) + sum(1 for b in sw_real if ref[b] == 0)

@@ -71,15 +71,18 @@ class BatchShape:
 
     prefills: tuple[PrefillChunk, ...] = ()
     num_decodes: int = 0
-    decode_context_tokens: int = 0   # Σ over decodes of the tokens each attends (incl. the new one)
+    decode_context_tokens: int = 0   # Σ over decodes of the tokens each attends (incl. the new ones)
+    # speculative decoding: Σ over decodes of the draft tokens each verifies besides its bonus token (every verified
+    # position computes a row and its logits)
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decodes + sum(p.num_new_tokens for p in self.prefills)
+        return self.num_decodes + self.num_spec_tokens + sum(p.num_new_tokens for p in self.prefills)
 
     @property
     def num_sampling_rows(self) -> int:
-        return self.num_decodes + sum(1 for p in self.prefills if p.samples)
+        return self.num_decodes + self.num_spec_tokens + sum(1 for p in self.prefills if p.samples)
 
     @property
     def num_seqs(self) -> int:

@@ -28,6 +28,9 @@ class KVCacheManager:
         # prefix-cache counters as vLLM reports them (queries/hits in tokens)
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        # EAGLE-family speculative decoding: vLLM drops the last block of a prefix hit, whose hidden states the
+        # drafter needs recomputed (KVCacheManager(use_eagle=True))
+        self.drop_last_hit_block = False
 
     # -- KV-cache events --------------------------------------------------------------------------
     def enable_events(self) -> None:
@@ -136,6 +139,8 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         if req.num_preemptions == 0:
             self.prefix_queries_tokens += req.num_tokens
             self.prefix_hits_tokens += len(hits) * self.block_size
@@ -147,12 +152,13 @@ class KVCacheManager:
         return to_alloc + evictable_hits <= self.pool.num_free_blocks
 
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None,
-                       num_new_computed_tokens: int = 0) -> bool:
-        """Make room for ``num_new_tokens`` more tokens; False (and no change) when blocks run out."""
+                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0) -> bool:
+        """Make room for ``num_new_tokens`` more tokens (plus ``num_lookahead_tokens`` slots a speculative drafter
+        writes past them, as vLLM's); False (and no change) when blocks run out."""
         new_computed_blocks = new_computed_blocks or []
         total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         pool = self.pool
-        to_alloc = -(-total // self.block_size) - len(req.block_ids) - len(new_computed_blocks)
+        to_alloc = -(-(total + num_lookahead_tokens) // self.block_size) - len(req.block_ids) - len(new_computed_blocks)
         if new_computed_blocks:
             evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0)
             if to_alloc + evictable_hits > pool.num_free_blocks:
@@ -165,7 +171,9 @@ class KVCacheManager:
         if to_alloc > 0:
             req.block_ids.extend(pool.allocate(to_alloc))
         if self.enable_caching:
-            self._cache_full_blocks(req, total)
+            # draft tokens are not the request's tokens yet: only verified ones enter the prefix cache (vLLM caches
+            # min(computed + new, request.num_tokens))
+            self._cache_full_blocks(req, total if total <= req.num_tokens else req.num_tokens)
         return True
 
     def allocate_for_pull(self, req: Request) -> int | None:

@@ -104,10 +104,12 @@ class MemoryPlan:
 def plan_memory(model: ModelSpec, hw: HardwareSpec, precision: Precision, *, tp: int, block_size: int,
                 gpu_memory_utilization: float, max_model_len: int, max_num_batched_tokens: int,
                 max_num_seqs: int, num_gpu_blocks_override: int | None = None,
-                ep_data_parallel: int = 1) -> MemoryPlan:
+                ep_data_parallel: int = 1, draft_weight_bytes: float = 0.0,
+                draft_kv_bytes_per_token: float = 0.0) -> MemoryPlan:
+    """``draft_*``: a speculative drafter's weights and KV bytes per token on this GPU (0 without one)."""
     total = hw.mem_capacity_bytes
     requested = math.ceil(total * gpu_memory_utilization)
-    weights = weight_bytes_per_rank(model, precision, tp, ep_data_parallel)
+    weights = weight_bytes_per_rank(model, precision, tp, ep_data_parallel) + draft_weight_bytes
     if weights >= requested:
         raise InsufficientMemoryError(
             f"Model weights take {weights / GIB:.2f} GiB per GPU, more than the {requested / GIB:.2f} GiB "
@@ -119,7 +121,7 @@ def plan_memory(model: ModelSpec, hw: HardwareSpec, precision: Precision, *, tp:
     non_torch = NON_TORCH_BYTES + (TP_COMM_BUFFER_BYTES if tp * ep_data_parallel > 1 else 0)
     kv_bytes = requested - weights - activation - non_torch
     per_token = kv_bytes_per_token(model, precision, tp)
-    block_bytes = block_size * per_token
+    block_bytes = block_size * (per_token + draft_kv_bytes_per_token)
     needed_blocks = math.ceil(max_model_len / block_size)
     if model.is_hybrid_attention:
         # vLLM's hybrid allocator: a block is a page in each layer of one group (half the layers for gpt-oss), and

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
 from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
+from kernelsight.simcore.spec_decode import SpecDecoder
 
 FCFS = "fcfs"
 PRIORITY = "priority"
@@ -46,6 +47,8 @@ class SchedulerOutput:
     group_size: int = 0               # decode-group members that take a token this step
     # members dissolved back to per-request scheduling (or preempted) this step: (req, join step, tokens)
     dissolved: list[tuple[Request, int, int]] = field(default_factory=list)
+    # speculative decoding: draft tokens each scheduled request verifies (parallel to ``requests``; empty without)
+    num_draft_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class StepUpdate:
     tokens: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     runs: list[tuple[Request, int, int]] = field(default_factory=list)  # group members' (req, join, tokens)
+    bursts: dict[Request, int] = field(default_factory=dict)   # speculative decoding: tokens > 1 in one step
 
 
 class WaitingQueue:
@@ -138,6 +142,14 @@ class Scheduler:
         # group relies on, so that configuration always runs the exact per-request loop
         self._group_allowed = use_decode_group and config.long_prefill_token_threshold == 0
         self._group_on = self._group_allowed
+        self.spec: SpecDecoder | None = None
+
+    def enable_spec_decode(self, spec: SpecDecoder) -> None:
+        """Speculative decoding: decodes verify draft tokens and gain a varying number of tokens per step, which the
+        decode group (one token per member per step) cannot express, so every request is scheduled one by one."""
+        self.spec = spec
+        self._group_allowed = self._group_on = False
+        self.kv.drop_last_hit_block = spec.config.uses_eagle
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -271,10 +283,15 @@ class Scheduler:
             self._group_on = True          # pressure gone: decoders rejoin as they sample
 
         individuals = self.individuals
+        spec = self.spec
+        lookahead = spec.num_lookahead_tokens if spec is not None else 0
+        drafts_of: dict[Request, int] = {}
         i = 0
         while i < len(individuals) and budget > 0:
             req = individuals[i]
             num_new = req.num_tokens - req.num_computed_tokens
+            if spec is not None and num_new == 1 and req.num_output_tokens > 0:
+                num_new += spec.num_drafts_for(req.num_computed_tokens, cfg.max_model_len)
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
@@ -283,7 +300,8 @@ class Scheduler:
                 i += 1
                 continue
             req_preempted = False
-            while not kv.allocate_slots(req, num_new):
+            while not (kv.allocate_slots(req, num_new, None, 0, lookahead) if lookahead
+                       else kv.allocate_slots(req, num_new)):
                 victim = self._pick_victim()
                 if victim.decode_join_step >= 0:
                     run_join = victim.decode_join_step
@@ -311,6 +329,9 @@ class Scheduler:
             scheduled.append(req)
             counts.append(num_new)
             budget -= num_new
+            if spec is not None and req.num_output_tokens > 0 and num_new > 1 and \
+                    req.num_computed_tokens + num_new > req.num_tokens:
+                drafts_of[req] = req.num_computed_tokens + num_new - req.num_tokens
             i += 1
 
         if not preempted:
@@ -332,7 +353,7 @@ class Scheduler:
                     num_new = budget
                 if cfg.reserve_full_prompt and not kv.can_fit(req, req.num_tokens, hits):
                     break
-                if not kv.allocate_slots(req, num_new, hits, new_cached):
+                if not kv.allocate_slots(req, num_new, hits, new_cached, lookahead):
                     break
                 waiting.pop()
                 if req.num_preemptions == 0 and req.num_cached_tokens < 0:
@@ -351,6 +372,8 @@ class Scheduler:
         prefills = []
         num_decodes = len(self.members)
         decode_ctx = self._ctx_base + num_decodes * S
+        if drafts_of:
+            return self._spec_output(scheduled, counts, preempted, admitted, budget, dissolved, drafts_of)
         for req, n in zip(scheduled, counts, strict=True):
             if n == 1 and req.num_output_tokens > 0:
                 num_decodes += 1
@@ -361,6 +384,27 @@ class Scheduler:
         batch = BatchShape(tuple(prefills), num_decodes, decode_ctx)
         return SchedulerOutput(scheduled, counts, preempted, admitted, batch,
                                cfg.max_num_batched_tokens - budget, len(self.members), dissolved)
+
+    def _spec_output(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
+                     admitted: list[Request], budget: int, dissolved: list[tuple[Request, int, int]],
+                     drafts_of: dict[Request, int]) -> SchedulerOutput:
+        """The step's output when decodes carry draft tokens: each verifies 1 + drafts tokens (no decode group)."""
+        prefills = []
+        num_decodes = decode_ctx = num_spec = 0
+        drafts = []
+        for req, n in zip(scheduled, counts, strict=True):
+            d = drafts_of.get(req, 0)
+            drafts.append(d)
+            if req.num_output_tokens > 0 and n == 1 + d:
+                num_decodes += 1
+                num_spec += d
+                decode_ctx += req.num_computed_tokens + n
+            else:
+                prefills.append(PrefillChunk(n, req.num_computed_tokens,
+                                             req.num_computed_tokens + n >= req.num_tokens))
+        batch = BatchShape(tuple(prefills), num_decodes, decode_ctx, num_spec)
+        return SchedulerOutput(scheduled, counts, preempted, admitted, batch,
+                               self.config.max_num_batched_tokens - budget, 0, dissolved, drafts)
 
     def window_limit(self, out: SchedulerOutput, max_steps: int) -> int:
         """Steps (≥ 1) this schedule can be repeated unchanged: only a decode group, nothing admitted,
@@ -383,10 +427,29 @@ class Scheduler:
         first_unmet = self._allocate_group_blocks(self.step_index + k - 1)
         return max(1, min(k, first_unmet - self.step_index))
 
+    def _verify_drafts(self, out: SchedulerOutput, upd: StepUpdate) -> None:
+        """Rejection sampling of a step's drafts: each verifying request keeps its accepted drafts (their KV stays
+        computed; the rejected ones' slots are rewritten later) and gains 1 + accepted tokens, at most to its end.
+        Afterwards its state is that of a plain one-token decode, which the common path below completes."""
+        spec = self.spec
+        bursts = upd.bursts
+        for j, (req, d) in enumerate(zip(out.requests, out.num_draft_tokens, strict=True)):
+            if not d or req.status is not RequestStatus.RUNNING:
+                continue
+            accepted = spec.accept(req.seq_no, req.num_output_tokens, d)
+            gained = min(1 + accepted, req.target_output_len - req.num_output_tokens)
+            # the common path adds the scheduled count and one output token: leave it exactly that to add
+            req.num_computed_tokens += (1 + accepted) - out.num_scheduled_tokens[j] + (gained - 1) - accepted
+            req.num_output_tokens += gained - 1
+            if gained > 1:
+                bursts[req] = gained
+
     def update(self, out: SchedulerOutput, num_steps: int = 1) -> StepUpdate:
         """Apply executed steps: advance tokens, sample where a sequence caught up, finish, join the group."""
         upd = StepUpdate()
         S = self.step_index
+        if out.num_draft_tokens:
+            self._verify_drafts(out, upd)
         for req, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
             if req.status is not RequestStatus.RUNNING:
                 continue
