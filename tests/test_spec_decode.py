@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -15,7 +15,6 @@ from kernelsight.loadgen.datasets import random_dataset
 from kernelsight.loadgen.fastforward import run_fast_forward
 from kernelsight.simcore.engine_config import EngineArgs, build_engine, build_step_model, resolve_engine_config
 from kernelsight.simcore.kernels import FAMILIES, BatchShape
-from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.spec_decode import (
     DEFAULT_CONDITIONAL_ACCEPTANCE,
     SpecDecoder,
@@ -168,30 +167,18 @@ def test_draft_weights_and_kv_take_memory():
         base.num_gpu_blocks
 
 
-@dataclass(frozen=True, slots=True)
-class _MTPModel(ModelSpec):
-    num_nextn_predict_layers: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class _ArchMTPModel(ModelSpec):
-    num_mtp_layers: int = 2       # the arch branch's field name for the same count
-
-
-def test_the_mtp_hook_reads_either_field(llama8b):
+def test_the_mtp_hook_reads_the_models_mtp_modules(llama8b):
     from kernelsight.simcore.spec_decode_step import mtp_layers
 
-    fields_ = {f: getattr(llama8b, f) for f in llama8b.__slots__}
     assert mtp_layers(llama8b) == 0
-    assert mtp_layers(_MTPModel(**fields_)) == 1
-    assert mtp_layers(_ArchMTPModel(**fields_)) == 2
+    assert mtp_layers(dataclasses.replace(llama8b, num_mtp_layers=2)) == 2
 
 
 def test_mtp_uses_the_targets_mtp_layers(llama8b, h100):
     from kernelsight import profiles
 
     calib = profiles.load_calibration(h100.name)
-    mtp_model = _MTPModel(**{f: getattr(llama8b, f) for f in llama8b.__slots__})
+    mtp_model = dataclasses.replace(llama8b, num_mtp_layers=1)
     cfg = resolve_engine_config(EngineArgs(speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                                            max_model_len=8192), mtp_model, h100, calib)
     assert cfg.speculative.method == "mtp" and cfg.draft_model.num_layers == 1

@@ -31,10 +31,9 @@ _I_ATTN_DECODE = FAMILY_INDEX[K.ATTN_DECODE]
 
 
 def mtp_layers(model: ModelSpec) -> int:
-    """The target's MTP layers (``num_nextn_predict_layers`` of its config.json; 0 where the spec has no such
-    field): the hook through which MTP-capable model specs (DeepSeek-V3/R1 and the like) enable method 'mtp'. The
-    spec field is ``num_mtp_layers`` (the ``arch`` branch's ModelSpec) or ``num_nextn_predict_layers``."""
-    return int(getattr(model, "num_mtp_layers", 0) or getattr(model, "num_nextn_predict_layers", 0) or 0)
+    """The target's MTP modules (``num_nextn_predict_layers`` of its config.json, ``ModelSpec.num_mtp_layers``): the
+    method 'mtp' needs at least one (DeepSeek-V3/R1 and the like)."""
+    return model.num_mtp_layers
 
 
 #: The draft vocabulary of the published EAGLE-3 heads (``draft_vocab_size`` in their config.json, e.g.
@@ -45,9 +44,11 @@ EAGLE3_DRAFT_VOCAB = 32000
 def one_layer_draft(target: ModelSpec, num_layers: int = 1, vocab_size: int | None = None) -> ModelSpec:
     """An EAGLE head or MTP module priced as ``num_layers`` decoder layers of the target's shape (+ LM head over
     ``vocab_size``, default the target's)."""
+    # one layer of the target's kind: no sliding-window or chunked-local split to carry (as mtp.mtp_layer_model)
     return replace(target, name=f"{target.name} (draft head)", num_layers=num_layers,
                    num_moe_layers=min(target.num_moe_layers, num_layers),
-                   vocab_size=min(vocab_size or target.vocab_size, target.vocab_size))
+                   vocab_size=min(vocab_size or target.vocab_size, target.vocab_size),
+                   num_sliding_layers=None, num_chunked_layers=0)
 
 
 def verify_step(sm: StepModel, batch: BatchShape, sampling_rows: int) -> tuple[np.ndarray, float]:
