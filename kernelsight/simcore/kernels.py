@@ -11,7 +11,8 @@ MoE layers replace the MLP with a router GEMM and grouped expert GEMMs. After th
 the LM head over the rows that sample only, and the sampler.
 
 η features per family (what calibration fits on):
-    gemm, lm_head       (m, n, k, format code)    format code: GEMM_FORMAT_CODES (bf16 0, fp8 1, fp8_block 2)
+    gemm, lm_head       (m, n, k, format code)    format code: GEMM_FORMAT_CODES (bf16 0, fp8 1, fp8_block 2,
+                                                  nvfp4 4)
     moe_gemm            (tokens per active expert, n, k, active experts)
     attn_prefill        (num_seqs, mean new tokens, mean context, q heads, kv heads, head_dim,
                          kv bytes per element, sliding window or 0)
@@ -25,6 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kernelsight.simcore.fp4_dispatch import (
+    NVFP4,
+    NVFP4_BYTES_PER_ELEMENT,
+    fp4_priced_format,
+    fp4_weight_bytes_per_param,
+    nvfp4_linear_kernel,
+)
 from kernelsight.simcore.gemm_dispatch import fp8_linear_kernel, priced_format
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
@@ -54,11 +62,12 @@ _GEMM_K_BLOCK = 64        # k-loop granularity split-K / stream-K schedule
 _ATTN_Q_TILE = 128        # FlashAttention query tile
 _FP32_BYTES = 4.0
 
-#: GEMM weight/compute formats told apart by η (they run different kernels): 4th gemm feature.
-GEMM_FORMAT_CODES: dict[str, int] = {"bf16": 0, "fp16": 0, "fp8": 1, "fp8_block": 2, "int8": 3}
-#: Tensor-core dtype each format computes in (block-scaled fp8 runs the fp8 peak).
+#: GEMM weight/compute formats told apart by η (they run different kernels): 4th gemm feature. ``nvfp4`` is the
+#: W4A4 GEMM (FP4 weights and activations with FP8 block scales); weight-only FP4 kernels are priced as bf16.
+GEMM_FORMAT_CODES: dict[str, int] = {"bf16": 0, "fp16": 0, "fp8": 1, "fp8_block": 2, "int8": 3, NVFP4: 4}
+#: Tensor-core dtype each format computes in (block-scaled fp8 runs the fp8 peak, NVFP4 the fp4 peak).
 GEMM_COMPUTE_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8_block": "fp8",
-                                      "int8": "int8"}
+                                      "int8": "int8", NVFP4: "fp4"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +124,7 @@ def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, weight_bytes_per_
     """y[m,n] = x[m,k]·W[k,n]: reads x and W once, writes y.
 
     ``dtype`` is the format (``bf16``, ``fp16``, ``fp8`` per-tensor W8A8, ``fp8_block`` block-scaled W8A8,
-    ``int8``); the kernel's compute dtype is the tensor-core peak that format runs at.
+    ``int8``, ``nvfp4`` W4A4); the kernel's compute dtype is the tensor-core peak that format runs at.
     """
     flops = 2.0 * m * n * k
     in_bytes = gemm_input_bytes(dtype, act_bytes)
@@ -131,6 +140,8 @@ def linear_kernel(name: str, m: int, n: int, k: int, precision: Precision, count
     checkpoint's scale type, this GPU and this m (``gemm_dispatch.fp8_linear_kernel``) and take the format that
     prices it (W8A8 on the fp8 peak; Marlin's weight-only FP8 on the bf16 peak with 1-byte weights)."""
     w, a = precision.weight_bytes_per_param, precision.act_bytes
+    if precision.weight_dtype == NVFP4:
+        return nvfp4_linear_kernel_priced(name, m, n, k, precision, count)
     if precision.weight_dtype != "fp8" or precision.fp8_scheme is None:
         return gemm_kernel(name, m, n, k, precision.gemm_dtype, w, a, count)
     impl = fp8_linear_kernel(precision.fp8_scheme, precision.compute_capability or "9.0", m, n, k)
@@ -140,8 +151,22 @@ def linear_kernel(name: str, m: int, n: int, k: int, precision: Precision, count
     return replace(gemm_kernel(name, m, n, k, fmt, w, a, count), impl=impl)
 
 
+def nvfp4_linear_kernel_priced(name: str, m: int, n: int, k: int, precision: Precision, count: int = 1) -> Kernel:
+    """An NVFP4 linear layer as the kernel vLLM dispatches on this GPU (``fp4_dispatch.nvfp4_linear_kernel``): W4A4
+    on the FP4 tensor cores (format ``nvfp4``), else a bf16 GEMM over the packed 4-bit weights (Marlin W4A16; ROCm's
+    emulation also writes and reads back a dequantized copy)."""
+    impl = nvfp4_linear_kernel(precision.compute_capability or "9.0")
+    a = precision.act_bytes
+    fmt = NVFP4 if fp4_priced_format(impl) == NVFP4 else precision.act_dtype
+    w = fp4_weight_bytes_per_param(NVFP4, impl, a)
+    return replace(gemm_kernel(name, m, n, k, fmt, w, a, count), impl=impl)
+
+
 def gemm_input_bytes(dtype: str, act_bytes: float) -> float:
-    """Bytes per input activation element: W8A8 formats quantize activations to 1 byte first."""
+    """Bytes per input activation element: W8A8 formats quantize activations to 1 byte first, NVFP4 (W4A4) to
+    4 bits plus an FP8 scale per 16."""
+    if dtype == NVFP4:
+        return NVFP4_BYTES_PER_ELEMENT
     return 1.0 if dtype in ("fp8", "fp8_block", "int8") else act_bytes
 
 
@@ -218,7 +243,7 @@ def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
     """The token-parallel (non-attention, non-MoE) kernels of ``n_layers`` layers over ``m`` rows."""
     h = model.hidden_size
     a = precision.act_bytes
-    g = precision.gemm_dtype
+    g = precision.gemm_compute_dtype
     q_heads = model.num_attention_heads // tp
     kv_heads = max(model.num_kv_heads // tp, 1)   # vLLM replicates KV heads when T > num_kv_heads
     d = model.head_dim
@@ -236,7 +261,7 @@ def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
 
 
 def mlp_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
-    a, g = precision.act_bytes, precision.gemm_dtype
+    a, g = precision.act_bytes, precision.gemm_compute_dtype
     inter = model.intermediate_size // tp
     h = model.hidden_size
     return [
@@ -254,7 +279,9 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     gathered for dispatch), each rank holds ``num_experts / ep_size`` experts and the priced rank, the busiest,
     receives ``load_imbalance`` times the mean share of the routed tokens; the router and shared experts run on
     the rank's own ``m / ep_size`` rows. ``ep_size=1`` is the plain (TP-sharded) layer."""
-    a, w, g = precision.act_bytes, precision.weight_bytes_per_param, precision.gemm_dtype
+    a, w, g = precision.act_bytes, precision.expert_weight_bytes_per_param, precision.expert_compute_dtype
+    # W4A4 experts read their routed activations as FP4 (+ scales); everything else as the activations' dtype
+    a_in = NVFP4_BYTES_PER_ELEMENT if g == "fp4" else a
     h = model.hidden_size
     e, k = model.num_experts, model.experts_per_token
     inter = model.moe_intermediate_size // tp
@@ -271,7 +298,8 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     out = [gemm_kernel("moe_router", own_m, e, h, "bf16", 2.0, a, n_layers)]
     for name, n_out, k_in in (("moe_gate_up", 2 * inter, h), ("moe_down", h, inter)):
         flops = 2.0 * routed * n_out * k_in
-        bytes_moved = active * k_in * n_out * w + routed * (k_in + n_out) * a
+        bytes_moved = (active * k_in * n_out * w + routed * (k_in + n_out) * a if a_in == a
+                       else active * k_in * n_out * w + routed * (k_in * a_in + n_out * a))
         tiles = int(m_tiles * math.ceil(n_out / _GEMM_TILE) * math.ceil(k_in / _GEMM_K_BLOCK))
         out.append(Kernel(name, MOE_GEMM, flops, bytes_moved, max(tiles, 1), g,
                           (per_expert, float(n_out), float(k_in), active), n_layers))

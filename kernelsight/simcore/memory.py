@@ -46,9 +46,12 @@ def weight_bytes_per_rank(model: ModelSpec, precision: Precision, tp: int, ep_da
     rank keeps its own copy of everything else)."""
     linear, other = param_counts(model)
     total = (linear * precision.weight_bytes_per_param + other * 2.0) / tp
+    experts = model.num_moe_layers * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
+    w_experts = precision.expert_weight_bytes_per_param
+    if model.is_moe and w_experts != precision.weight_bytes_per_param:   # gpt-oss: MXFP4 experts, bf16 attention
+        total += experts * (w_experts - precision.weight_bytes_per_param) / tp
     if ep_data_parallel > 1 and model.is_moe:
-        experts = model.num_moe_layers * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
-        total -= experts * precision.weight_bytes_per_param / tp * (1.0 - 1.0 / ep_data_parallel)
+        total -= experts * w_experts / tp * (1.0 - 1.0 / ep_data_parallel)
     return total
 
 
