@@ -87,12 +87,12 @@ def test_unknown_format_stays_an_error_even_when_skipping(tmp_path):
 
 
 @needs_data
-def test_calibrate_fit_predict_and_eval_cli_take_nvfp4_rows(tmp_path, capsys):
+def test_calibrate_fit_and_predict_cli_take_nvfp4_rows(tmp_path, capsys):
     with gzip.open(DATA / "rtx_pro_6000_server" / "gemm.csv.gz", "rt") as fh:
         rows = list(csv.reader(fh))
     d = tmp_path / "pro6000"
     d.mkdir()
-    sample = [rows[0]] + rows[1::400]
+    sample = [rows[0]] + rows[1::1000]
     with open(d / "gemm.csv", "w", newline="") as fh:
         csv.writer(fh).writerows(sample)
     n_fp4 = sum(r[0] == "nvfp4" for r in sample[1:])
@@ -112,6 +112,17 @@ def test_calibrate_fit_predict_and_eval_cli_take_nvfp4_rows(tmp_path, capsys):
     assert len(rows) == n_fp4
     errors = [abs(float(r["predicted_us"]) / float(r["latency_us"]) - 1.0) for r in rows]
     assert sum(errors) / len(errors) < 0.25
-    capsys.readouterr()
+
+
+@needs_data
+@pytest.mark.slow
+def test_calibrate_eval_cli_reports_nvfp4_rows_apart(tmp_path, capsys):
+    with gzip.open(DATA / "rtx_pro_6000_server" / "gemm.csv.gz", "rt") as fh:
+        rows = list(csv.reader(fh))
+    d = tmp_path / "pro6000"
+    d.mkdir()
+    with open(d / "gemm.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows([rows[0]] + rows[1::400])
     assert main(["calibrate", "eval", "--measurements", str(d), "--hardware", "rtx-pro-6000"]) == 0
-    assert "nvfp4 FlashInferCutlassNvFp4LinearKernel" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nvfp4 FlashInferCutlassNvFp4LinearKernel" in out
