@@ -37,6 +37,15 @@ def test_nvfp4_linear_kernel_follows_vllms_priority_list(cc, kernel):
 
 
 @pytest.mark.parametrize(("cc", "backend"), [
+    ("10.0", F.FLASHINFER_TRTLLM_NVFP4_MOE), ("12.0", F.FLASHINFER_CUTLASS_NVFP4_MOE), ("9.0", F.MARLIN_MOE),
+    ("gfx942", F.EMULATION_MOE),
+])
+def test_nvfp4_moe_backend_is_w4a4_only_with_fp4_tensor_cores(cc, backend):
+    assert F.fp4_moe_backend("nvfp4", cc) == backend
+    assert F.fp4_priced_format(backend) == ("nvfp4" if cc.startswith("1") else "bf16")
+
+
+@pytest.mark.parametrize(("cc", "backend"), [
     ("10.0", F.TRTLLM_MXFP4_BF16), ("9.0", F.TRITON_MXFP4), ("8.0", F.MARLIN_MOE), ("12.0", F.MARLIN_MOE),
 ])
 def test_mxfp4_moe_runs_weight_only_by_default(cc, backend):

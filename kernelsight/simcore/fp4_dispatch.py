@@ -16,7 +16,8 @@ Kernel choice (vLLM's ``_POSSIBLE_NVFP4_KERNELS`` priority list, ``init_nvfp4_li
   (gated on ≥ sm_100; the shared RTX PRO 6000 tables record exactly this kernel). No FP4 tensor cores (Ampere, Ada,
   Hopper): Marlin, weight-only (W4A16): 4-bit weights dequantized in registers, bf16 tensor cores. ROCm: software
   emulation (weights dequantized to bf16, then a bf16 GEMM).
-* NVFP4 MoE: W4A4 grouped GEMMs on Blackwell (FlashInfer), Marlin W4A16 elsewhere.
+* NVFP4 MoE (``select_nvfp4_moe_backend``): W4A4 grouped GEMMs on Blackwell — FlashInfer TRT-LLM on sm_10x,
+  FlashInfer CUTLASS on 12.x —, Marlin W4A16 without FP4 tensor cores, emulation on ROCm.
 * MXFP4 MoE: W4A16 by default everywhere — FlashInfer TRT-LLM with bf16 activations on sm_10x, OpenAI's Triton
   ``matmul_ogs`` on Hopper, Marlin on Ampere/Ada and 12.x; MXFP8 activations (W4A8) only behind
   ``VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8``, which is not the default and not modelled.
@@ -54,13 +55,16 @@ FLASHINFER_CUTLASS_NVFP4 = "FlashInferCutlassNvFp4LinearKernel"
 MARLIN_NVFP4 = "MarlinNvFp4LinearKernel"
 EMULATION_NVFP4 = "EmulationNvFp4LinearKernel"
 # vLLM MoE backends (the oracles' enum values)
-FLASHINFER_NVFP4_MOE = "FLASHINFER_NVFP4_MOE"
+FLASHINFER_TRTLLM_NVFP4_MOE = "FLASHINFER_TRTLLM"
+FLASHINFER_CUTLASS_NVFP4_MOE = "FLASHINFER_CUTLASS"
+EMULATION_MOE = "EMULATION"
 MARLIN_MOE = "MARLIN"
 TRTLLM_MXFP4_BF16 = "FLASHINFER_TRTLLM_MXFP4_BF16"
 TRITON_MXFP4 = "TRITON"
 
 #: kernels that run W4A4 on the FP4 tensor cores; every other FP4 kernel computes in bf16
-W4A4_KERNELS = frozenset({FLASHINFER_CUTEDSL_NVFP4, FLASHINFER_CUTLASS_NVFP4, FLASHINFER_NVFP4_MOE})
+W4A4_KERNELS = frozenset({FLASHINFER_CUTEDSL_NVFP4, FLASHINFER_CUTLASS_NVFP4, FLASHINFER_TRTLLM_NVFP4_MOE,
+                          FLASHINFER_CUTLASS_NVFP4_MOE})
 
 
 def fp4_format_from_quant_config(config: dict[str, Any] | None) -> str | None:
@@ -109,7 +113,11 @@ def fp4_moe_backend(fmt: str, compute_capability: str) -> str:
     """The MoE backend vLLM picks for FP4 experts of format ``fmt`` (``nvfp4`` / ``mxfp4``) on this GPU."""
     cc = capability_number(compute_capability)
     if fmt == NVFP4:
-        return FLASHINFER_NVFP4_MOE if cc is not None and cc >= 100 else MARLIN_MOE
+        if cc is None:
+            return EMULATION_MOE
+        if 100 <= cc < 110:
+            return FLASHINFER_TRTLLM_NVFP4_MOE
+        return FLASHINFER_CUTLASS_NVFP4_MOE if cc >= 110 else MARLIN_MOE
     if cc is None:
         return TRITON_MXFP4           # ROCm without gfx950's CK kernels: triton_kernels, W4A16
     if 100 <= cc < 110:
@@ -135,7 +143,9 @@ __all__ = [
     "EMULATION_NVFP4",
     "FLASHINFER_CUTEDSL_NVFP4",
     "FLASHINFER_CUTLASS_NVFP4",
-    "FLASHINFER_NVFP4_MOE",
+    "EMULATION_MOE",
+    "FLASHINFER_CUTLASS_NVFP4_MOE",
+    "FLASHINFER_TRTLLM_NVFP4_MOE",
     "FP4_BYTES_PER_ELEMENT",
     "FP4_FORMATS",
     "MARLIN_MOE",
