@@ -96,6 +96,18 @@ def test_nvfp4_checkpoint_served_from_a_local_directory(tmp_path):
     assert cfg.memory.num_gpu_blocks > bf16.memory.num_gpu_blocks
 
 
+def test_modelopt_hf_quant_config_beside_config_json_is_read_as_nvfp4(tmp_path):
+    from kernelsight.profiles import load_model
+
+    config = _llama8b_config({})
+    config.pop("quantization_config")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}}))
+    spec = load_model(str(tmp_path))
+    assert spec.quantization == "nvfp4" and spec.kv_cache_dtype == "fp8"
+
+
 # -- roofline bytes and peaks -------------------------------------------------------------------------------------
 def test_w4a4_gemm_moves_packed_operands_at_the_fp4_peak():
     p = resolve_precision("bfloat16", "modelopt_fp4", compute_capability="12.0")
