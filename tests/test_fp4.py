@@ -4,10 +4,16 @@ GPU, priced with their packed bytes at the right peak, and NVFP4 η transferred 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kernelsight.calibrate.evaluate import split_masks
+from kernelsight.calibrate.fit.eta import fit_calibration
 from kernelsight.calibrate.fit.transfer import NVFP4_KEY, cross_generation_calibration, transfer_fp4_variant
+from kernelsight.calibrate.measurements import read_table
+from kernelsight.calibrate.rows import predict_rows_s
 from kernelsight.profiles import load_calibration, load_hardware
 from kernelsight.simcore import fp4_dispatch as F
 from kernelsight.simcore import kernels as K
@@ -222,3 +228,21 @@ def test_marlin_nvfp4_on_h100_speeds_up_decode_not_prefill(tmp_path):
 def test_gemm_format_codes_cover_nvfp4():
     assert K.GEMM_FORMAT_CODES["nvfp4"] == 4 and K.GEMM_COMPUTE_DTYPE["nvfp4"] == "fp4"
     assert K.gemm_input_bytes("nvfp4", 2.0) == pytest.approx(0.5625)
+
+
+# -- the accuracy target, on the shared rows (slow: one fit on ~9,000 rows) -----------------------------------------
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels" / "rtx_pro_6000_server"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not available")
+def test_nvfp4_target_tier_is_within_4_percent_on_held_out_rows():
+    hw = load_hardware("rtx-pro-6000")
+    table = read_table(DATA / "gemm.csv.gz", "gemm")
+    train, test = split_masks({"gemm": table}, 0.25, 0)   # the split of kernel_accuracy.py / calibrate eval
+    nv = table["dtype"] == "nvfp4"
+    calib, _ = fit_calibration({"gemm": table.subset(train["gemm"] & nv).columns}, hw)
+    held_out = table.subset(test["gemm"] & nv)
+    pred = predict_rows_s("gemm", held_out.columns, hw, calib)
+    mape = float(np.mean(np.abs(pred / (held_out["latency_us"] * 1e-6) - 1.0)))
+    assert len(held_out) > 25_000 and mape < 0.04
