@@ -246,3 +246,14 @@ def test_nvfp4_target_tier_is_within_4_percent_on_held_out_rows():
     pred = predict_rows_s("gemm", held_out.columns, hw, calib)
     mape = float(np.mean(np.abs(pred / (held_out["latency_us"] * 1e-6) - 1.0)))
     assert len(held_out) > 25_000 and mape < 0.04
+
+
+def test_plan_takes_fp4_weight_formats():
+    from kernelsight.plan.cli import _quant
+
+    assert _quant("nvfp4") == _quant("modelopt_fp4") == "modelopt_fp4" and _quant("mxfp4") == "mxfp4"
+    assert _quant("none") is None
+    with pytest.raises(Exception, match="modelopt_fp4"):
+        _quant("int4")
+    cfg = make_config(hardware="b200", quantization=_quant("nvfp4"))   # what the plan's point builds
+    assert cfg.precision.weight_dtype == "nvfp4" and cfg.precision.gemm_compute_dtype == "fp4"
