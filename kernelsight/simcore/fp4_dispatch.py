@@ -25,7 +25,8 @@ Kernel choice (vLLM's ``_POSSIBLE_NVFP4_KERNELS`` priority list, ``init_nvfp4_li
 Pricing: a W4A4 kernel is a GEMM of format ``nvfp4`` (the FP4 tensor-core peak, 4-bit operands with their scales,
 its own η); a W4A16 kernel is a bf16 GEMM whose weights are the packed 4-bit bytes (as Marlin's weight-only FP8 is
 priced, ``gemm_dispatch.priced_format``); emulation is a bf16 GEMM that also writes and re-reads a bf16 copy of the
-weights.
+weights. MoE expert GEMMs keep the ``moe_gemm`` η (the bf16 GEMM model, as fp8 experts do) at their backend's peak
+and bytes: no grouped FP4 GEMM was measured to fit one.
 """
 
 from __future__ import annotations
