@@ -4,12 +4,19 @@
 * cross-generation: every other bundled GPU — transferred from those three (``CROSS_GENERATION_SOURCES``) by the
   spec-driven rule (:mod:`kernelsight.calibrate.fit.transfer`).
 * target-measured from a GPU's own tables on top of its cross-generation prior: rtx-pro-6000
-  (``rtx_pro_6000_server``), as ``kernelsight calibrate fit`` does; rows of formats the model cannot price yet
-  (NVFP4) are left out and counted in the file's notes.
+  (``rtx_pro_6000_server``), as ``kernelsight calibrate fit`` does, NVFP4 GEMM rows included; rows of formats the
+  model cannot price yet would be left out and counted in the file's notes.
+* the cross-generation files of GPUs with FP4 tensor cores (B200, B300, GB200, GB300) get their NVFP4 GEMM η from
+  the RTX PRO 6000's fit (``FP4_TRANSFER_SOURCES``, rule 9 of :mod:`kernelsight.calibrate.fit.transfer`).
 
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
     python benchmarks/build_calibrations.py [--data ../shared/data/kernels] [--only GPU ...] [--comm-only]
+        [--fp4-only]
+
+``--fp4-only`` refits only the NVFP4 GEMM variant of the FP4-measured GPUs (the RTX PRO 6000: on all its NVFP4 rows,
+as a full build does — a fit's variants are fitted independently of each other) into their bundled files, then adds
+the transferred variant to the bundled cross-generation files; everything else stays as stored.
 
 ``--comm-only`` rewrites only the collective models of every bundled file (what a full build would write there:
 the comm fit reads nothing but the comm table and, for a GPU fitted on a prior, the prior's collective models) and
@@ -36,10 +43,18 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     measured_gpu_dirs,
 )
 from kernelsight.calibrate.fit.comm import fit_comm  # noqa: E402
-from kernelsight.calibrate.fit.transfer import cross_generation_calibration, transfer_comm  # noqa: E402
+from kernelsight.calibrate.fit.eta import fit_family  # noqa: E402
+from kernelsight.calibrate.fit.transfer import (  # noqa: E402
+    FP4_TRANSFER_SOURCES,
+    NVFP4_KEY,
+    cross_generation_calibration,
+    transfer_comm,
+    transfer_fp4_variant,
+)
 from kernelsight.calibrate.measurements import describe_skipped, read_measurements, read_table  # noqa: E402
 from kernelsight.profiles import list_hardware, load_hardware, read_calibration_file  # noqa: E402
 from kernelsight.simcore.calibration import Calibration, default_calibration  # noqa: E402
+from kernelsight.simcore.eta import SwitchEta  # noqa: E402
 from kernelsight.simcore.hardware import HardwareSpec  # noqa: E402
 
 _TARGET_NOTES = (
@@ -115,6 +130,40 @@ def _rebuild_comm(data: Path, out_dir: Path) -> int:
     return 0
 
 
+def _refit_nvfp4(name: str, folder: Path, path: Path) -> Calibration:
+    """The bundled file of an FP4-measured GPU with its ``nvfp4`` GEMM variant fitted on every NVFP4 row."""
+    hw = load_hardware(name)
+    calib = read_calibration_file(path)
+    table = read_table(folder / "gemm.csv.gz", "gemm")
+    rows = table.subset(table["dtype"] == "nvfp4")
+    model, eta_max, _ = fit_family("gemm", rows.columns, hw, residual_grid=True)
+    gemm = calib.eta["gemm"]
+    assert isinstance(gemm, SwitchEta) and isinstance(model, SwitchEta)
+    calib.eta["gemm"] = SwitchEta(gemm.index, {**gemm.models, NVFP4_KEY: model.models[NVFP4_KEY]}, gemm.default)
+    calib.eta_max = max(calib.eta_max, eta_max)
+    calib.source = _source_line(folder)
+    calib.notes = calib.notes.split("; skipped ")[0]   # no rows are left out any more
+    path.write_text(json.dumps(calib.to_dict()))
+    print(f"{name}: nvfp4 GEMM variant fitted on {len(rows)} rows")
+    return calib
+
+
+def _add_fp4_variants(data: Path, out_dir: Path) -> int:
+    """The NVFP4 GEMM variant of the FP4-measured GPUs' bundled files (refitted) and of every bundled
+    cross-generation file (transferred from them); the rest of each file unchanged."""
+    folders = {name: folder for folder, name in measured_gpu_dirs(data).items()}
+    fp4 = [(_refit_nvfp4(n, data / folders[n], out_dir / f"{n}.json"), load_hardware(n)) for n in FP4_TRANSFER_SOURCES]
+    for name in list_hardware():
+        path = out_dir / f"{name}.json"
+        calib = read_calibration_file(path)
+        if calib.tier != "cross-generation":
+            continue
+        if transfer_fp4_variant(calib, load_hardware(name), fp4):
+            path.write_text(json.dumps(calib.to_dict()))
+            print(f"{name}: nvfp4 GEMM variant added")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
@@ -124,10 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                          "read from the bundled files instead of refitted")
     ap.add_argument("--comm-only", action="store_true",
                     help="refit only the collective models of the bundled files and keep the rest as stored")
+    ap.add_argument("--fp4-only", action="store_true",
+                    help="add only the transferred NVFP4 GEMM variant to the bundled cross-generation files")
     args = ap.parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if args.comm_only:
         return _rebuild_comm(args.data, args.output_dir)
+    if args.fp4_only:
+        return _add_fp4_variants(args.data, args.output_dir)
     only = None if args.only is None else {load_hardware(g).name for g in args.only}
 
     # every GPU folder of the schema whose name is a bundled profile: the cross-generation sources (A100, H100,
@@ -154,18 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
         measured.append((calib, hw))
         print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")
+    fp4: list[tuple[Calibration, HardwareSpec]] = []
     for name, folder in on_prior.items():
         if only is not None and name not in only:
+            if name in FP4_TRANSFER_SOURCES:
+                fp4.append((read_calibration_file(args.output_dir / f"{name}.json"), load_hardware(name)))
             continue
         t0 = time.perf_counter()
         calib = _fit_own_tables(name, args.data / folder, measured)
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
+        if name in FP4_TRANSFER_SOURCES:
+            fp4.append((calib, load_hardware(name)))
         print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")
     for name in list_hardware():
         if name in all_measured or (only is not None and name not in only):
             continue
         hw = load_hardware(name)
-        calib = cross_generation_calibration(hw, measured)
+        calib = cross_generation_calibration(hw, measured, fp4_sources=fp4)
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
         print(f"{name}: cross-generation ({calib.source})")
     return 0

@@ -5,7 +5,9 @@
   the other GPUs of the transfer sources (all their rows; default the bundled tier's sources, A100 / H100 / L40S),
   transfer to the held-out GPU by its spec. A measured GPU outside the sources (the RTX PRO 6000) is only ever
   held out: it is judged as a new GPU is, from all the sources, and its numbers leave the others' unchanged.
-* rows of formats the model cannot price yet (NVFP4) are left out of every tier and counted on stderr.
+* rows of formats the model cannot price yet are left out of every tier and counted on stderr (none since NVFP4 is
+  priced: the PRO 6000's NVFP4 rows count in its GEMM family, where its cross-generation tier, from GPUs never
+  measured in FP4, prices them with bf16 η — ~50% off; ``fp4_accuracy.py`` reports them apart).
 * target-measured: fit on a random 25% of each family's rows of the GPU, judge on the other 75%, with the
   cross-generation tier as the fit's prior (as ``kernelsight calibrate fit`` does; it only speaks for variants
   sampled at fewer than calibrate.fit.eta.SELECT_MAX_ROWS rows, so a small ``--train-fraction`` shows a thin sweep).

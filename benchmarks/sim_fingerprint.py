@@ -9,12 +9,16 @@ preemption under a small KV cache, chunked prefill of long prompts with tensor p
 a max-concurrency client, the exact per-request scheduler (no decode group, long-prefill threshold, priority),
 and the real-time server's per-token event stream.
 
-Usage: python benchmarks/sim_fingerprint.py [--save FILE | --check FILE] [--only NAME ...]
+``--hardware GPU`` runs every chosen workload on that GPU instead of its own (a calibration change of one GPU, e.g.
+the RTX PRO 6000's or a cross-generation table's, is checked on that GPU).
+
+Usage: python benchmarks/sim_fingerprint.py [--save FILE | --check FILE] [--only NAME ...] [--hardware GPU]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,9 +37,16 @@ from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.simcore.engine import Engine  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model  # noqa: E402
 
+#: ``--hardware``: the GPU every workload runs on instead of its own (None: as written)
+HARDWARE_OVERRIDE: str | None = None
+
+
+def _on_gpu(args: EngineArgs) -> EngineArgs:
+    return args if HARDWARE_OVERRIDE is None else dataclasses.replace(args, hardware=HARDWARE_OVERRIDE)
+
 
 def _ff(args: EngineArgs, samples, rate: float, max_concurrency: int | None = None) -> dict:
-    cfg = create_engine_config(args)
+    cfg = create_engine_config(_on_gpu(args))
     arrivals = arrival_times_s(len(samples), rate, 1.0, seed=0).tolist()
     res = run_fast_forward(cfg, samples, arrivals, max_concurrency=max_concurrency, ignore_eos=True)
     h = hashlib.sha256()
@@ -101,7 +112,7 @@ def per_token_events() -> dict:
 
 
 def _engine_events(args: EngineArgs, use_decode_group: bool) -> dict:
-    cfg = create_engine_config(args)
+    cfg = create_engine_config(_on_gpu(args))
     eng = Engine(cfg.scheduler, cfg.num_gpu_blocks, build_step_model(cfg), seed=args.seed,
                  use_decode_group=use_decode_group, per_token_events=True)
     rng = np.random.default_rng(args.seed)
@@ -143,7 +154,10 @@ def main() -> int:
     g.add_argument("--save", metavar="FILE", help="write the fingerprints to FILE")
     g.add_argument("--check", metavar="FILE", help="compare against fingerprints saved in FILE")
     ap.add_argument("--only", nargs="+", choices=sorted(WORKLOADS), help="run only these workloads")
+    ap.add_argument("--hardware", help="run every workload on this GPU instead of its own")
     ns = ap.parse_args()
+    global HARDWARE_OVERRIDE
+    HARDWARE_OVERRIDE = ns.hardware
     names = ns.only or list(WORKLOADS)
     saved = json.loads(open(ns.check).read()) if ns.check else {}
     out, bad = {}, []

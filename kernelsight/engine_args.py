@@ -59,9 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prefix cache with a faster hash of the same content (default: sha256)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="chunked prefill (default: on)")
-    g.add_argument("--quantization", "-q", choices=("fp8", "mxfp4"), default=None,
-                   help="weight quantization: fp8 = W8A8 (default: none, or what the model config says); mxfp4 only "
-                        "names gpt-oss's own MXFP4 experts")
+    g.add_argument("--quantization", "-q", choices=("fp8", "modelopt_fp4", "mxfp4"), default=None,
+                   help="weight quantization: fp8 = W8A8, modelopt_fp4 = NVFP4 W4A4 linear layers, mxfp4 = "
+                        "gpt-oss's MXFP4 MoE experts (default: none, or what the model config says)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
                    help="KV-cache element type (default: auto = model dtype)")
     g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "half"), default="auto",

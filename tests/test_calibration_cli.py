@@ -295,7 +295,7 @@ def test_fit_fills_unmeasured_families_from_the_cross_generation_tier_unless_tol
     ("name", "text", "message"),
     [
         ("gemm.csv", "dtype,m,n,k\nbf16,1,64,64\nnvfp4,1,64,64\nmxfp8,2,64,64\n",
-         "dtype 'mxfp8', 'nvfp4' not supported (one of bf16, fp16, fp8, fp8_block, int8)"),
+         "dtype 'mxfp8' not supported (one of bf16, fp16, fp8, fp8_block, int8, nvfp4)"),
         ("gemm.csv", "dtype,m,n,k\nbf16,1,64\n", "line 2 has 3 cells, the header 4"),
         ("gemm.csv", "dtype,m,n,k\nbf16,1,64,64\nbf16,0,64,64\n", "line 3: m must be > 0, got 0"),
         ("attn_decode.csv", "batch,cached_len,num_heads,num_kv_heads,head_dim,kv_dtype,window\n1,-1,8,8,64,bf16,0\n",

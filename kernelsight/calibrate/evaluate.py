@@ -17,7 +17,7 @@ import numpy as np
 
 from kernelsight.calibrate.fit.comm import COMM_BACKENDS, VLLM_ALLREDUCE_BACKENDS
 from kernelsight.calibrate.fit.eta import FitReport, fit_calibration
-from kernelsight.calibrate.fit.transfer import cross_generation_calibration
+from kernelsight.calibrate.fit.transfer import FP4_TRANSFER_SOURCES, cross_generation_calibration
 from kernelsight.calibrate.measurements import Table, read_measurements
 from kernelsight.calibrate.rows import KERNEL_FAMILIES, kernel_rows, predict_rows_s, roofline_rows_s
 from kernelsight.profiles import bundled_hardware_name, load_hardware, read_calibration_file
@@ -66,13 +66,17 @@ def bundled_calibrations(tier: str | None = "target-measured") -> list[Calibrati
 CROSS_GENERATION_SOURCES: tuple[str, ...] = ("a100-sxm", "h100-sxm", "l40s")
 
 
-def cross_generation_for(hw: HardwareSpec, sources: Sequence[Calibration] | None = None) -> Calibration:
+def cross_generation_for(hw: HardwareSpec, sources: Sequence[Calibration] | None = None,
+                         fp4_sources: Sequence[Calibration] | None = None) -> Calibration:
     """Cross-generation calibration of ``hw`` from measured calibrations of *other* GPUs (default: the bundled
-    ones of :data:`CROSS_GENERATION_SOURCES`)."""
-    sources = list(sources) if sources is not None else [
-        c for c in bundled_calibrations("target-measured") if c.hardware in CROSS_GENERATION_SOURCES]
+    ones of :data:`CROSS_GENERATION_SOURCES`; NVFP4 GEMMs from the bundled ones of ``FP4_TRANSFER_SOURCES``)."""
+    bundled = bundled_calibrations("target-measured") if sources is None or fp4_sources is None else []
+    sources = list(sources) if sources is not None else [c for c in bundled if c.hardware in CROSS_GENERATION_SOURCES]
+    fp4 = list(fp4_sources) if fp4_sources is not None else [
+        c for c in bundled if c.hardware in FP4_TRANSFER_SOURCES]
     pairs = [(c, load_hardware(c.hardware)) for c in sources]
-    return cross_generation_calibration(hw, [(c, h) for c, h in pairs if h.name != hw.name])
+    fp4_pairs = [(c, load_hardware(c.hardware)) for c in fp4 if c.hardware != hw.name]
+    return cross_generation_calibration(hw, [(c, h) for c, h in pairs if h.name != hw.name], fp4_sources=fp4_pairs)
 
 
 def measured_gpu_dirs(kernels_dir: str | Path, skipped: list[str] | None = None) -> dict[str, str]:

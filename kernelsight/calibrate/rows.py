@@ -18,6 +18,7 @@ import numpy as np
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, LogPolyEta, SwitchEta, decode_serial_floor_s, switch_key
+from kernelsight.simcore.fp4_dispatch import NVFP4, NVFP4_BYTES_PER_ELEMENT
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.roofline import roofline_s
 
@@ -62,6 +63,14 @@ class KernelRows:
         return len(self.flops)
 
 
+def gemm_weight_bytes(dtype: str) -> float:
+    """Weight bytes per parameter of a measured GEMM format: 16-bit, 8-bit (fp8, fp8_block, int8), or NVFP4's packed
+    4-bit values with an FP8 scale per 16 (``fp4_dispatch.NVFP4_BYTES_PER_ELEMENT``)."""
+    if dtype == NVFP4:
+        return NVFP4_BYTES_PER_ELEMENT
+    return 2.0 if dtype in ("bf16", "fp16") else 1.0
+
+
 def element_bytes(dtype: str) -> float:
     try:
         return ELEMENT_BYTES[dtype]
@@ -72,8 +81,7 @@ def element_bytes(dtype: str) -> float:
 def _row_kernel(family: str, key: tuple) -> K.Kernel:
     if family == "gemm":
         dtype, m, n, k = key
-        w = 2.0 if dtype in ("bf16", "fp16") else 1.0
-        return K.gemm_kernel("gemm", int(m), int(n), int(k), dtype, w, 2.0)
+        return K.gemm_kernel("gemm", int(m), int(n), int(k), dtype, gemm_weight_bytes(dtype), 2.0)
     if family == "attn_prefill":
         batch, seq, qh, kvh, hd, kv_dtype, window = key
         chunks = (K.PrefillChunk(int(seq), 0, True),) * int(batch)
@@ -225,6 +233,7 @@ __all__ = [
     "KernelRows",
     "decode_floor_rows_s",
     "element_bytes",
+    "gemm_weight_bytes",
     "eta_and_overhead",
     "kernel_rows",
     "predict_rows_s",

@@ -33,8 +33,10 @@ def _int_or_default(text: str) -> int | None:
 def _quant(text: str) -> str | None:
     if text in ("none", "bf16", "auto"):
         return None
-    if text != "fp8":
-        raise argparse.ArgumentTypeError("choose none or fp8")
+    if text == "nvfp4":   # vLLM's name for ModelOpt NVFP4, which `simulate --quantization` takes
+        return "modelopt_fp4"
+    if text not in ("fp8", "modelopt_fp4", "mxfp4"):
+        raise argparse.ArgumentTypeError("choose none, fp8, modelopt_fp4 (nvfp4) or mxfp4")
     return text
 
 
@@ -84,7 +86,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-num-batched-tokens", type=_csv_list(_int_or_default), default=(None,),
                    help="values to try, 'default' = vLLM's for the GPU (default: default)")
     g.add_argument("--quantization", type=_csv_list(_quant), default=(None, "fp8"),
-                   help="weight formats: none, fp8 (default: none,fp8)")
+                   help="weight formats: none, fp8, modelopt_fp4 (NVFP4 W4A4 on Blackwell, Marlin W4A16 elsewhere), "
+                        "mxfp4 (MoE experts) (default: none,fp8)")
     g.add_argument("--kv-cache-dtype", type=_csv_list(_kv), default=("auto",),
                    help="KV formats: auto, fp8 (default: auto)")
     g.add_argument("--max-model-len", type=positive_int, default=None,

@@ -119,7 +119,7 @@ def roofline_bounds(cfg: EngineConfig, shape: WorkloadShape) -> Bounds:
     linear, other = param_counts(cfg.model)
     flops_per_token = 2.0 * (linear * active + other)
     tokens_per_s = min(cfg.scheduler.max_num_seqs / step_floor_s,
-                       tp * hw.peak_flops_per_s(cfg.precision.gemm_dtype) / flops_per_token)
+                       tp * hw.peak_flops_per_s(cfg.precision.gemm_compute_dtype) / flops_per_token)
     max_rate = tokens_per_s / max(shape.mean_output_tokens, 1.0)
     return Bounds(step_floor_s, max_rate)
 

@@ -1,13 +1,13 @@
 """The routed experts' GEMM format when a checkpoint quantizes them apart from the rest (gpt-oss: MXFP4).
 
-``expert_gemm_format`` is the one hook the MoE kernels ask. Until the FP4 GEMM pricing lands (a ``mxfp4`` /
-``nvfp4`` format with its own tensor-core peak and η), MXFP4 experts are priced as vLLM runs them on GPUs
-without FP4 tensor cores (Hopper's triton ``matmul_ogs``, Marlin): weights stream as 4-bit values plus one
-8-bit scale per 32 (4.25 bits), dequantized to bf16 and multiplied on the bf16 peak.
+``expert_gemm_format`` is the one hook the MoE kernels ask; the formats themselves live in ``precision`` and
+``fp4_dispatch``. MXFP4 experts run as vLLM runs them by default (triton ``matmul_ogs``, Marlin): weights stream as
+4-bit values plus one 8-bit scale per 32 (4.25 bits), dequantized to bf16 and multiplied on the bf16 peak.
 """
 
 from __future__ import annotations
 
+from kernelsight.simcore.fp4_dispatch import FP4_BYTES_PER_ELEMENT
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
 
@@ -21,10 +21,14 @@ def mxfp4_bf16_fallback(precision: Precision) -> tuple[str, float]:
 
 
 def expert_gemm_format(model: ModelSpec, precision: Precision) -> tuple[str, float]:
-    """(compute dtype, weight bytes per parameter) of the routed experts' grouped GEMMs."""
+    """(compute dtype, weight bytes per parameter) of the routed experts' grouped GEMMs: the precision's expert
+    format (FP4 experts as ``fp4_dispatch`` picks their MoE backend for this GPU), else MXFP4 experts the config
+    names but the precision does not carry (e.g. ``--quantization fp8`` on gpt-oss) as the bf16 fallback."""
+    if precision.expert_weight_dtype in FP4_BYTES_PER_ELEMENT:
+        return precision.expert_compute_dtype, precision.expert_weight_bytes_per_param
     if model.expert_quantization == "mxfp4":
         return mxfp4_bf16_fallback(precision)
-    return precision.gemm_dtype, precision.weight_bytes_per_param
+    return precision.expert_compute_dtype, precision.expert_weight_bytes_per_param
 
 
 def expert_weight_bytes_per_param(model: ModelSpec, precision: Precision) -> float:

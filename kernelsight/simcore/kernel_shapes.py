@@ -6,6 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kernelsight.simcore.fp4_dispatch import (
+    NVFP4,
+    NVFP4_BYTES_PER_ELEMENT,
+    fp4_priced_format,
+    fp4_weight_bytes_per_param,
+    nvfp4_linear_kernel,
+)
 from kernelsight.simcore.gemm_dispatch import fp8_linear_kernel, priced_format
 from kernelsight.simcore.precision import Precision
 
@@ -34,11 +41,12 @@ _GEMM_K_BLOCK = 64        # k-loop granularity split-K / stream-K schedule
 _ATTN_Q_TILE = 128        # FlashAttention query tile
 _FP32_BYTES = 4.0
 
-#: GEMM weight/compute formats told apart by η (they run different kernels): 4th gemm feature.
-GEMM_FORMAT_CODES: dict[str, int] = {"bf16": 0, "fp16": 0, "fp8": 1, "fp8_block": 2, "int8": 3}
-#: Tensor-core dtype each format computes in (block-scaled fp8 runs the fp8 peak).
+#: GEMM weight/compute formats told apart by η (they run different kernels): 4th gemm feature. ``nvfp4`` is the
+#: W4A4 GEMM (FP4 weights and activations with FP8 block scales); weight-only FP4 kernels are priced as bf16.
+GEMM_FORMAT_CODES: dict[str, int] = {"bf16": 0, "fp16": 0, "fp8": 1, "fp8_block": 2, "int8": 3, NVFP4: 4}
+#: Tensor-core dtype each format computes in (block-scaled fp8 runs the fp8 peak, NVFP4 the fp4 peak).
 GEMM_COMPUTE_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8_block": "fp8",
-                                      "int8": "int8"}
+                                      "int8": "int8", NVFP4: "fp4"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +106,7 @@ def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, weight_bytes_per_
     """y[m,n] = x[m,k]·W[k,n]: reads x and W once, writes y.
 
     ``dtype`` is the format (``bf16``, ``fp16``, ``fp8`` per-tensor W8A8, ``fp8_block`` block-scaled W8A8,
-    ``int8``); the kernel's compute dtype is the tensor-core peak that format runs at.
+    ``int8``, ``nvfp4`` W4A4); the kernel's compute dtype is the tensor-core peak that format runs at.
     """
     flops = 2.0 * m * n * k
     in_bytes = gemm_input_bytes(dtype, act_bytes)
@@ -114,6 +122,8 @@ def linear_kernel(name: str, m: int, n: int, k: int, precision: Precision, count
     checkpoint's scale type, this GPU and this m (``gemm_dispatch.fp8_linear_kernel``) and take the format that
     prices it (W8A8 on the fp8 peak; Marlin's weight-only FP8 on the bf16 peak with 1-byte weights)."""
     w, a = precision.weight_bytes_per_param, precision.act_bytes
+    if precision.weight_dtype == NVFP4:
+        return nvfp4_linear_kernel_priced(name, m, n, k, precision, count)
     if precision.weight_dtype != "fp8" or precision.fp8_scheme is None:
         return gemm_kernel(name, m, n, k, precision.gemm_dtype, w, a, count)
     impl = fp8_linear_kernel(precision.fp8_scheme, precision.compute_capability or "9.0", m, n, k)
@@ -123,8 +133,22 @@ def linear_kernel(name: str, m: int, n: int, k: int, precision: Precision, count
     return replace(gemm_kernel(name, m, n, k, fmt, w, a, count), impl=impl)
 
 
+def nvfp4_linear_kernel_priced(name: str, m: int, n: int, k: int, precision: Precision, count: int = 1) -> Kernel:
+    """An NVFP4 linear layer as the kernel vLLM dispatches on this GPU (``fp4_dispatch.nvfp4_linear_kernel``): W4A4
+    on the FP4 tensor cores (format ``nvfp4``), else a bf16 GEMM over the packed 4-bit weights (Marlin W4A16; ROCm's
+    emulation also writes and reads back a dequantized copy)."""
+    impl = nvfp4_linear_kernel(precision.compute_capability or "9.0")
+    a = precision.act_bytes
+    fmt = NVFP4 if fp4_priced_format(impl) == NVFP4 else precision.act_dtype
+    w = fp4_weight_bytes_per_param(NVFP4, impl, a)
+    return replace(gemm_kernel(name, m, n, k, fmt, w, a, count), impl=impl)
+
+
 def gemm_input_bytes(dtype: str, act_bytes: float) -> float:
-    """Bytes per input activation element: W8A8 formats quantize activations to 1 byte first."""
+    """Bytes per input activation element: W8A8 formats quantize activations to 1 byte first, NVFP4 (W4A4) to
+    4 bits plus an FP8 scale per 16."""
+    if dtype == NVFP4:
+        return NVFP4_BYTES_PER_ELEMENT
     return 1.0 if dtype in ("fp8", "fp8_block", "int8") else act_bytes
 
 

@@ -14,7 +14,8 @@ separate attention kernels. After the last layer: final norm, the LM head over t
 sampler. The primitives (Kernel, BatchShape, one GEMM / attention kernel) live in ``kernel_shapes.py``.
 
 η features per family (what calibration fits on):
-    gemm, lm_head       (m, n, k, format code)    format code: GEMM_FORMAT_CODES (bf16 0, fp8 1, fp8_block 2)
+    gemm, lm_head       (m, n, k, format code)    format code: GEMM_FORMAT_CODES (bf16 0, fp8 1, fp8_block 2,
+                                                  nvfp4 4)
     moe_gemm            (tokens per active expert, n, k, active experts)
     attn_prefill        (num_seqs, mean new tokens, mean context, q heads, kv heads, head_dim,
                          kv bytes per element, sliding window or 0)
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 
 from kernelsight.simcore.expert_formats import expert_gemm_format
+from kernelsight.simcore.fp4_dispatch import NVFP4_BYTES_PER_ELEMENT
 from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: callers use kernels.X)
     _FP32_BYTES,
     _GEMM_K_BLOCK,
@@ -72,7 +74,7 @@ def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
     """The token-parallel (non-attention, non-MoE) kernels of ``n_layers`` layers over ``m`` rows."""
     h = model.hidden_size
     a = precision.act_bytes
-    g = precision.gemm_dtype
+    g = precision.gemm_compute_dtype
     q_heads = model.num_attention_heads // tp
     kv_heads = max(model.num_kv_heads // tp, 1)   # vLLM replicates KV heads when T > num_kv_heads
     d = model.head_dim
@@ -90,7 +92,7 @@ def dense_layer_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
 
 
 def mlp_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
-    a, g = precision.act_bytes, precision.gemm_dtype
+    a, g = precision.act_bytes, precision.gemm_compute_dtype
     inter = model.intermediate_size // tp
     h = model.hidden_size
     return [
@@ -110,6 +112,8 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     the rank's own ``m / ep_size`` rows. ``ep_size=1`` is the plain (TP-sharded) layer."""
     a = precision.act_bytes
     g, w = expert_gemm_format(model, precision)
+    # W4A4 experts read their routed activations as FP4 (+ scales); everything else as the activations' dtype
+    a_in = NVFP4_BYTES_PER_ELEMENT if g == "fp4" else a
     h = model.hidden_size
     e, k = model.num_experts, model.experts_per_token
     inter = model.moe_intermediate_size // tp
@@ -126,7 +130,8 @@ def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
     out = [gemm_kernel("moe_router", own_m, e, h, "bf16", 2.0, a, n_layers)]
     for name, n_out, k_in in (("moe_gate_up", 2 * inter, h), ("moe_down", h, inter)):
         flops = 2.0 * routed * n_out * k_in
-        bytes_moved = active * k_in * n_out * w + routed * (k_in + n_out) * a
+        bytes_moved = (active * k_in * n_out * w + routed * (k_in + n_out) * a if a_in == a
+                       else active * k_in * n_out * w + routed * (k_in * a_in + n_out * a))
         tiles = int(m_tiles * math.ceil(n_out / _GEMM_TILE) * math.ceil(k_in / _GEMM_K_BLOCK))
         out.append(Kernel(name, MOE_GEMM, flops, bytes_moved, max(tiles, 1), g,
                           (per_expert, float(n_out), float(k_in), active), n_layers))

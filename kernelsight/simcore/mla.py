@@ -68,7 +68,7 @@ def mla_attention_params(model: ModelSpec) -> int:
 def mla_row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int) -> list[Kernel]:
     """The token-parallel part of MLA layers over ``m`` rows (norms, projections, RoPE, latent write)."""
     a = _mla(model)
-    h, act, g = model.hidden_size, precision.act_bytes, precision.gemm_dtype
+    h, act, g = model.hidden_size, precision.act_bytes, precision.gemm_compute_dtype
     heads = model.num_attention_heads // tp
     out = [elementwise_kernel("input_norm", NORM, 3.0 * m * h * act, g, n_layers)]
     if a.q_lora_rank:

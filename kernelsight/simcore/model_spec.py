@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernelsight.simcore.fp4_dispatch import fp4_format_from_quant_config
 from kernelsight.simcore.gemm_dispatch import Fp8Scheme, fp8_scheme_from_quant_config, kv_cache_dtype_from_quant_config
 
 
@@ -63,7 +64,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
-    quantization: str | None = None  # from the config's quantization_config, e.g. "fp8"
+    quantization: str | None = None  # from the config's quantization_config: "fp8", "nvfp4", "mxfp4", ...
     fp8_scheme: Fp8Scheme | None = None  # an fp8 checkpoint's weight/activation scale types (picks vLLM's kernel)
     kv_cache_dtype: str | None = None    # the KV-cache dtype the checkpoint asks for ("fp8"): --kv-cache-dtype auto
     mla: MLASpec | None = None           # multi-head latent attention (then num_kv_heads is 1: one latent "head")
@@ -280,15 +281,15 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     quant = config.get("quantization_config")
     # The checkpoint's scale types (per-tensor, per-channel/token, 128x128 blocks) decide which GEMM kernel vLLM
     # runs for it (simcore.gemm_dispatch); any FP8 scheme vLLM runs (fp8, ModelOpt, compressed-tensors, fbgemm) is
-    # quantization "fp8" here.
+    # quantization "fp8" here; ModelOpt / compressed-tensors NVFP4 is "nvfp4", gpt-oss's experts "mxfp4"
+    # (simcore.fp4_dispatch).
     quantization = None
     fp8_scheme = fp8_scheme_from_quant_config(quant)
+    fp4_format = fp4_format_from_quant_config(quant)
     if fp8_scheme is not None:
         quantization = "fp8"
-    elif expert_quant is not None:
-        quantization = None            # only the experts are quantized (ModelSpec.expert_quantization)
-    elif isinstance(quant, dict) and str(quant.get("quant_algo", "")).upper() == "NVFP4":
-        quantization = "nvfp4"         # ModelOpt NVFP4 (W4A4, 16-element blocks, FP8 scales)
+    elif fp4_format is not None:
+        quantization = fp4_format
     elif isinstance(quant, dict) and quant.get("quant_method"):
         quantization = str(quant["quant_method"]).lower()
 

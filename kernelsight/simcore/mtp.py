@@ -30,8 +30,8 @@ def mtp_step_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: Pr
     m = padded_tokens if padded_tokens is not None else batch.num_tokens
     one = mtp_layer_model(model)
     h, a = model.hidden_size, precision.act_bytes
-    out = [elementwise_kernel("mtp_enorm", NORM, 3.0 * m * h * a, precision.gemm_dtype),
-           elementwise_kernel("mtp_hnorm", NORM, 3.0 * m * h * a, precision.gemm_dtype),
+    out = [elementwise_kernel("mtp_enorm", NORM, 3.0 * m * h * a, precision.gemm_compute_dtype),
+           elementwise_kernel("mtp_hnorm", NORM, 3.0 * m * h * a, precision.gemm_compute_dtype),
            linear_kernel("mtp_eh_proj", m, h, 2 * h, precision)]
     return (out + row_kernels(one, m, tp, precision) + attention_kernels(one, batch, tp, precision)
             + sampling_kernels(model, batch.num_sampling_rows, tp, precision))

@@ -52,6 +52,15 @@ _QUANT_FUSED_INPUTS = frozenset({"qkv_proj", "gate_up_proj", "down_proj", "share
                                  "shared_expert_down"})
 
 
+def _fits_own_nvfp4_rows(calib: Calibration) -> bool:
+    """Whether the calibration's NVFP4 GEMM model was fitted on this GPU's own rows (not transferred)."""
+    model = calib.eta.get(K.GEMM)
+    if not isinstance(model, SwitchEta):
+        return False
+    sub = model.models.get(switch_key(K.GEMM_FORMAT_CODES["nvfp4"]))
+    return sub is not None and not isinstance(sub, EnsembleEta)
+
+
 def _fits_own_block_rows(calib: Calibration) -> bool:
     """Whether the calibration's block-fp8 GEMM model was fitted on this GPU's rows (not transferred)."""
     model = calib.eta.get(K.GEMM)
@@ -120,6 +129,7 @@ class StepModel:
         self._fp8_tc = hw.fp8_flops_per_s is not None
         self._fp8_measured = calib.tier == "target-measured"
         self._block_measured = self._fp8_measured and _fits_own_block_rows(calib)
+        self._nvfp4_measured = self._fp8_measured and _fits_own_nvfp4_rows(calib)
         m, tp, p = model, config.tp, precision
         q_heads, kv_heads = m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1)
         self._decode_consts = (q_heads, kv_heads, m.head_dim, p.kv_bytes_per_element, p.act_bytes, m.sliding_window,
@@ -148,7 +158,37 @@ class StepModel:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
         if k.impl and k.dtype == "fp8":
             t = max(self._fp8_linear_s(k, t), roof)
+        elif k.impl and k.dtype == "fp4":
+            t = max(self._nvfp4_linear_s(k, t), roof)
         return t * k.count
+
+    def _nvfp4_linear_s(self, k: Kernel, t: float) -> float:
+        """One launch of a W4A4 NVFP4 linear layer whose NVFP4 model gives ``t``.
+
+        As for fp8, the measured rows time the activation quant (scaled_fp4_quant) before the GEMM, which compiled
+        models fuse into the norm / SiLU-and-mul (vLLM's FlashInfer NVFP4 kernels take pre-quantized input). Where
+        the NVFP4 model is transferred (a GPU never measured in FP4), the time is capped at the same GEMM's in fp8
+        and in the 16-bit dtype, as a transferred fp8 GEMM is at the 16-bit one (``_fp8_linear_s``): fewer bytes at a
+        higher peak are not slower, while the only FP4-measured kernel (FlashInfer's CUTLASS GEMM on the RTX PRO
+        6000) carries a k-proportional floor at small n (~21 µs at k = 4096 for any n ≤ 4096, m ≤ 256: one CTA's
+        k-loop, no split-K) that nothing says the target's kernel shares."""
+        t -= self._fused_quant_saving_s(k)
+        if not self._nvfp4_measured:
+            m, n, kk = (int(x) for x in k.features[:3])
+            a = self.precision.act_bytes
+            fp8 = K.gemm_kernel(k.name, m, n, kk, "fp8", 1.0, a) if self._fp8_tc else None
+            bf16 = K.gemm_kernel(k.name, m, n, kk, self.precision.act_dtype, a, a)
+            t = min(t, *(self.kernel_time_s(x) for x in (fp8, bf16) if x is not None))
+        return t
+
+    def _fused_quant_saving_s(self, k: Kernel) -> float:
+        """Fixed latency a quantized linear layer's model carries in excess of the bf16 GEMM's at its shape, when its
+        activation quant is fused into the kernel before it (CUDA graphs / compiled: qkv, gate_up, down); else 0."""
+        if k.name not in _QUANT_FUSED_INPUTS or self.config.enforce_eager:
+            return 0.0
+        f1 = eta_lookup_features(K.GEMM, k.features)
+        f0 = f1[:3] + (float(K.GEMM_FORMAT_CODES["bf16"]),)
+        return max(self.calib.kernel_overhead_s(K.GEMM, f1) - self.calib.kernel_overhead_s(K.GEMM, f0), 0.0)
 
     def _fp8_linear_s(self, k: Kernel, t: float) -> float:
         """One launch of a W8A8 linear layer whose per-tensor fp8 model gives ``t``, as the kernel vLLM runs.
@@ -168,14 +208,12 @@ class StepModel:
         weights come from DRAM, while the L40S fp8 tables (96 MB L2) timed weights of up to ~13 MB faster than DRAM
         delivers them (0.6-0.8x the roof).
         """
+        # The table rows time vLLM's linear op eagerly: the activation-quant kernel, then the GEMM (fp8 rows are
+        # ~2.4 us slower than bf16 at tiny shapes on all three GPUs measured, one launch). Compiled models fuse
+        # that quant into the RMSNorm / SiLU-and-mul before these layers, so the fp8 model's fixed latency in
+        # excess of the bf16 GEMM's is not paid there (o_proj's input comes from attention: not fused).
         if k.name in _QUANT_FUSED_INPUTS and not self.config.enforce_eager:
-            # The table rows time vLLM's linear op eagerly: the activation-quant kernel, then the GEMM (fp8 rows are
-            # ~2.4 us slower than bf16 at tiny shapes on all three GPUs measured, one launch). Compiled models fuse
-            # that quant into the RMSNorm / SiLU-and-mul before these layers, so the fp8 model's fixed latency in
-            # excess of the bf16 GEMM's is not paid there (o_proj's input comes from attention: not fused).
-            f1 = eta_lookup_features(K.GEMM, k.features)
-            f0 = f1[:3] + (float(K.GEMM_FORMAT_CODES["bf16"]),)
-            t -= max(self.calib.kernel_overhead_s(K.GEMM, f1) - self.calib.kernel_overhead_s(K.GEMM, f0), 0.0)
+            t -= self._fused_quant_saving_s(k)
         block = k.impl in BLOCK_KERNELS
         if block:
             wave_u = math.ceil(max(k.tiles, 1) / self.hw.num_sms) * self.hw.num_sms / max(k.tiles, 1)

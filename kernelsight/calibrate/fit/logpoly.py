@@ -17,6 +17,7 @@ import numpy as np
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.eta import LogPolyEta
 from kernelsight.simcore.eta_basis import basis_matrix, quadratic_design
+from kernelsight.simcore.fp4_dispatch import NVFP4, NVFP4_BYTES_PER_ELEMENT
 from kernelsight.simcore.hardware import HardwareSpec
 
 #: Bounds of the fitted η sigmoid.
@@ -36,10 +37,11 @@ def device_constants(family: str, variant: str, hw: HardwareSpec) -> dict[str, f
         fmt = {c: f for f, c in K.GEMM_FORMAT_CODES.items() if f != "fp16"}.get(code, "bf16")
         compute = K.GEMM_COMPUTE_DTYPE[fmt]
         one_byte = fmt in ("fp8", "fp8_block", "int8")
+        operand_bytes = NVFP4_BYTES_PER_ELEMENT if fmt == NVFP4 else (1.0 if one_byte else 2.0)
         dev.update(
             balance=hw.peak_flops_per_s(compute) / hw.usable_mem_bytes_per_s,
-            in_bytes=1.0 if one_byte else 2.0,
-            weight_bytes=1.0 if one_byte else 2.0,
+            in_bytes=operand_bytes,
+            weight_bytes=operand_bytes,
             out_bytes=2.0,
         )
     else:

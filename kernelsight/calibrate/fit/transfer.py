@@ -44,6 +44,19 @@ Transfer rule (documented contract):
    target gets it only if vLLM runs FA2 there (NVIDIA compute capability 8.x): the per-CTA bandwidth measured on
    the sources, × (clock ratio)^0.5 (:data:`DECODE_FLOOR_CLOCK_EXPONENT`).
 
+9. **NVFP4 GEMMs from the GPUs measured in FP4.** A GPU with FP4 tensor cores never measured in FP4 (B200, B300,
+   GB200, GB300) takes its ``nvfp4`` GEMM variant (W4A4, vLLM's FlashInfer kernels) from the calibrations whose own
+   tables hold NVFP4 rows (:data:`FP4_TRANSFER_SOURCES`: the RTX PRO 6000 alone), retargeted as rules 1–4 do for
+   every variant: the smooth η kept, its balance axis re-expressed at the target's FP4 peak ÷ DRAM bandwidth with
+   NVFP4's bytes (4-bit values + an FP8 scale per 16), SMs and L2 (ρ) swapped, the fixed latency moved by the clock
+   ratio, residual lattice and trees dropped; several such sources would be weighted by spec similarity (rule 5).
+   The other variants keep the pinned sources (A100 / H100 / L40S), so adding the rule moves no bf16/fp8 η, and
+   the calibration's ``eta_max`` is not raised by it (the other kernels' clipping stays as it was). GPUs without FP4
+   tensor cores get no ``nvfp4`` variant: vLLM runs NVFP4 there as Marlin W4A16, a bf16 GEMM over 4-bit weights,
+   priced by their bf16 η. With one FP4-measured GPU no leave-one-out is possible; ``benchmarks/fp4_accuracy.py``
+   measures the rule's self-consistency instead (the PRO 6000's bf16 / fp8 η moved the same way, single-source, to
+   the A100 / H100 / L40S against their tables).
+
 Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in eta_basis.py)
 are global: chosen by leave-one-GPU-out over the three measured GPUs (A100 / H100 / L40S) *jointly*, on the
 mean and the worst per-family MAPE of all folds, never per fold or per target. Tried and not kept: one model
@@ -79,6 +92,10 @@ OVERHEAD_CLOCK_EXPONENT = 0.5
 #: 0.5 → −10 / +11 %, 1 → −32 / +48 %.
 DECODE_FLOOR_CLOCK_EXPONENT = 0.5
 TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm")
+#: The bundled target-measured calibrations whose tables hold NVFP4 GEMM rows: the sources of rule 9.
+FP4_TRANSFER_SOURCES: tuple[str, ...] = ("rtx-pro-6000",)
+#: The gemm switch key of the NVFP4 (W4A4) format.
+NVFP4_KEY = switch_key(K.GEMM_FORMAT_CODES["nvfp4"])
 
 
 def spec_vector(hw: HardwareSpec) -> tuple[float, ...]:
@@ -200,6 +217,29 @@ def _closest_key(key: str, keys: list[str]) -> str:
     return min(keys, key=lambda k: abs(float(k) - float(key)))
 
 
+def transfer_fp4_variant(calib: Calibration, target: HardwareSpec,
+                         fp4_sources: Sequence[tuple[Calibration, HardwareSpec]], tau: float = SIMILARITY_TAU) -> bool:
+    """Add the ``nvfp4`` GEMM variant to ``calib`` (a calibration of ``target``) from the FP4-measured sources (rule 9
+    of the module docstring). Nothing happens when the target has no FP4 tensor cores, already has the variant, or
+    no source measured it. Returns whether it was added."""
+    gemm = calib.eta.get("gemm")
+    if target.fp4_flops_per_s is None or not isinstance(gemm, SwitchEta) or NVFP4_KEY in gemm.models:
+        return False
+    srcs = [(c, h) for c, h in fp4_sources
+            if h.name != target.name and isinstance(c.eta.get("gemm"), SwitchEta)
+            and NVFP4_KEY in c.eta["gemm"].models]   # type: ignore[union-attr]
+    if not srcs:
+        return False
+    weights = similarity_weights(target, [h for _, h in srcs], tau)
+    members = tuple(retarget(c.eta["gemm"].models[NVFP4_KEY], "gemm", NVFP4_KEY, target, h)  # type: ignore[union-attr]
+                    for c, h in srcs)
+    calib.eta["gemm"] = SwitchEta(gemm.index, {**gemm.models, NVFP4_KEY: EnsembleEta(members, tuple(weights))},
+                                  gemm.default)
+    names = ", ".join(h.name for _, h in srcs)
+    calib.source += f"; nvfp4 GEMMs transferred from {names} (measured in FP4)"
+    return True
+
+
 def transfer_comm(
     sources: Sequence[tuple[Calibration, HardwareSpec]], target: HardwareSpec
 ) -> dict[str, CommModel]:
@@ -240,9 +280,11 @@ def transfer_decode_floor(sources: Sequence[tuple[Calibration, HardwareSpec]],
 
 
 def cross_generation_calibration(
-    target: HardwareSpec, sources: Sequence[tuple[Calibration, HardwareSpec]], tau: float = SIMILARITY_TAU
+    target: HardwareSpec, sources: Sequence[tuple[Calibration, HardwareSpec]], tau: float = SIMILARITY_TAU,
+    fp4_sources: Sequence[tuple[Calibration, HardwareSpec]] = (),
 ) -> Calibration:
-    """Calibration for ``target`` from measured calibrations of other GPUs (see the module docstring)."""
+    """Calibration for ``target`` from measured calibrations of other GPUs (see the module docstring); the ``nvfp4``
+    GEMM variant from ``fp4_sources`` (rule 9)."""
     sources = [(c, h) for c, h in sources if h.name != target.name]
     if not sources:
         raise ValueError("cross-generation transfer needs at least one calibration of another GPU")
@@ -273,4 +315,5 @@ def cross_generation_calibration(
         "cross-generation tier: source η models re-expressed on this GPU's spec (machine balance, "
         "SM count, L2), residual lattices and trees dropped, geometric mean weighted by spec similarity"
     )
+    transfer_fp4_variant(calib, target, fp4_sources, tau)
     return calib
