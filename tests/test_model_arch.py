@@ -11,6 +11,7 @@ import pytest
 from kernelsight.profiles import load_model
 from kernelsight.server.kv_events.translate import HashTranslator
 from kernelsight.server.kv_events.wire import _as_map
+from kernelsight.simcore import kernels as K
 from kernelsight.simcore.engine import FINISHED
 from kernelsight.simcore.engine_config import build_engine
 from kernelsight.simcore.expert_formats import MXFP4_WEIGHT_BYTES_PER_PARAM
@@ -82,10 +83,14 @@ def test_chunked_local_attention_splits_at_chunk_boundaries() -> None:
     assert chunked.flops / full.flops == pytest.approx((20000 - 2 * 8192) / 20000)
 
 
-def test_nvfp4_checkpoint_fails_naming_fp4_pricing() -> None:
+def test_nvfp4_checkpoint_runs_the_kernel_vllm_dispatches_for_the_gpu() -> None:
     assert load_model("nvidia/DeepSeek-R1-FP4").quantization == "nvfp4"
-    with pytest.raises(ValueError, match="NVFP4"):
-        make_config(model="nvidia/Llama-3.1-8B-Instruct-FP4", hardware="b200")
+    b200 = make_config(model="nvidia/Llama-3.1-8B-Instruct-FP4", hardware="b200").precision
+    h100 = make_config(model="nvidia/Llama-3.1-8B-Instruct-FP4", hardware="h100").precision
+    assert b200.weight_dtype == h100.weight_dtype == "nvfp4"
+    # W4A4 on Blackwell's FP4 tensor cores; Hopper has none, so vLLM's Marlin W4A16 computes in bf16
+    assert K.linear_kernel("qkv_proj", 64, 6144, 4096, b200).dtype == "fp4"
+    assert K.linear_kernel("qkv_proj", 64, 6144, 4096, h100).dtype == "bf16"
 
 
 # -- capacity -----------------------------------------------------------------------------------------
@@ -265,7 +270,8 @@ def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.Captu
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ") and "/" in ln}
     assert "MLA" in lines["deepseek-ai/DeepSeek-V3"] and "MTP x1" in lines["deepseek-ai/DeepSeek-V3"]
     assert "sliding 128 x12 + full x12" in lines["openai/gpt-oss-20b"] and "mxfp4" in lines["openai/gpt-oss-20b"]
-    assert "not supported" in lines["nvidia/Llama-3.1-8B-Instruct-FP4"] and "NVFP4" in lines["nvidia/DeepSeek-R1-FP4"]
+    assert "not supported" not in lines["nvidia/Llama-3.1-8B-Instruct-FP4"]
+    assert "nvfp4" in lines["nvidia/Llama-3.1-8B-Instruct-FP4"] and "nvfp4" in lines["nvidia/DeepSeek-R1-FP4"]
     assert "chunked 8192 x36 + full x12" in lines["meta-llama/Llama-4-Scout-17B-16E"]
 
 

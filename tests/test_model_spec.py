@@ -47,7 +47,8 @@ def test_every_supported_bundled_model_loads(model_id: str) -> None:
     assert spec.eos_token_ids and spec.num_layers > 0 and spec.vocab_size > 0
     assert spec.is_moe == (spec.num_moe_layers > 0)
     block_fp8 = spec.architecture == "DeepseekV3ForCausalLM" and "FP4" not in model_id   # DeepSeek/Kimi ship FP8
-    expected = "fp8" if "FP8" in model_id or block_fp8 else "nvfp4" if "FP4" in model_id else None
+    expected = ("fp8" if "FP8" in model_id or block_fp8 else "nvfp4" if "FP4" in model_id
+                else "mxfp4" if spec.architecture == "GptOssForCausalLM" else None)
     assert spec.quantization == expected
 
 

@@ -202,8 +202,9 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"expert parallelism over data_parallel_size×tensor_parallel_size={dp * tp} GPUs exceeds "
                          f"the {hw.gpus_per_node} GPUs of one {hw.name} node (multi-node EP is not modelled)")
     quant = args.quantization or model.quantization
-    if quant is not None and quant == model.expert_quantization:
-        quant = None     # `--quantization mxfp4` on gpt-oss names the checkpoint's own expert format
+    if quant == "mxfp4" and not model.is_moe:
+        raise ValueError(f"quantization 'mxfp4': vLLM's MXFP4 method quantizes MoE experts only (gpt-oss's "
+                         f"checkpoints); {model.name} has no experts")
     # an fp8 checkpoint keeps its own scale types under --quantization fp8 too (vLLM reads them from its config)
     # --kv-cache-dtype auto is the checkpoint's KV quantization when it has one (vLLM resolve_kv_cache_dtype_string)
     kv_cache_dtype = model.kv_cache_dtype if args.kv_cache_dtype == "auto" and model.kv_cache_dtype else \
