@@ -5,11 +5,16 @@
 * roofline: every decode step reads the active weights once, so no step is shorter than
   ``active weight bytes per GPU / datasheet bandwidth``; a TPOT or ITL limit below that (or a TTFT limit below one
   step, an E2EL limit below its requests' decode floor) cannot be met at any load;
-* roofline on load: a replica makes at most ``max_num_seqs`` output tokens per step, and at most
-  ``TP · peak FLOP/s / (2 · active parameters)`` tokens per second; a deployment whose replicas together cannot
-  produce the workload's output tokens at the requested rate builds an unbounded queue, so fewer replicas than
-  that are never simulated. Prefill work is left out of this bound (prefix caching may skip it), which keeps it a
-  bound.
+* roofline on load: an engine makes at most ``max_num_seqs`` output tokens per step, and at most
+  ``TP · peak FLOP/s / (2 · active parameters)`` tokens per second (a DP group of N ranks N times that); a
+  deployment whose replicas (or a P/D split whose decode engines) together cannot produce the workload's output
+  tokens at the requested rate builds an unbounded queue, so fewer than that are never simulated. Prefill work is
+  left out of this bound (prefix caching may skip it), which keeps it a bound.
+
+Memory is checked per rank by the engine's own ``simcore.memory``: a MoE model's experts are split over the
+DP × TP GPUs of its group (whole experts with expert parallelism, slices without), so a MoE model that does not fit
+one GPU at TP1 can fit each rank of DP2; the step floor uses that rank's weights (sound: the busiest rank reads at
+least its non-expert weights and its share of the active experts).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class WorkloadShape:
 @dataclass(frozen=True, slots=True)
 class Bounds:
     step_floor_s: float                 # no engine step is shorter (active weights read at datasheet bandwidth)
-    max_rate_per_replica: float         # requests/s one replica can at most complete (output-token bound)
+    max_rate_per_replica: float         # requests/s one replica (a whole DP group) can at most complete
 
 
 _PROFILES: dict[tuple, tuple] = {}
@@ -98,7 +103,9 @@ def engine_args_for(choice: EngineChoice, base: EngineArgs) -> EngineArgs:
     """``base`` (the flags the planner does not vary) with the choice's values."""
     return dataclasses.replace(base, hardware=choice.hardware, tensor_parallel_size=choice.tensor_parallel_size,
                                max_num_seqs=choice.max_num_seqs, max_num_batched_tokens=choice.max_num_batched_tokens,
-                               quantization=choice.quantization, kv_cache_dtype=choice.kv_cache_dtype)
+                               quantization=choice.quantization, kv_cache_dtype=choice.kv_cache_dtype,
+                               data_parallel_size=choice.data_parallel_size,
+                               enable_expert_parallel=choice.enable_expert_parallel)
 
 
 def _active_fraction(cfg: EngineConfig) -> float:
@@ -114,12 +121,15 @@ def _active_fraction(cfg: EngineConfig) -> float:
 def roofline_bounds(cfg: EngineConfig, shape: WorkloadShape) -> Bounds:
     hw = cfg.hardware
     tp = cfg.args.tensor_parallel_size
+    dp = cfg.args.data_parallel_size
     active = _active_fraction(cfg)
+    # memory.weight_bytes is one rank's (experts split over the DP ranks of a MoE group): weight_bytes × active
+    # stays below the busiest rank's read, its non-expert weights plus its share of the active experts
     step_floor_s = cfg.memory.weight_bytes * active / hw.mem_bytes_per_s
     linear, other = param_counts(cfg.model)
     flops_per_token = 2.0 * (linear * active + other)
-    tokens_per_s = min(cfg.scheduler.max_num_seqs / step_floor_s,
-                       tp * hw.peak_flops_per_s(cfg.precision.gemm_dtype) / flops_per_token)
+    tokens_per_s = dp * min(cfg.scheduler.max_num_seqs / step_floor_s,
+                            tp * hw.peak_flops_per_s(cfg.precision.gemm_dtype) / flops_per_token)
     max_rate = tokens_per_s / max(shape.mean_output_tokens, 1.0)
     return Bounds(step_floor_s, max_rate)
 
