@@ -106,6 +106,28 @@ def test_pd_splits_are_searched_with_the_pd_driver_and_reproduce_under_simulate(
     assert wider["search"]["simulated"] == len([p for p in wider["points"] if p["key"] not in old])
 
 
+def test_pd_link_flags_reach_the_splits_and_their_keys(tmp_path):
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    pcie = plan(tmp_path, PD, *cache, name="pcie.json")
+    ib = plan(tmp_path, PD, *cache, "--kv-transfer-link", "infiniband", name="ib.json")
+    # the split points are new (their key names the link); the replica point comes from the cache
+    assert ib["search"]["cache_hits"] == sum(not p["pd"] for p in ib["points"]) == 1
+    assert ib["search"]["simulated"] == sum(bool(p["pd"]) for p in ib["points"]) >= 1
+    before = {p["label"]: p for p in pcie["points"]}
+    for p in (p for p in ib["points"] if p["pd"]):
+        assert p["queue"]["link"] == "infiniband"
+        if p["label"] in before:       # a 400 Gb/s NIC and the L40S's share of PCIe pull at different rates
+            assert p["queue"]["mean_pull_ms"] != before[p["label"]]["queue"]["mean_pull_ms"]
+    assert ib["chosen"] is not None and ib["chosen"]["pd"]        # one L40S still cannot serve the load
+    assert "--kv-transfer-link infiniband" in ib["simulate_command"]
+    sim = simulate(ib["simulate_command"], tmp_path)
+    assert sim["p99_ttft_ms"] == pytest.approx(ib["chosen"]["p99_ttft_ms"], abs=1e-3)
+    # a link the GPU lacks prunes its splits with the link's own error, before any simulation
+    nv = plan(tmp_path, PD, "--no-cache", "--kv-transfer-link", "nvlink", name="nv.json")
+    assert nv["search"]["pruned_by_reason"].get("engine cannot be built (TP, heads, format)") == 3
+    assert all(not p["pd"] for p in nv["points"])
+
+
 def test_point_key_names_dp_ep_and_the_split():
     args = EngineArgs(model="Qwen/Qwen3-30B-A3B", hardware="l40s")
     dp2 = EngineArgs(model="Qwen/Qwen3-30B-A3B", hardware="l40s", data_parallel_size=2)

@@ -69,7 +69,7 @@ def _replicas(text: str) -> tuple[int, ...]:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from kernelsight.engine_args import DEFAULT_MODEL
+    from kernelsight.engine_args import DEFAULT_MODEL, add_kv_link_args
     from kernelsight.loadgen.workload import add_workload_args
     from kernelsight.plan.space import DEFAULT_GPUS
 
@@ -102,6 +102,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--pd-max", type=_non_negative_int, default=0, metavar="N",
                    help="also search prefill/decode splits XPyD with X + Y <= N engines (simulate --pd; KV pulled "
                         "over the GPU profile's default link); 0 = none (default: 0)")
+    add_kv_link_args(g)
     g.add_argument("--max-gpus", type=positive_int, default=64, help="largest deployment in GPUs (default: 64)")
     g.add_argument("--max-num-seqs", type=_csv_list(_int_or_default), default=(None,),
                    help="values to try, 'default' = vLLM's for the GPU (default: default)")
@@ -171,7 +172,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                         max_num_seqs=tuple(ns.max_num_seqs), max_num_batched_tokens=tuple(ns.max_num_batched_tokens),
                         quantizations=tuple(ns.quantization), kv_cache_dtypes=tuple(ns.kv_cache_dtype),
                         data_parallel_sizes=tuple(sorted(set(ns.dp))), expert_parallel=tuple(sorted(set(
-                            ns.expert_parallel))), pd_max=max(ns.pd_max, 0), max_gpus=ns.max_gpus)
+                            ns.expert_parallel))), pd_max=ns.pd_max, kv_link=_kv_link_spec(ns), max_gpus=ns.max_gpus)
     base = EngineArgs(model=ns.model, max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
                       seed=ns.seed)
     if ns.all2all_backend is not None:
@@ -205,6 +206,16 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_link_spec(ns: argparse.Namespace) -> tuple | None:
+    """``--kv-transfer-*`` as (kind, Gb/s, µs); None when none is given (the GPU profile's default link)."""
+    spec = (ns.kv_transfer_link, ns.kv_transfer_bandwidth_gbps, ns.kv_transfer_latency_us)
+    if spec == (None, None, None):
+        return None
+    if ns.pd_max < 2:
+        raise ValueError("--kv-transfer-link/-bandwidth-gbps/-latency-us need --pd-max 2 or more")
+    return spec
+
+
 def simulate_command(ns: argparse.Namespace, chosen: dict | None) -> str:
     """The ``kernelsight simulate`` command line that re-runs the chosen deployment on the same workload."""
     if chosen is None:
@@ -214,6 +225,10 @@ def simulate_command(ns: argparse.Namespace, chosen: dict | None) -> str:
             "--tensor-parallel-size", str(a["tensor_parallel_size"])]
     if chosen.get("pd"):
         argv += ["--pd", chosen["pd"]]
+        for flag, value in zip(("--kv-transfer-link", "--kv-transfer-bandwidth-gbps", "--kv-transfer-latency-us"),
+                               _kv_link_spec(ns) or (), strict=False):
+            if value is not None:
+                argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     else:
         argv += ["--replicas", str(chosen["replicas"])]
     if a.get("data_parallel_size", 1) > 1:

@@ -24,7 +24,7 @@ from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_replicas
 from kernelsight.loadgen.metrics import PERCENTILE_METRICS, compute_bench_metrics
 from kernelsight.loadgen.pd_fastforward import run_pd
-from kernelsight.plan.prune import create_engine_config
+from kernelsight.plan.prune import create_engine_config, pd_link
 from kernelsight.simcore.engine_config import EngineArgs
 
 __all__ = ["PlanWorkload", "PointTask", "simulate_point", "point_key", "kernelsight_version", "STORED_PERCENTILES"]
@@ -70,6 +70,7 @@ class PointTask:
     key: str
     label: str
     pd: tuple[int, int] | None = None      # (prefill, decode) engines of a P/D split (replicas is 1 then)
+    kv_link: tuple[str | None, float | None, float | None] | None = None   # a split's link (None: the profile's)
 
 
 def kernelsight_version() -> str:
@@ -80,17 +81,20 @@ def kernelsight_version() -> str:
 
 
 def point_key(args: EngineArgs, replicas: int, request_rate: float, workload_digest: str,
-              pd: tuple[int, int] | None = None) -> str:
+              pd: tuple[int, int] | None = None, link: tuple | None = None) -> str:
     """Hash of everything a point's result depends on: the full engine arguments (DP and EP among them; the
     calibration file's bytes when one is named), replicas or the P/D split, rate, the workload and the kernelsight
-    version. A point without a P/D split hashes as it did before P/D was searched (its cache entries stay valid)."""
+    version; a split's KV link when one is named. A point without a P/D split hashes as it did before P/D was
+    searched (its cache entries stay valid)."""
     calib = ""
     if args.calibration:
         calib = hashlib.sha256(Path(args.calibration).read_bytes()).hexdigest()
     blob = json.dumps({"args": dataclasses.asdict(args), "calibration_sha256": calib, "replicas": replicas,
                        "request_rate": request_rate, "workload": workload_digest,
                        "kernelsight": kernelsight_version(), "entry_schema": ENTRY_SCHEMA,
-                       **({"pd": list(pd)} if pd is not None else {})}, sort_keys=True, default=str)
+                       **({"pd": list(pd)} if pd is not None else {}),
+                       **({"kv_link": list(link)} if pd is not None and link is not None else {})},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -111,9 +115,9 @@ def simulate_point(task: PointTask, workload: PlanWorkload) -> dict[str, Any]:
     scale = (workload.request_rate / task.request_rate
              if np.isfinite(task.request_rate) and np.isfinite(workload.request_rate) else 1.0)
     arrivals = [a * scale for a in workload.arrivals_s]
-    if task.pd is not None:    # the P/D link is the GPU profile's default, as `simulate --pd` without link flags
-        res = run_pd(cfg, workload.samples, arrivals, *task.pd, max_concurrency=workload.max_concurrency,
-                     ignore_eos=workload.ignore_eos)
+    if task.pd is not None:
+        res = run_pd(cfg, workload.samples, arrivals, *task.pd, link=pd_link(cfg.hardware, task.kv_link),
+                     max_concurrency=workload.max_concurrency, ignore_eos=workload.ignore_eos)
     else:
         res = run_replicas(cfg, workload.samples, arrivals, task.replicas, max_concurrency=workload.max_concurrency,
                            ignore_eos=workload.ignore_eos, record_timeline=True)

@@ -29,9 +29,12 @@ from kernelsight import profiles
 from kernelsight.plan.slo import Slo
 from kernelsight.plan.space import EngineChoice
 from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
+from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.kv_transfer import KVLink, kv_link
 from kernelsight.simcore.memory import InsufficientMemoryError, param_counts
 
 __all__ = ["Bounds", "WorkloadShape", "create_engine_config", "resolve_choice", "engine_args_for", "min_replicas",
+           "pd_link",
            "roofline_bounds",
            "slo_floor_violation",
            "REASON_INVALID", "REASON_MEMORY", "REASON_NO_PRICE", "REASON_ROOFLINE_SLO", "REASON_ROOFLINE_LOAD",
@@ -97,6 +100,13 @@ def resolve_choice(choice: EngineChoice, base: EngineArgs, shape: WorkloadShape)
         return None, (f"{REASON_INVALID}: prompts of {shape.max_prompt_tokens} tokens exceed max_model_len "
                       f"{cfg.scheduler.max_model_len}")
     return cfg, ""
+
+
+def pd_link(hw: HardwareSpec, spec: tuple[str | None, float | None, float | None] | None) -> KVLink:
+    """The link of ``--kv-transfer-link/-bandwidth-gbps/-latency-us`` on ``hw`` (ValueError where the GPU lacks
+    it, e.g. NVLink on an L40S); None: the profile's default link."""
+    kind, gbps, latency_us = spec or (None, None, None)
+    return kv_link(hw, kind, bandwidth_gbps=gbps, latency_s=None if latency_us is None else latency_us * 1e-6)
 
 
 def engine_args_for(choice: EngineChoice, base: EngineArgs) -> EngineArgs:

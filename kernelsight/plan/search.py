@@ -23,6 +23,7 @@ from kernelsight.plan.point import PlanWorkload, PointTask, point_key
 from kernelsight.plan.prices import PriceTable
 from kernelsight.plan.prune import (
     REASON_DOMINATED,
+    REASON_INVALID,
     REASON_MAX_GPUS,
     REASON_MONOTONE,
     REASON_NO_PRICE,
@@ -30,6 +31,7 @@ from kernelsight.plan.prune import (
     WorkloadShape,
     engine_args_for,
     min_replicas,
+    pd_link,
     resolve_choice,
     roofline_bounds,
     slo_floor_violation,
@@ -258,7 +260,11 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
         args = engine_args_for(choice, base)
         kinds = [(False, [(r,) for r in space.replicas])]
         if choice.data_parallel_size == 1 and space.pd_max >= 2:
-            kinds.append((True, space.pd_splits()))
+            try:
+                pd_link(cfg.hardware, space.kv_link)
+                kinds.append((True, space.pd_splits()))
+            except ValueError as exc:      # e.g. --kv-transfer-link nvlink on a GPU without NVLink
+                prune(f"{REASON_INVALID}: {exc}", f"P/D splits of {choice.label()}", len(space.pd_splits()))
         for is_pd, sizes in kinds:
             line = _Line(choice, args, price, [], is_pd)
             for c in sizes:
@@ -277,8 +283,9 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
 
     def task(line: _Line, c: tuple[int, ...], at_rate: float) -> PointTask:
         dep = line.deployment(c)
+        link = space.kv_link if dep.pd is not None else None
         return PointTask(line.args, dep.replicas, at_rate,
-                         point_key(line.args, dep.replicas, at_rate, digest, dep.pd), dep.label(), dep.pd)
+                         point_key(line.args, dep.replicas, at_rate, digest, dep.pd, link), dep.label(), dep.pd, link)
 
     evaluated: dict[str, dict[str, Any]] = {}
     timelines: dict[str, dict[str, list]] = {}

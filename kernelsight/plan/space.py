@@ -101,6 +101,9 @@ class SearchSpace:
     expert_parallel: tuple[bool, ...] = (False,)
     #: P/D splits XPyD with X + Y ≤ pd_max engines (0: none); single-rank engines only, as ``simulate --pd``
     pd_max: int = 0
+    #: the link a split's decode engines pull KV over: (kind, Gb/s, µs) as ``--kv-transfer-*`` (None: the GPU
+    #: profile's default link, NVLink where the GPU has it, else PCIe)
+    kv_link: tuple[str | None, float | None, float | None] | None = None
     max_gpus: int = 64
     extra: dict[str, Any] = field(default_factory=dict)
 
