@@ -11,6 +11,7 @@ import pytest
 
 from kernelsight.cli import main
 from kernelsight.plan.point import point_key
+from kernelsight.plan.prune import WorkloadShape, create_engine_config, roofline_bounds
 from kernelsight.plan.space import Deployment, EngineChoice, SearchSpace
 from kernelsight.simcore.engine_config import EngineArgs
 
@@ -60,6 +61,13 @@ def test_moe_dp2_ep_is_chosen_where_tp1_does_not_fit_and_tp2_misses_the_slo(tmp_
     # the L40S has no NVLink: TP2 all-reduces every layer's activations over PCIe, the EP ranks run attention
     # alone and exchange only the MoE tokens. An SLO between the two leaves DP2+EP the only 2-GPU answer.
     assert ep["p99_ttft_ms"] < tp2["p99_ttft_ms"]
+    # the pruning bounds stay bounds for a DP group: no decode step beats the floor (one rank's weights, its
+    # share of the active experts), and no deployment serves more than its ranks' output-token ceiling
+    shape = WorkloadShape.of([512] * 60, [64] * 60)
+    for p in wide["points"]:
+        b = roofline_bounds(create_engine_config(EngineArgs(**p["engine_args"])), shape)
+        assert p["p50_tpot_ms"] >= 1000 * b.step_floor_s
+        assert p["throughput_rps"] <= b.max_rate_per_replica * p["replicas"]
     limit = (ep["p99_ttft_ms"] + tp2["p99_ttft_ms"]) / 2
     tight = plan(tmp_path, MOE, *cache, "--slo", f"ttft_p99_ms={limit:.3f},tpot_p99_ms=200", "--dp", "1,2",
                  "--expert-parallel", "on", name="tight.json")
