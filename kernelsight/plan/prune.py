@@ -47,7 +47,7 @@ REASON_ROOFLINE_SLO = "roofline (the SLO is below the GPU's step floor)"
 REASON_ROOFLINE_LOAD = "roofline (the replicas cannot produce the load's output tokens)"
 REASON_MAX_GPUS = "more GPUs than --max-gpus"
 REASON_DOMINATED = "dominated (costs more than a deployment that meets the SLO)"
-REASON_MONOTONE = "monotone in load (decided by the same engine with fewer/more replicas)"
+REASON_MONOTONE = "monotone in load (decided by the same engine with fewer/more replicas or P/D engines)"
 
 
 @dataclass(frozen=True, slots=True)
