@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 from kernelsight.argtypes import fraction, positive_int
+from kernelsight.simcore.expert_parallel import ALL2ALL_BACKENDS, DEFAULT_ALL2ALL_BACKEND
 
 __all__ = ["add_plan_parser"]
 
@@ -46,6 +47,18 @@ def _kv(text: str) -> str:
     return text
 
 
+def _non_negative_int(text: str) -> int:
+    return 0 if text == "0" else positive_int(text)
+
+
+def _on_off(text: str) -> bool:
+    if text in ("on", "true", "1"):
+        return True
+    if text in ("off", "false", "0"):
+        return False
+    raise argparse.ArgumentTypeError("choose off or on")
+
+
 def _replicas(text: str) -> tuple[int, ...]:
     """``1-8`` or ``1,2,4``."""
     if "-" in text and "," not in text:
@@ -58,13 +71,14 @@ def _replicas(text: str) -> tuple[int, ...]:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from kernelsight.engine_args import DEFAULT_MODEL
+    from kernelsight.engine_args import DEFAULT_MODEL, add_kv_link_args
     from kernelsight.loadgen.workload import add_workload_args
     from kernelsight.plan.space import DEFAULT_GPUS
 
     p = sub.add_parser(
         "plan", help="capacity planning: the cheapest deployment meeting an SLO at a load, and the cost/goodput front",
-        description="Search GPUs, TP, replicas, batch limits and formats for the cheapest deployment that meets a "
+        description="Search GPUs, TP, DP/EP (MoE), replicas or P/D splits, batch limits and formats for the cheapest "
+                    "deployment that meets a "
                     "latency SLO at the workload's request rate; every point is a `kernelsight simulate` run. "
                     "Prints the Pareto front of cost vs goodput and why each point fails; writes HTML/JSON/CSV.")
     add_workload_args(p, with_seed=False)
@@ -80,6 +94,17 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--replicas", type=_replicas, default=tuple(range(1, 9)),
                    help="replica (data-parallel) counts, 1-8 or 1,2,4 (default: 1-8); each replica gets every R-th "
                         "request (round robin)")
+    g.add_argument("--dp", type=_csv_list(positive_int), default=(1, 2, 4, 8),
+                   help="data-parallel sizes of a MoE model (--data-parallel-size; the ranks' MoE layers form one "
+                        "group, experts split over DP×TP GPUs); a dense model's DP is its replicas (default: 1,2,4,8)")
+    g.add_argument("--expert-parallel", type=_csv_list(_on_off), default=(False, True),
+                   help="--enable-expert-parallel off/on for a MoE model with DP > 1 (default: off,on)")
+    g.add_argument("--all2all-backend", choices=ALL2ALL_BACKENDS, default=None,
+                   help="vLLM's --all2all-backend for expert-parallel points (default: vLLM's)")
+    g.add_argument("--pd-max", type=_non_negative_int, default=0, metavar="N",
+                   help="also search prefill/decode splits XPyD with X + Y <= N engines (simulate --pd; KV pulled "
+                        "over the GPU profile's default link); 0 = none (default: 0)")
+    add_kv_link_args(g)
     g.add_argument("--max-gpus", type=positive_int, default=64, help="largest deployment in GPUs (default: 64)")
     g.add_argument("--max-num-seqs", type=_csv_list(_int_or_default), default=(None,),
                    help="values to try, 'default' = vLLM's for the GPU (default: default)")
@@ -149,9 +174,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     space = SearchSpace(gpus=tuple(ns.gpus), tensor_parallel_sizes=tuple(ns.tp), replicas=tuple(ns.replicas),
                         max_num_seqs=tuple(ns.max_num_seqs), max_num_batched_tokens=tuple(ns.max_num_batched_tokens),
                         quantizations=tuple(ns.quantization), kv_cache_dtypes=tuple(ns.kv_cache_dtype),
-                        max_gpus=ns.max_gpus)
+                        data_parallel_sizes=tuple(sorted(set(ns.dp))), expert_parallel=tuple(sorted(set(
+                            ns.expert_parallel))), pd_max=ns.pd_max, kv_link=_kv_link_spec(ns), max_gpus=ns.max_gpus)
     base = EngineArgs(model=ns.model, max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
                       seed=ns.seed)
+    if ns.all2all_backend is not None:
+        base.all2all_backend = ns.all2all_backend
     if ns.ray_address:
         executor = RayExecutor(workload, ns.ray_address, ns.workers)
         workers = ns.workers or executor.cpus()
@@ -181,13 +209,37 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_link_spec(ns: argparse.Namespace) -> tuple | None:
+    """``--kv-transfer-*`` as (kind, Gb/s, µs); None when none is given (the GPU profile's default link)."""
+    spec = (ns.kv_transfer_link, ns.kv_transfer_bandwidth_gbps, ns.kv_transfer_latency_us)
+    if spec == (None, None, None):
+        return None
+    if ns.pd_max < 2:
+        raise ValueError("--kv-transfer-link/-bandwidth-gbps/-latency-us need --pd-max 2 or more")
+    return spec
+
+
 def simulate_command(ns: argparse.Namespace, chosen: dict | None) -> str:
     """The ``kernelsight simulate`` command line that re-runs the chosen deployment on the same workload."""
     if chosen is None:
         return ""
     a = chosen["engine_args"]
     argv = ["kernelsight", "simulate", "--model", a["model"], "--hardware", a["hardware"],
-            "--tensor-parallel-size", str(a["tensor_parallel_size"]), "--replicas", str(chosen["replicas"])]
+            "--tensor-parallel-size", str(a["tensor_parallel_size"])]
+    if chosen.get("pd"):
+        argv += ["--pd", chosen["pd"]]
+        for flag, value in zip(("--kv-transfer-link", "--kv-transfer-bandwidth-gbps", "--kv-transfer-latency-us"),
+                               _kv_link_spec(ns) or (), strict=False):
+            if value is not None:
+                argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    else:
+        argv += ["--replicas", str(chosen["replicas"])]
+    if a.get("data_parallel_size", 1) > 1:
+        argv += ["--data-parallel-size", str(a["data_parallel_size"])]
+    if a.get("enable_expert_parallel"):
+        argv.append("--enable-expert-parallel")
+        if a["all2all_backend"] != DEFAULT_ALL2ALL_BACKEND:
+            argv += ["--all2all-backend", a["all2all_backend"]]
     for flag, key in (("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
                       ("--quantization", "quantization"), ("--max-model-len", "max_model_len")):
         if a[key] is not None:

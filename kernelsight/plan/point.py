@@ -1,7 +1,9 @@
 """One point of the search: a deployment at one request rate, simulated by the fast-forward driver
-(``loadgen.fastforward.run_replicas``, the path ``kernelsight simulate --replicas`` takes) and reduced to what the
+(``loadgen.fastforward.run_replicas``, the path ``kernelsight simulate --replicas`` takes, or for a P/D split
+``loadgen.pd_fastforward.run_pd``, the path of ``kernelsight simulate --pd``) and reduced to what the
 planner keeps: the run's statistics, each request's TTFT/TPOT/E2EL (so goodput can be judged against any SLO
-later, from the cache), where requests waited, and engine 0's timeline.
+later, from the cache), where requests waited, and engine 0's timeline (a P/D run records none: its instances'
+per-instance busy time, KV peaks and pull times stand in).
 
 Everything here is a pure function of its arguments, so it runs the same in a worker process or on a Ray node.
 """
@@ -21,7 +23,8 @@ import numpy as np
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_replicas
 from kernelsight.loadgen.metrics import PERCENTILE_METRICS, compute_bench_metrics
-from kernelsight.plan.prune import create_engine_config
+from kernelsight.loadgen.pd_fastforward import run_pd
+from kernelsight.plan.prune import create_engine_config, pd_link
 from kernelsight.simcore.engine_config import EngineArgs
 
 __all__ = ["PlanWorkload", "PointTask", "simulate_point", "point_key", "kernelsight_version", "STORED_PERCENTILES"]
@@ -66,6 +69,8 @@ class PointTask:
     request_rate: float
     key: str
     label: str
+    pd: tuple[int, int] | None = None      # (prefill, decode) engines of a P/D split (replicas is 1 then)
+    kv_link: tuple[str | None, float | None, float | None] | None = None   # a split's link (None: the profile's)
 
 
 def kernelsight_version() -> str:
@@ -75,15 +80,21 @@ def kernelsight_version() -> str:
         return "unknown"
 
 
-def point_key(args: EngineArgs, replicas: int, request_rate: float, workload_digest: str) -> str:
-    """Hash of everything a point's result depends on: the full engine arguments (and the calibration file's bytes
-    when one is named), replicas, rate, the workload and the kernelsight version."""
+def point_key(args: EngineArgs, replicas: int, request_rate: float, workload_digest: str,
+              pd: tuple[int, int] | None = None, link: tuple | None = None) -> str:
+    """Hash of everything a point's result depends on: the full engine arguments (DP and EP among them; the
+    calibration file's bytes when one is named), replicas or the P/D split, rate, the workload and the kernelsight
+    version; a split's KV link when one is named. A point without a P/D split hashes as it did before P/D was
+    searched (its cache entries stay valid)."""
     calib = ""
     if args.calibration:
         calib = hashlib.sha256(Path(args.calibration).read_bytes()).hexdigest()
     blob = json.dumps({"args": dataclasses.asdict(args), "calibration_sha256": calib, "replicas": replicas,
                        "request_rate": request_rate, "workload": workload_digest,
-                       "kernelsight": kernelsight_version(), "entry_schema": ENTRY_SCHEMA}, sort_keys=True, default=str)
+                       "kernelsight": kernelsight_version(), "entry_schema": ENTRY_SCHEMA,
+                       **({"pd": list(pd)} if pd is not None else {}),
+                       **({"kv_link": list(link)} if pd is not None and link is not None else {})},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -104,8 +115,12 @@ def simulate_point(task: PointTask, workload: PlanWorkload) -> dict[str, Any]:
     scale = (workload.request_rate / task.request_rate
              if np.isfinite(task.request_rate) and np.isfinite(workload.request_rate) else 1.0)
     arrivals = [a * scale for a in workload.arrivals_s]
-    res = run_replicas(cfg, workload.samples, arrivals, task.replicas, max_concurrency=workload.max_concurrency,
-                       ignore_eos=workload.ignore_eos, record_timeline=True)
+    if task.pd is not None:
+        res = run_pd(cfg, workload.samples, arrivals, *task.pd, link=pd_link(cfg.hardware, task.kv_link),
+                     max_concurrency=workload.max_concurrency, ignore_eos=workload.ignore_eos)
+    else:
+        res = run_replicas(cfg, workload.samples, arrivals, task.replicas, max_concurrency=workload.max_concurrency,
+                           ignore_eos=workload.ignore_eos, record_timeline=True)
     metrics = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=PERCENTILE_METRICS[:4],
                                     percentiles=STORED_PERCENTILES)
     ok = [r for r in res.records if r.success]
@@ -117,12 +132,16 @@ def simulate_point(task: PointTask, workload: PlanWorkload) -> dict[str, Any]:
     cols = dict(zip(TIMELINE_COLUMNS, map(list, zip(*timeline, strict=True)), strict=True)) if timeline else {}
     engine0 = sorted(arrivals)[::task.replicas]          # run_replicas sends every R-th arrival to engine 0
     last_arrival_s = engine0[-1] if engine0 else 0.0
-    queue = _queue_stats(cols, last_arrival_s, cfg.scheduler.max_num_seqs, res.num_preemptions)
+    # a DP group's timeline sums its ranks' running requests: its batch holds max_num_seqs per rank
+    queue = (_pd_stats(res.pd, res.duration_s, res.num_preemptions) if res.pd is not None else
+             _queue_stats(cols, last_arrival_s, cfg.scheduler.max_num_seqs * task.args.data_parallel_size,
+                          res.num_preemptions))
     if timeline and len(timeline) > MAX_TIMELINE_ROWS:
         idx = np.linspace(0, len(timeline) - 1, MAX_TIMELINE_ROWS).round().astype(int)
         cols = {k: [v[i] for i in idx] for k, v in cols.items()}
     return {
         "key": task.key, "label": task.label, "replicas": task.replicas, "request_rate": task.request_rate,
+        "pd": list(task.pd) if task.pd is not None else None,
         "engine_args": dataclasses.asdict(task.args), "config": cfg.summary(),
         "metrics": metrics,
         "per_request": {"ttft_s": ttft.round(6).tolist(), "tpot_s": tpot.round(7).tolist(),
@@ -147,3 +166,21 @@ def _queue_stats(cols: dict[str, list], last_arrival_s: float, max_num_seqs: int
     return {"peak_waiting": int(waiting.max()), "waiting_at_last_arrival": int(waiting[i_last]),
             "peak_running": int(max(cols["running"])), "max_num_seqs": max_num_seqs,
             "peak_kv_usage": round(float(max(cols["kv_cache_usage"])), 4), "num_preemptions": num_preemptions}
+
+
+def _pd_stats(pd: dict[str, Any], duration_s: float, num_preemptions: int) -> dict[str, Any]:
+    """Where a P/D split's requests waited: each side's busiest instance (share of the run it was stepping, peak
+    KV use) and the decode side's mean KV pull and wait for its KV (the pull plus any wait for decode blocks)."""
+    inst = pd["instances"]
+    side = {r: [x for x in inst if x["instance"].startswith(r)] for r in ("P", "D")}
+    dur = max(duration_s, 1e-9)
+    dec = side["D"]
+    pulls = sum(x["pulls"] for x in dec)
+    return {"pd": True, "num_preemptions": num_preemptions,
+            "prefill_busy": round(max(x["busy_s"] for x in side["P"]) / dur, 4),
+            "decode_busy": round(max(x["busy_s"] for x in dec) / dur, 4),
+            "prefill_peak_kv_usage": max(x["peak_kv_usage"] for x in side["P"]),
+            "decode_peak_kv_usage": max(x["peak_kv_usage"] for x in dec),
+            "mean_pull_ms": round(sum(x["mean_pull_ms"] * x["pulls"] for x in dec) / pulls, 3) if pulls else 0.0,
+            "mean_kv_wait_ms": round(sum(x["mean_kv_wait_ms"] * x["pulls"] for x in dec) / pulls, 3) if pulls else 0.0,
+            "link": pd["link"]["kind"]}

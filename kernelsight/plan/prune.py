@@ -5,11 +5,16 @@
 * roofline: every decode step reads the active weights once, so no step is shorter than
   ``active weight bytes per GPU / datasheet bandwidth``; a TPOT or ITL limit below that (or a TTFT limit below one
   step, an E2EL limit below its requests' decode floor) cannot be met at any load;
-* roofline on load: a replica makes at most ``max_num_seqs`` output tokens per step, and at most
-  ``TP · peak FLOP/s / (2 · active parameters)`` tokens per second; a deployment whose replicas together cannot
-  produce the workload's output tokens at the requested rate builds an unbounded queue, so fewer replicas than
-  that are never simulated. Prefill work is left out of this bound (prefix caching may skip it), which keeps it a
-  bound.
+* roofline on load: an engine makes at most ``max_num_seqs`` output tokens per step, and at most
+  ``TP · peak FLOP/s / (2 · active parameters)`` tokens per second (a DP group of N ranks N times that); a
+  deployment whose replicas (or a P/D split whose decode engines) together cannot produce the workload's output
+  tokens at the requested rate builds an unbounded queue, so fewer than that are never simulated. Prefill work is
+  left out of this bound (prefix caching may skip it), which keeps it a bound.
+
+Memory is checked per rank by the engine's own ``simcore.memory``: a MoE model's experts are split over the
+DP × TP GPUs of its group (whole experts with expert parallelism, slices without), so a MoE model that does not fit
+one GPU at TP1 can fit each rank of DP2; the step floor uses that rank's weights (sound: the busiest rank reads at
+least its non-expert weights and its share of the active experts).
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from kernelsight import profiles
 from kernelsight.plan.slo import Slo
 from kernelsight.plan.space import EngineChoice
 from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
+from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.kv_transfer import KVLink, kv_link
 from kernelsight.simcore.memory import InsufficientMemoryError, param_counts
 
 __all__ = ["Bounds", "WorkloadShape", "create_engine_config", "resolve_choice", "engine_args_for", "min_replicas",
+           "pd_link",
            "roofline_bounds",
            "slo_floor_violation",
            "REASON_INVALID", "REASON_MEMORY", "REASON_NO_PRICE", "REASON_ROOFLINE_SLO", "REASON_ROOFLINE_LOAD",
@@ -39,7 +47,7 @@ REASON_ROOFLINE_SLO = "roofline (the SLO is below the GPU's step floor)"
 REASON_ROOFLINE_LOAD = "roofline (the replicas cannot produce the load's output tokens)"
 REASON_MAX_GPUS = "more GPUs than --max-gpus"
 REASON_DOMINATED = "dominated (costs more than a deployment that meets the SLO)"
-REASON_MONOTONE = "monotone in load (decided by the same engine with fewer/more replicas)"
+REASON_MONOTONE = "monotone in load (decided by the same engine with fewer/more replicas or P/D engines)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +67,7 @@ class WorkloadShape:
 @dataclass(frozen=True, slots=True)
 class Bounds:
     step_floor_s: float                 # no engine step is shorter (active weights read at datasheet bandwidth)
-    max_rate_per_replica: float         # requests/s one replica can at most complete (output-token bound)
+    max_rate_per_replica: float         # requests/s one replica (a whole DP group) can at most complete
 
 
 _PROFILES: dict[tuple, tuple] = {}
@@ -94,11 +102,20 @@ def resolve_choice(choice: EngineChoice, base: EngineArgs, shape: WorkloadShape)
     return cfg, ""
 
 
+def pd_link(hw: HardwareSpec, spec: tuple[str | None, float | None, float | None] | None) -> KVLink:
+    """The link of ``--kv-transfer-link/-bandwidth-gbps/-latency-us`` on ``hw`` (ValueError where the GPU lacks
+    it, e.g. NVLink on an L40S); None: the profile's default link."""
+    kind, gbps, latency_us = spec or (None, None, None)
+    return kv_link(hw, kind, bandwidth_gbps=gbps, latency_s=None if latency_us is None else latency_us * 1e-6)
+
+
 def engine_args_for(choice: EngineChoice, base: EngineArgs) -> EngineArgs:
     """``base`` (the flags the planner does not vary) with the choice's values."""
     return dataclasses.replace(base, hardware=choice.hardware, tensor_parallel_size=choice.tensor_parallel_size,
                                max_num_seqs=choice.max_num_seqs, max_num_batched_tokens=choice.max_num_batched_tokens,
-                               quantization=choice.quantization, kv_cache_dtype=choice.kv_cache_dtype)
+                               quantization=choice.quantization, kv_cache_dtype=choice.kv_cache_dtype,
+                               data_parallel_size=choice.data_parallel_size,
+                               enable_expert_parallel=choice.enable_expert_parallel)
 
 
 def _active_fraction(cfg: EngineConfig) -> float:
@@ -114,12 +131,15 @@ def _active_fraction(cfg: EngineConfig) -> float:
 def roofline_bounds(cfg: EngineConfig, shape: WorkloadShape) -> Bounds:
     hw = cfg.hardware
     tp = cfg.args.tensor_parallel_size
+    dp = cfg.args.data_parallel_size
     active = _active_fraction(cfg)
+    # memory.weight_bytes is one rank's (experts split over the DP ranks of a MoE group): weight_bytes × active
+    # stays below the busiest rank's read, its non-expert weights plus its share of the active experts
     step_floor_s = cfg.memory.weight_bytes * active / hw.mem_bytes_per_s
     linear, other = param_counts(cfg.model)
     flops_per_token = 2.0 * (linear * active + other)
-    tokens_per_s = min(cfg.scheduler.max_num_seqs / step_floor_s,
-                       tp * hw.peak_flops_per_s(cfg.precision.gemm_compute_dtype) / flops_per_token)
+    tokens_per_s = dp * min(cfg.scheduler.max_num_seqs / step_floor_s,
+                            tp * hw.peak_flops_per_s(cfg.precision.gemm_compute_dtype) / flops_per_token)
     max_rate = tokens_per_s / max(shape.mean_output_tokens, 1.0)
     return Bounds(step_floor_s, max_rate)
 

@@ -14,7 +14,8 @@ from kernelsight.plan.search import PlanResult
 
 __all__ = ["format_plan", "write_json", "write_csv", "write_html", "plan_json"]
 
-CSV_COLUMNS = ("label", "hardware", "tensor_parallel_size", "replicas", "num_gpus", "quantization", "kv_cache_dtype",
+CSV_COLUMNS = ("label", "hardware", "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel",
+               "replicas", "pd", "num_gpus", "quantization", "kv_cache_dtype",
                "max_num_seqs", "max_num_batched_tokens", "request_rate", "meets_slo", "goodput_rps",
                "throughput_rps", "usd_per_hour", "gpu_hours_per_mtok", "usd_per_mtok", "p50_ttft_ms", "p99_ttft_ms",
                "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "failed_requests", "why")
@@ -101,7 +102,9 @@ def write_html(path: str | Path, r: PlanResult, *, model: str, simulate_command:
     chosen = ("<p>No deployment in the search space meets the SLO at this load.</p>" if r.chosen is None else
               f"<p><b>Cheapest deployment meeting the SLO:</b> {r.chosen['label']} — {r.chosen['num_gpus']} GPUs, "
               f"${r.chosen['usd_per_hour']:.2f}/h, ${r.chosen['usd_per_mtok']:.3f}/Mtok.<br>Re-run: "
-              f"<code>{_esc(simulate_command)}</code></p>")
+              f"<code>{_esc(simulate_command)}</code>"
+              + ("<br>A P/D split records no per-step timeline (its instances' steps interleave); the why column "
+                 "gives its instances' busy shares and KV pull times." if r.chosen.get("pd") else "") + "</p>")
     rows = "".join(f"<tr><td>{_esc(p['label'])}</td><td>{p['num_gpus']}</td><td>{p['usd_per_mtok']:.3f}</td>"
                    f"<td>{p['goodput_rps']:.2f}</td><td>{'meets' if p['meets_slo'] else 'fails'}</td>"
                    f"<td>{_esc(p['why'])}</td></tr>" for p in r.points)

@@ -9,6 +9,7 @@ cost). Only the points left undecided are simulated; the rest are counted, with 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -22,6 +23,7 @@ from kernelsight.plan.point import PlanWorkload, PointTask, point_key
 from kernelsight.plan.prices import PriceTable
 from kernelsight.plan.prune import (
     REASON_DOMINATED,
+    REASON_INVALID,
     REASON_MAX_GPUS,
     REASON_MONOTONE,
     REASON_NO_PRICE,
@@ -29,13 +31,14 @@ from kernelsight.plan.prune import (
     WorkloadShape,
     engine_args_for,
     min_replicas,
+    pd_link,
     resolve_choice,
     roofline_bounds,
     slo_floor_violation,
 )
 from kernelsight.plan.runner import PointRunner
 from kernelsight.plan.slo import Slo
-from kernelsight.plan.space import Deployment, EngineChoice, SearchSpace
+from kernelsight.plan.space import Deployment, EngineChoice, SearchSpace, pd_label
 from kernelsight.simcore.engine_config import EngineArgs
 
 __all__ = ["PlanResult", "run_plan", "evaluate_point", "diagnose"]
@@ -43,34 +46,51 @@ __all__ = ["PlanResult", "run_plan", "evaluate_point", "diagnose"]
 
 @dataclass(slots=True)
 class _Line:
-    """One engine choice's replica counts still in play."""
+    """One engine choice's deployments still in play: replica counts ``(r,)``, or P/D splits ``(x, y)`` when
+    ``pd``. Both are ordered componentwise: a deployment that fails decides every one with no more of each kind of
+    engine (fewer replicas, or fewer prefill and fewer decode engines, see each more load), one that passes every
+    one with no fewer."""
 
     choice: EngineChoice
     args: EngineArgs
     usd_per_gpu_hour: float
-    candidates: list[int]
-    fail_max: int = 0
-    pass_min: int = 1 << 30
+    candidates: list[tuple[int, ...]]
+    pd: bool = False
+    failed: list[tuple[int, ...]] = field(default_factory=list)
+    passed: list[tuple[int, ...]] = field(default_factory=list)
     last_goodput: float = 0.0
-    simulated: set[int] = field(default_factory=set)
+    simulated: set[tuple[int, ...]] = field(default_factory=set)
 
-    def undecided(self) -> list[int]:
-        return [r for r in self.candidates if self.fail_max < r < self.pass_min and r not in self.simulated]
+    def gpus(self, c: tuple[int, ...]) -> int:
+        return self.choice.gpus_per_engine * sum(c)
 
-    def usd_per_hour(self, replicas: int) -> float:
-        return self.usd_per_gpu_hour * self.choice.tensor_parallel_size * replicas
+    def deployment(self, c: tuple[int, ...]) -> Deployment:
+        return Deployment(self.choice, 1, (c[0], c[1])) if self.pd else Deployment(self.choice, c[0])
 
-    def next_probe(self, request_rate: float) -> int | None:
+    def decided(self, c: tuple[int, ...]) -> bool:
+        return (any(all(a <= b for a, b in zip(c, f, strict=True)) for f in self.failed)
+                or any(all(a >= b for a, b in zip(c, p, strict=True)) for p in self.passed))
+
+    def undecided(self) -> list[tuple[int, ...]]:
+        return [c for c in self.candidates if c not in self.simulated and not self.decided(c)]
+
+    def usd_per_hour(self, c: tuple[int, ...]) -> float:
+        return self.usd_per_gpu_hour * self.gpus(c)
+
+    def next_probe(self, request_rate: float) -> tuple[int, ...] | None:
         u = self.undecided()
         if not u:
             return None
-        if self.pass_min < 1 << 30:           # a jump passed: bisect the gap below it
+        if self.pd:           # cheapest undecided split first: a pass makes every costlier one dominated
+            return u[0]
+        if self.passed:       # a jump passed: bisect the gap below it
             return u[len(u) // 2]
-        if self.fail_max == 0 or self.last_goodput <= 0 or not math.isfinite(request_rate):
+        fail_max = max((f[0] for f in self.failed), default=0)
+        if fail_max == 0 or self.last_goodput <= 0 or not math.isfinite(request_rate):
             return u[0]
         # the goodput of the failed count says roughly how many replicas the load needs; never jump past 2×
-        est = min(math.ceil(self.fail_max * request_rate / self.last_goodput), 2 * self.fail_max)
-        return next((r for r in u if r >= est), u[-1])
+        est = min(math.ceil(fail_max * request_rate / self.last_goodput), 2 * fail_max)
+        return next((c for c in u if c[0] >= est), u[-1])
 
 
 @dataclass(slots=True)
@@ -109,7 +129,10 @@ def evaluate_point(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float,
     violations = slo.violations(_with_slo_stats(m, pr, slo))
     failed = m["failed"]
     meets = not violations and failed == 0
-    num_gpus = entry["config"]["tensor_parallel_size"] * entry["replicas"]
+    a = entry["engine_args"]
+    pd = entry.get("pd")
+    per_engine = a["tensor_parallel_size"] * a.get("data_parallel_size", 1)
+    num_gpus = per_engine * (pd[0] + pd[1] if pd else entry["replicas"])
     # the offered rate when the load is a rate; a closed loop (--max-concurrency) offers what it served
     tokens_per_s = offered_tokens_per_s if offered_tokens_per_s > 0 else m["total_token_throughput"]
     gpu_hours_per_mtok = num_gpus / (tokens_per_s * 3600.0 / 1e6) if tokens_per_s > 0 else math.inf
@@ -119,6 +142,9 @@ def evaluate_point(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float,
         "quantization": entry["config"]["quantization"], "kv_cache_dtype": entry["config"]["kv_cache_dtype"],
         "max_num_seqs": entry["config"]["max_num_seqs"],
         "max_num_batched_tokens": entry["config"]["max_num_batched_tokens"],
+        "data_parallel_size": a.get("data_parallel_size", 1),
+        "enable_expert_parallel": bool(a.get("enable_expert_parallel", False)),
+        "pd": pd_label((pd[0], pd[1])) if pd else "",
         "request_rate": entry["request_rate"], "meets_slo": meets, "violations": violations,
         # requests/s that meet the SLO out of the offered rate (a short run's drain tail would deflate vLLM's
         # good-requests-over-duration, kept as bench_goodput_rps)
@@ -156,6 +182,9 @@ def diagnose(p: dict[str, Any]) -> str:
         parts.append(f"{p['failed_requests']} requests did not finish")
     q = p["queue"]
     slow = {v["slo"].split("_")[0] for v in p["violations"]}
+    if q.get("pd"):
+        parts.append(_diagnose_pd(q, slow))
+        return "; ".join(x for x in parts if x)
     if q["num_preemptions"] or q["peak_kv_usage"] >= 0.99:
         where = (f"KV cache full (peak {100 * q['peak_kv_usage']:.0f}%, {q['num_preemptions']} preemptions): "
                  "requests wait for blocks")
@@ -172,6 +201,21 @@ def diagnose(p: dict[str, Any]) -> str:
         where += f"; still {q['waiting_at_last_arrival']} waiting at the last arrival (arrivals outrun the engine)"
     parts.append(where)
     return "; ".join(x for x in parts if x)
+
+
+def _diagnose_pd(q: dict[str, Any], slow: set[str]) -> str:
+    """Where a P/D split's time went: each side's busiest instance (share of the run it was stepping), the KV pull
+    and the wait for decode blocks. A P/D run keeps no per-step timeline, so these are the measured facts, not a
+    verdict on which side to grow."""
+    where = [f"prefill engines busy up to {100 * q['prefill_busy']:.0f}%, decode engines up to "
+             f"{100 * q['decode_busy']:.0f}% of the run"]
+    if "ttft" in slow or "e2el" in slow:
+        where.append(f"KV in place {q['mean_kv_wait_ms']:.0f} ms after the prefill on average (pull "
+                     f"{q['mean_pull_ms']:.1f} ms over {q['link']}, the rest waiting for decode blocks)")
+    if slow & {"tpot", "itl", "e2el"}:
+        kv = q["decode_peak_kv_usage"]
+        where.append(f"decode KV peak {100 * kv:.0f}%, {q['num_preemptions']} preemptions")
+    return "; ".join(where)
 
 
 def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkload, prices: PriceTable,
@@ -194,9 +238,10 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
         if len(ex) < 5:
             ex.append(f"{label}: {reason}")
 
+    moe = _is_moe(base.model)
     lines: list[_Line] = []
-    for choice in space.engine_choices():
-        n_r = len(space.replicas)
+    for choice in space.engine_choices(moe):
+        n_r = space.deployments_of(choice)
         price = prices.price(_canonical(choice.hardware))
         if price is None:
             prune(REASON_NO_PRICE, choice.label(), n_r)
@@ -205,30 +250,42 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
         if cfg is None:
             prune(why, choice.label(), n_r)
             continue
-        choice = EngineChoice(cfg.hardware.name, *[getattr(choice, f) for f in
-                              ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "quantization",
-                               "kv_cache_dtype")])
+        choice = dataclasses.replace(choice, hardware=cfg.hardware.name)
         bounds = roofline_bounds(cfg, shape)
         why = slo_floor_violation(bounds, slo, shape)
         if why:
             prune(why, choice.label(), n_r)
             continue
         r_min = min_replicas(bounds, rate)
-        cands = []
-        for r in space.replicas:
-            if r * choice.tensor_parallel_size > space.max_gpus:
-                prune(REASON_MAX_GPUS, Deployment(choice, r).label())
-            elif r < r_min:
-                prune(f"{REASON_ROOFLINE_LOAD}: at most {bounds.max_rate_per_replica:.2f} req/s per replica, "
-                      f"{r_min} needed", Deployment(choice, r).label())
-            else:
-                cands.append(r)
-        if cands:
-            lines.append(_Line(choice, engine_args_for(choice, base), price, cands))
+        args = engine_args_for(choice, base)
+        kinds = [(False, [(r,) for r in space.replicas])]
+        if choice.data_parallel_size == 1 and space.pd_max >= 2:
+            try:
+                pd_link(cfg.hardware, space.kv_link)
+                kinds.append((True, space.pd_splits()))
+            except ValueError as exc:      # e.g. --kv-transfer-link nvlink on a GPU without NVLink
+                prune(f"{REASON_INVALID}: {exc}", f"P/D splits of {choice.label()}", len(space.pd_splits()))
+        for is_pd, sizes in kinds:
+            line = _Line(choice, args, price, [], is_pd)
+            for c in sizes:
+                dep = line.deployment(c)
+                engines = c[1] if is_pd else c[0]       # the engines that make output tokens
+                if dep.num_gpus > space.max_gpus:
+                    prune(REASON_MAX_GPUS, dep.label())
+                elif engines < r_min:
+                    prune(f"{REASON_ROOFLINE_LOAD}: at most {bounds.max_rate_per_replica:.2f} req/s per "
+                          f"{'decode engine' if is_pd else 'replica'}, {r_min} needed", dep.label())
+                else:
+                    line.candidates.append(c)
+            if line.candidates:
+                line.candidates.sort(key=lambda c, ln=line: (ln.gpus(c), c))
+                lines.append(line)
 
-    def task(line: _Line, replicas: int, at_rate: float) -> PointTask:
-        return PointTask(line.args, replicas, at_rate, point_key(line.args, replicas, at_rate, digest),
-                         Deployment(line.choice, replicas).label())
+    def task(line: _Line, c: tuple[int, ...], at_rate: float) -> PointTask:
+        dep = line.deployment(c)
+        link = space.kv_link if dep.pd is not None else None
+        return PointTask(line.args, dep.replicas, at_rate,
+                         point_key(line.args, dep.replicas, at_rate, digest, dep.pd, link), dep.label(), dep.pd, link)
 
     evaluated: dict[str, dict[str, Any]] = {}
     timelines: dict[str, dict[str, list]] = {}
@@ -236,41 +293,49 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
     runner.progress.set_total(sum(len(ln.candidates) for ln in lines))
     while True:
         probes = []
+        marked = False
         for ln in lines:
-            r = ln.next_probe(rate)
-            if r is None:
+            c = ln.next_probe(rate)
+            if c is None:
                 continue
-            if ln.usd_per_hour(r) > best_usd_h:
-                for rr in ln.undecided():
-                    prune(REASON_DOMINATED, Deployment(ln.choice, rr).label())
-                    ln.simulated.add(rr)   # decided
+            if ln.usd_per_hour(c) > best_usd_h:
+                # everything costlier than a deployment that meets the SLO is decided; a cheaper one left
+                # undecided (below a bisection's probe) gets its own probe in the next round
+                for cc in ln.undecided():
+                    if ln.usd_per_hour(cc) > best_usd_h:
+                        prune(REASON_DOMINATED, ln.deployment(cc).label())
+                        ln.simulated.add(cc)
+                        marked = True
                 continue
-            probes.append((ln.usd_per_hour(r), ln.choice.label(), r, ln))
+            probes.append((ln.usd_per_hour(c), ln.choice.label(), ln.pd, c, ln))
         if not probes:
+            if marked:
+                continue
             break
-        probes.sort(key=lambda x: x[:3])
+        probes.sort(key=lambda x: x[:4])
         wave = probes[:max(1, workers)]
         tasks = {}
-        for _, _, r, ln in wave:
-            ln.simulated.add(r)
-            tasks[task(ln, r, rate).key] = (ln, r)
-        results = runner.run(task(ln, r, rate) for ln, r in tasks.values())
-        for key, (ln, r) in tasks.items():
+        for *_, c, ln in wave:
+            ln.simulated.add(c)
+            t = task(ln, c, rate)
+            tasks[t.key] = (ln, c, t)
+        results = runner.run(t for _, _, t in tasks.values())
+        for key, (ln, c, _) in tasks.items():
             p = evaluate_point(results[key], slo, ln.usd_per_gpu_hour, offered)
             evaluated[key] = p
             timelines[key] = results[key]["timeline"]
             if p["meets_slo"]:
-                ln.pass_min = min(ln.pass_min, r)
+                ln.passed.append(c)
                 best_usd_h = min(best_usd_h, p["usd_per_hour"])
             else:
-                ln.fail_max = max(ln.fail_max, r)
+                ln.failed.append(c)
                 ln.last_goodput = p["goodput_rps"]
         left = sum(len(ln.undecided()) for ln in lines)
         runner.progress.set_total(runner.done + left)
-    for ln in lines:       # counts decided by a neighbour (a failing smaller or passing larger count), not simulated
-        for r in ln.candidates:
-            if r not in ln.simulated:
-                prune(REASON_MONOTONE, Deployment(ln.choice, r).label())
+    for ln in lines:       # decided by a neighbour (a failing smaller or passing larger deployment), not simulated
+        for c in ln.candidates:
+            if c not in ln.simulated:
+                prune(REASON_MONOTONE, ln.deployment(c).label())
 
     points = sorted(evaluated.values(), key=lambda p: (p["usd_per_mtok"], -p["goodput_rps"], p["label"]))
     front = pareto_front(points)
@@ -279,7 +344,7 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
     curves: dict[str, list[dict[str, Any]]] = {}
     if curve_loads and math.isfinite(rate):
         shown = _curve_deployments(front, chosen, curve_deployments)
-        by_label = {Deployment(ln.choice, r).label(): (ln, r) for ln in lines for r in ln.candidates}
+        by_label = {ln.deployment(c).label(): (ln, c) for ln in lines for c in ln.candidates}
         ctasks = [(p["label"], task(*by_label[p["label"]], rate * m), by_label[p["label"]][0])
                   for p in shown for m in curve_loads if m != 1.0]
         runner.progress.set_total(runner.done + len(ctasks))
@@ -290,7 +355,7 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
             curves[label].append(evaluate_point(results[t.key], slo, ln.usd_per_gpu_hour, offered))
         for v in curves.values():
             v.sort(key=lambda p: p["request_rate"])
-    return PlanResult(points, front, chosen, curves, pruned, examples, space.size(), runner.simulated,
+    return PlanResult(points, front, chosen, curves, pruned, examples, space.size(moe), runner.simulated,
                       runner.cache.hits, time.perf_counter() - t0, rate, offered, slo, prices,
                       timelines[chosen["key"]] if chosen else {})
 
@@ -305,6 +370,12 @@ def _curve_deployments(front: list[dict[str, Any]], chosen: dict[str, Any] | Non
     pool.sort(key=lambda p: (abs(math.log(max(p["usd_per_mtok"], 1e-12) / max(chosen["usd_per_mtok"], 1e-12))),
                              p["label"]))
     return pool[:n]
+
+
+def _is_moe(model: str) -> bool:
+    from kernelsight import profiles
+
+    return profiles.load_model(model).is_moe
 
 
 def _canonical(name: str) -> str:
