@@ -262,11 +262,12 @@ class EngineBridge:
     def submit(self, prompts: list[list[int]], max_tokens: list[int], n: int = 1, *, min_tokens: int = 0,
                ignore_eos: bool = False, priority: int = 0, extra_keys: tuple | None = None,
                keys: list[int] | None = None, echo_output: bool = False, label: str | None = None,
-               arrival_wall_s: float | None = None) -> Submission:
+               arrival_wall_s: float | None = None, outputs: list[list[int]] | None = None) -> Submission:
         """Queue one engine request per prompt (each fanning out into n sequences).
 
         ``arrival_wall_s``: perf_counter() when the request reached the server (default: now). The time it then
         spent waiting for parsing and validation (behind a burst of others) is queueing in the simulated timeline.
+        ``outputs``: per prompt, the token ids its sequences emit (a structured output or tool call drawn up front).
         """
         eng = self.engine
         v = self.virtual_now()
@@ -284,7 +285,8 @@ class EngineBridge:
             outs = []
             for i in range(n):
                 key = keys[p] + 7919 * i if keys is not None else _UNSEEDED.getrandbits(63)
-                outs.append(OutputTokens(self.tok, key, mt, prompt if echo_output else None))
+                fixed = outputs[p] if outputs is not None else prompt if echo_output else None
+                outs.append(OutputTokens(self.tok, key, mt, fixed))
             seq_ids = eng.add_request(eid, prompt, mt, min_tokens=min(min_tokens, mt), ignore_eos=ignore_eos, n=n,
                                       priority=priority, arrival_s=arrival, extra_keys=extra_keys,
                                       output_token_ids=outs[0] if n == 1 else None)

@@ -92,7 +92,7 @@ class _SeqView:
     """Turns a sequence's released tokens into text deltas (stop strings, stop-buffer hold-back)."""
 
     __slots__ = ("seq", "consumed", "text", "sent", "ids", "stop_reason", "finish_reason", "done", "stops",
-                 "hold", "include_stop", "cut")
+                 "hold", "include_stop", "cut", "natural_end")
 
     def __init__(self, seq: Seq, stops: list[str], include_stop: bool) -> None:
         self.seq = seq
@@ -107,6 +107,7 @@ class _SeqView:
         self.hold = max((len(s) for s in stops), default=1) - 1   # vLLM withholds a possible stop prefix
         self.include_stop = include_stop
         self.cut: int | None = None
+        self.natural_end: int | None = None    # a fixed output's length: ending there is EOS ("stop"), not "length"
 
     def advance(self, bridge: EngineBridge, pending: tuple[int, bool, str | None] | None = None) -> str | None:
         """Consume newly released tokens; returns the new text delta (None: nothing new to send).
@@ -148,6 +149,8 @@ class _SeqView:
             self.done = True
         elif finished:
             self.finish_reason = reason or "stop"
+            if reason == "length" and self.consumed == self.natural_end:
+                self.finish_reason = "stop"
             self.done = True
         limit = len(self.text) if self.done or not self.stops else max(len(self.text) - self.hold, self.sent)
         delta = self.text[self.sent:limit]
@@ -182,6 +185,8 @@ class Generation:
         self._text_lens: list[int] = []
         self.lp_k: int | None = None      # logprobs per generated token (completions logprobs / chat top_logprobs)
         self.plp_k: int | None = None     # prompt logprobs
+        self.fixed_output: list[int] | None = None   # the token ids every choice emits (structured outputs, tools)
+        self.fast_ok = True               # False: a caller re-renders the chunks (no stream fast path)
         # tokens in logprobs as "token_id:<id>": the request's field, else the server flag
         as_ids = getattr(req, "return_tokens_as_token_ids", None)
         self.lp_as_ids: bool = state.opts.return_tokens_as_token_ids if as_ids is None else bool(as_ids)
@@ -304,12 +309,20 @@ class Generation:
         extra = ("lora", self.lora) if self.lora else None
         if req.cache_salt:
             extra = (*(extra or ()), "cache_salt", req.cache_salt)
+        fixed = self.fixed_output
+        if fixed is not None:        # drawn up front: it ends where it ends (EOS), or at max_tokens
+            limits = [min(lim, len(fixed)) for lim in limits]
         sub = bridge.submit([ids for ids, _ in prompts], limits, req.n, min_tokens=req.min_tokens,
-                            ignore_eos=req.ignore_eos, priority=self._priority(), extra_keys=extra,
-                            keys=self._keys(prompts), echo_output=self.state.opts.output_mode == "echo",
-                            label=self.rid, arrival_wall_s=self.request.scope.get(RECV_KEY))
+                            ignore_eos=req.ignore_eos or fixed is not None, priority=self._priority(),
+                            extra_keys=extra, keys=self._keys(prompts),
+                            echo_output=self.state.opts.output_mode == "echo", label=self.rid,
+                            arrival_wall_s=self.request.scope.get(RECV_KEY),
+                            outputs=[fixed] * len(prompts) if fixed is not None else None)
         admission_done(self.request.scope)
         self.views = [_SeqView(s, self.stops, req.include_stop_str_in_output) for s in sub.seqs]
+        if fixed is not None:
+            for v in self.views:
+                v.natural_end = len(fixed)
         if req.stream:
             self._text_lens = [0] * len(self.views)      # vLLM's previous_text_lens: generated text only
             if fault is not None:        # the general path, where the stream can be cut or paused between chunks
@@ -632,5 +645,6 @@ class Generation:
         """The stream fast path covers the common case: one choice, no stop strings, logprobs, echo or
         per-chunk usage (those keep the general path)."""
         req = self.req
-        return (self.state.opts.stream_fast_path and len(self.views) == 1 and not self.stops and self.lp_k is None
-                and not self.continuous and not getattr(req, "echo", False) and not self.echo_text)
+        return (self.state.opts.stream_fast_path and self.fast_ok and len(self.views) == 1 and not self.stops
+                and self.lp_k is None and not self.continuous and not getattr(req, "echo", False)
+                and not self.echo_text)

@@ -44,6 +44,9 @@ class ServerOptions:
     shutdown_timeout_s: float = 0.0            # on SIGTERM: wait this long for in-flight requests, then abort them
     enable_sleep_mode: bool = False            # /sleep and /wake_up act (dev mode registers them)
     show_hidden_metrics_for_version: str | None = None   # e.g. "0.10": the deprecated metric names come back
+    enable_auto_tool_choice: bool = False      # with tool_call_parser: tool_choice "auto" is allowed
+    tool_call_parser: str | None = None
+    pooling: bool = False                      # --runner pooling / --convert embed: an embedding model's routes
 
 
 def env_allows_lora_updates() -> bool:
