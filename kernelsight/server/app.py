@@ -26,6 +26,7 @@ from kernelsight.server.routes import (
     kv_cache,
     lora,
     models,
+    responses,
     scale_out,
     sleep,
     system,
@@ -69,6 +70,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
         _include(app, lora.router)
     _include(app, completions.router)
     _include(app, chat.router)
+    _include(app, responses.router)
     _include(app, scale_out.router)
     add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
                               LoadLoRARequest, UnloadLoRARequest])
