@@ -25,6 +25,7 @@ from kernelsight.server.routes import (
     completions,
     kv_cache,
     lora,
+    messages,
     models,
     responses,
     scale_out,
@@ -71,6 +72,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
     _include(app, completions.router)
     _include(app, chat.router)
     _include(app, responses.router)
+    _include(app, messages.router)
     _include(app, scale_out.router)
     add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
                               LoadLoRARequest, UnloadLoRARequest])

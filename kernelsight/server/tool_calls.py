@@ -80,7 +80,7 @@ def plan_tool_call(req: Any, messages: list[dict[str, Any]], seed: int) -> ToolP
     fn = next(t["function"] for t in tools if t["function"].get("name") == name)
     params = fn.get("parameters")
     args = json.dumps(instance_of(params if isinstance(params, dict) else {"type": "object"}, seed))
-    call_id = f"chatcmpl-tool-{uuid.UUID(int=rng.getrandbits(128)).hex}"
+    call_id = f"chatcmpl-tool-{uuid.uuid4().hex}"     # unique per call, as vLLM's (agents key results by it)
     qname = json.dumps(name)
     if mode == "named":
         return ToolPlan(mode, call_id, name, args, "", "")
