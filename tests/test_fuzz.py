@@ -36,11 +36,17 @@ def fuzz_srv():
         yield s
 
 
-def check_response(status: int, body: bytes, content_type: str) -> str | None:
+#: The streams of named events (Responses API, Anthropic Messages) and the event that ends each.
+NAMED_EVENT_STREAMS = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+
+
+def check_response(status: int, body: bytes, content_type: str, path: str = "") -> str | None:
     """What is wrong with one answer (None: nothing). Shared reading of the wire contract's error rules."""
     if status >= 500:
         return f"{status} server error: {body[:300]!r}"
     if status < 400:
+        if content_type.startswith("text/event-stream") and path in NAMED_EVENT_STREAMS:
+            return _named_stream_problem(body.decode(), NAMED_EVENT_STREAMS[path])
         if content_type.startswith("text/event-stream"):
             text = body.decode()
             if not text.endswith("data: [DONE]\n\n"):
@@ -58,9 +64,30 @@ def check_response(status: int, body: bytes, content_type: str) -> str | None:
         return f"{status} body is not JSON: {body[:200]!r}"
     if status in ROUTING and obj == ROUTING[status]:
         return None
+    if path.startswith("/v1/messages") and _anthropic_error_ok(obj):
+        return None       # vLLM answers the Messages API's handler errors in Anthropic's shape
     if not _error_shape_ok(obj, status):
         return f"{status} body not in vLLM's error shape: {str(obj)[:300]}"
     return None
+
+
+def _named_stream_problem(text: str, last: str) -> str | None:
+    """``event: <type>`` / ``data: <json>`` events, each data's ``type`` its event's, ended by ``last``."""
+    events = [e for e in text.split("\n\n") if e]
+    for e in events:
+        head, _, data = e.partition("\n")
+        if not head.startswith("event: ") or not data.startswith("data: "):
+            return f"not a named SSE event: {e[:200]!r}"
+        if json.loads(data[len("data: "):]).get("type") != head[len("event: "):]:
+            return f"event name and data type differ: {e[:200]!r}"
+    if not events or not events[-1].startswith(f"event: {last}\n"):
+        return f"stream not ended by {last}: {text[-200:]!r}"
+    return None
+
+
+def _anthropic_error_ok(obj: Any) -> bool:
+    return (isinstance(obj, dict) and obj.get("type") == "error" and isinstance(obj.get("error"), dict)
+            and isinstance(obj["error"].get("type"), str) and isinstance(obj["error"].get("message"), str))
 
 
 def _error_shape_ok(obj: Any, status: int | None) -> bool:
@@ -142,7 +169,9 @@ def _served_model(case: Any) -> Any:
 
 
 def has_inputs(op: Any) -> bool:
-    return bool(len(op.body) or len(op.query) or len(op.headers) or len(op.path_parameters))
+    """Whether the route has an input that can be drawn invalid (a string path parameter, such as a response id,
+    cannot: every string is one)."""
+    return bool(len(op.body) or len(op.query) or len(op.headers))
 
 
 def fuzz_operation(base_url: str, op: Any, mode: GenerationMode, max_examples: int, seed: int) -> dict[str, int]:
@@ -161,7 +190,7 @@ def fuzz_operation(base_url: str, op: Any, mode: GenerationMode, max_examples: i
         counts["cases"] += 1
         key = f"{r.status_code // 100}xx"
         counts[key] = counts.get(key, 0) + 1
-        problem = check_response(r.status_code, r.content, r.headers.get("content-type", ""))
+        problem = check_response(r.status_code, r.content, r.headers.get("content-type", ""), case.path)
         assert problem is None, f"{case.method} {case.path} body={str(case.body)[:300]}: {problem}"
 
     try:
@@ -187,7 +216,11 @@ def test_schema_documents_request_bodies(fuzz_srv):
     assert bodies == {"/tokenize": "#/components/schemas/TokenizeRequest",
                       "/detokenize": "#/components/schemas/DetokenizeRequest",
                       "/v1/completions": "#/components/schemas/CompletionRequest",
-                      "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest"}
+                      "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
+                      "/v1/chat/completions/batch": "#/components/schemas/BatchChatCompletionRequest",
+                      "/v1/responses": "#/components/schemas/ResponsesRequest",
+                      "/v1/messages": "#/components/schemas/AnthropicMessagesRequest",
+                      "/v1/messages/count_tokens": "#/components/schemas/AnthropicCountTokensRequest"}
     assert "prompt" in raw["components"]["schemas"]["CompletionRequest"]["properties"]
 
 
