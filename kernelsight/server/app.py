@@ -65,6 +65,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
     app = FastAPI(lifespan=lifespan, **kwargs)
     app.state.ks = state     # the handlers' state (server_state(request)); cli and runner read it too
     app.add_exception_handler(APIError, api_error_handler)
+    app.state.ks_responses = responses.new_store()     # /v1/responses storage (VLLM_ENABLE_RESPONSES_API_STORE)
 
     # the order of inclusion is the route order, and the OpenAPI schema's
     _include(app, system.router)

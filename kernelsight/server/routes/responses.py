@@ -47,13 +47,13 @@ class _Stored:
         self.task: asyncio.Task | None = None
 
 
+def new_store() -> OrderedDict[str, _Stored] | None:
+    """The app's response store, read from the environment when the app is built (as vLLM reads it at start)."""
+    return OrderedDict() if os.environ.get(STORE_ENV, "").lower() in ("1", "true") else None
+
+
 def _store(request: Request) -> OrderedDict[str, _Stored] | None:
-    if os.environ.get(STORE_ENV, "").lower() not in ("1", "true"):
-        return None
-    app_state = request.app.state
-    if not hasattr(app_state, "ks_responses"):
-        app_state.ks_responses = OrderedDict()
-    return app_state.ks_responses
+    return getattr(request.app.state, "ks_responses", None)
 
 
 def _not_found(response_id: str) -> APIError:
