@@ -4,6 +4,7 @@ HTTP (httpx: the Anthropic shapes as a client reads them)."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -128,3 +129,26 @@ def test_invocations(c):
         "Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', 'CompletionRequest']")
     # a generative model has no pooling routes: FastAPI's 404, as vLLM 0.33
     assert c.post("/v1/embeddings", json={"model": "m", "input": "x"}).json() == {"detail": "Not Found"}
+
+
+def _idle(srv) -> bool:
+    eng = srv.bridge.engine
+    free, unfinished = srv.call(lambda: (eng.kv.num_free_blocks, eng.has_unfinished()))
+    return not unfinished and free == srv.config.num_gpu_blocks - 1
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"model": "m", "max_tokens": 1500, "messages": HI, "stream": True}),
+    ("/v1/responses", {"model": "m", "max_output_tokens": 1500, "input": "hi", "stream": True}),
+])
+def test_client_leaving_a_converted_stream_frees_its_blocks(srv, path, body):
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", path, json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("event: ") for line in got)
+        assert not _idle(srv)           # still generating when the client goes
+    # the abort reaches the engine through the closed converter: wait for it (bounded), then no block is held
+    deadline = time.monotonic() + 20
+    while not _idle(srv) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _idle(srv)
