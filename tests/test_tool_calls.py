@@ -94,11 +94,19 @@ def test_json_schema_response_format_validates_and_repeats_with_seed(client):
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
+def _successes(c: httpx.Client, reason: str) -> float:
+    prefix = "vllm:request_success_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in c.get("/metrics").text.splitlines()
+               if line.startswith(prefix) and f'finished_reason="{reason}"' in line)
+
+
 def test_structured_outputs_and_truncation(srv):
     with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        before = _successes(c, "stop")
         r = c.post("/v1/completions", json={"model": "m", "prompt": "pick", "max_tokens": 50,
                                             "structured_outputs": {"choice": ["yes", "no", "maybe"]}}).json()
         assert r["choices"][0]["text"] in ("yes", "no", "maybe") and r["choices"][0]["finish_reason"] == "stop"
+        assert _successes(c, "stop") == before + 1       # the engine finished it at its EOS, as /metrics counts
         r = c.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 3,
                                                  "structured_outputs": {"json": WEATHER}}).json()
         # cut by max_tokens: vLLM returns the partial text with finish_reason "length"

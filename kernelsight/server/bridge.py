@@ -45,7 +45,7 @@ from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_engine
-from kernelsight.simcore.request import Request
+from kernelsight.simcore.request import FinishReason, Request
 
 log = logging.getLogger("kernelsight.server")
 #: Draw keys of requests without a seed (a Generator per request cost ~20 µs of the admission path).
@@ -293,6 +293,8 @@ class EngineBridge:
             ids.append(eid)
             for i, sid in enumerate(seq_ids):
                 req = eng.get_request(sid)
+                if req is not None and outputs is not None and req.target_output_len == len(outputs[p]):
+                    req.finish_reason_at_target = FinishReason.STOP     # a drawn output ends whole: at its EOS
                 if req is not None and n > 1:
                     req.output_token_ids = outs[i]    # per-choice ids (the engine takes one list per call)
                 seq = Seq(sid, p * n + i, outs[i], req, last_token_v=arrival)

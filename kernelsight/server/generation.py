@@ -92,7 +92,7 @@ class _SeqView:
     """Turns a sequence's released tokens into text deltas (stop strings, stop-buffer hold-back)."""
 
     __slots__ = ("seq", "consumed", "text", "sent", "ids", "stop_reason", "finish_reason", "done", "stops",
-                 "hold", "include_stop", "cut", "natural_end")
+                 "hold", "include_stop", "cut")
 
     def __init__(self, seq: Seq, stops: list[str], include_stop: bool) -> None:
         self.seq = seq
@@ -107,7 +107,6 @@ class _SeqView:
         self.hold = max((len(s) for s in stops), default=1) - 1   # vLLM withholds a possible stop prefix
         self.include_stop = include_stop
         self.cut: int | None = None
-        self.natural_end: int | None = None    # a fixed output's length: ending there is EOS ("stop"), not "length"
 
     def advance(self, bridge: EngineBridge, pending: tuple[int, bool, str | None] | None = None) -> str | None:
         """Consume newly released tokens; returns the new text delta (None: nothing new to send).
@@ -149,8 +148,6 @@ class _SeqView:
             self.done = True
         elif finished:
             self.finish_reason = reason or "stop"
-            if reason == "length" and self.consumed == self.natural_end:
-                self.finish_reason = "stop"
             self.done = True
         limit = len(self.text) if self.done or not self.stops else max(len(self.text) - self.hold, self.sent)
         delta = self.text[self.sent:limit]
@@ -310,7 +307,7 @@ class Generation:
         if req.cache_salt:
             extra = (*(extra or ()), "cache_salt", req.cache_salt)
         fixed = self.fixed_output
-        if fixed is not None:        # drawn up front: it ends where it ends (EOS), or at max_tokens
+        if fixed is not None:        # drawn up front: it ends where it ends (EOS, see bridge.submit), or at max_tokens
             limits = [min(lim, len(fixed)) for lim in limits]
         sub = bridge.submit([ids for ids, _ in prompts], limits, req.n, min_tokens=req.min_tokens,
                             ignore_eos=req.ignore_eos or fixed is not None, priority=self._priority(),
@@ -320,9 +317,6 @@ class Generation:
                             outputs=[fixed] * len(prompts) if fixed is not None else None)
         admission_done(self.request.scope)
         self.views = [_SeqView(s, self.stops, req.include_stop_str_in_output) for s in sub.seqs]
-        if fixed is not None:
-            for v in self.views:
-                v.natural_end = len(fixed)
         if req.stream:
             self._text_lens = [0] * len(self.views)      # vLLM's previous_text_lens: generated text only
             if fault is not None:        # the general path, where the stream can be cut or paused between chunks

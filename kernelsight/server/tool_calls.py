@@ -118,7 +118,7 @@ class ToolCallGeneration(Generation):
         return False        # its chunks are not the content template the fast path fills
 
     def _complete(self, v: Any) -> bool:
-        return v.finish_reason == "stop" and v.natural_end == v.consumed
+        return v.finish_reason == "stop" and v.consumed == len(self.fixed_output or ())
 
     def _full_response(self) -> dict[str, Any]:
         body = super()._full_response()
