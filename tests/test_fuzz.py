@@ -255,3 +255,17 @@ def test_fuzz_every_route(fuzz_srv, examples):
     assert total["2xx"] >= examples, ("no fuzzed body reached the engine", total)
     assert total["5xx"] == 0
     assert_engine_idle(fuzz_srv)
+
+
+@pytest.mark.slow
+def test_fuzz_embedding_model_routes():
+    """An embedding model's routes (--runner pooling) under the same rules: no 5xx, vLLM's error shapes, idle."""
+    with ServerThread([*ARGS, "--runner", "pooling"]) as s:
+        total = {"cases": 0, "4xx": 0, "5xx": 0}
+        for i, (_, op) in enumerate(operations(s.base_url)):
+            modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if has_inputs(op) else [])
+            for mode in modes:
+                for k, v in fuzz_operation(s.base_url, op, mode, 40, 200 + i).items():
+                    total[k] = total.get(k, 0) + v
+        assert total["5xx"] == 0 and total["4xx"] > 0, total
+        assert_engine_idle(s)

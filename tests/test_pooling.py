@@ -87,6 +87,8 @@ def test_timed_as_a_prefill(c, srv):
 def test_errors_and_generation_routes_absent(c):
     r = c.post("/v1/embeddings", json={"model": "m", "input": "x", "dimensions": 8})
     assert r.status_code == 400 and "matryoshka" in r.json()["error"]["message"]
+    r = c.post("/v1/embeddings", json={"model": "m", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = c.post("/v1/embeddings", json={"model": "m", "input": [list(range(3000))]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_tokens"
     assert c.post("/v1/embeddings", json={"model": "zz", "input": "x"}).status_code == 404

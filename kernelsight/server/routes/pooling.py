@@ -94,7 +94,13 @@ async def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     if req.messages is not None:
         if req.input is not None:
             raise bad_request("Either `input` or `messages` must be provided, not both.", "messages")
-        text = state.tok.render_chat(normalize_messages(req.messages), True, False, state.opts.chat_template)
+        if not req.messages:
+            raise bad_request("messages must be a non-empty list.", "messages")
+        messages = normalize_messages(req.messages)
+        try:
+            text = state.tok.render_chat(messages, True, False, state.opts.chat_template)
+        except Exception as exc:  # noqa: BLE001 - a template error is the client's input
+            raise bad_request(f"Error applying the chat template: {exc}") from None
         return [await encode_prompt(state.tok, text, False)]
     return [ids for ids, _ in await completion_prompts(state, req.input, req.add_special_tokens)]
 
