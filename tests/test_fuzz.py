@@ -121,6 +121,8 @@ _SAMPLING = {
     "priority": {"type": "integer", "minimum": -5, "maximum": 5},
     "stream_options": {"type": "null"},
 }
+_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"enum": ["user", "assistant"]}, "content": {"type": "string", "maxLength": 200}}}
 REACHING = {
     "CompletionRequest": {**_SAMPLING,
                           "prompt": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 200},
@@ -137,6 +139,19 @@ REACHING = {
                                                                   {"type": "null"}]},
                               "logprobs": {"type": "boolean"},
                               "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 5}},
+    "ResponsesRequest": {"input": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 200},
+                                             {"type": "array", "minItems": 1, "maxItems": 3, "items": _MESSAGE}]},
+                         "instructions": {"anyOf": [{"type": "string", "maxLength": 100}, {"type": "null"}]},
+                         "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": 48},
+                         "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+                         "stream": {"type": "boolean"}, "seed": _SAMPLING["seed"]},
+    "AnthropicMessagesRequest": {"messages": {"type": "array", "minItems": 1, "maxItems": 3, "items": _MESSAGE},
+                                 "max_tokens": {"type": "integer", "minimum": 1, "maximum": 48},
+                                 "system": {"type": "string", "maxLength": 100},
+                                 "stop_sequences": {"type": "array", "maxItems": 3,
+                                                    "items": {"type": "string", "minLength": 1, "maxLength": 3}},
+                                 "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+                                 "top_k": _SAMPLING["top_k"], "stream": {"type": "boolean"}},
 }
 
 
@@ -146,7 +161,9 @@ def reaching(raw: dict[str, Any]) -> dict[str, Any]:
     for name, props in REACHING.items():
         model = out["components"]["schemas"][name]
         model["properties"] = {"model": {"const": MODEL}, **props}
-        model["required"] = [k for k in ("prompt", "messages") if k in props]
+        model["required"] = [k for k in ("prompt", "messages", "input") if k in props]
+        if name == "AnthropicMessagesRequest":
+            model["required"] += ["model", "max_tokens"]       # required by the Messages API itself
         model["additionalProperties"] = False
     return out
 
@@ -234,7 +251,8 @@ def fuzz_all(base_url: str, examples: int) -> dict[str, int]:
         if has_inputs(op):
             runs.append((op, GenerationMode.NEGATIVE, i))
     for i, (_, op) in enumerate(operations(base_url, narrowed=True)):
-        if op.method.upper() == "POST" and op.path in ("/v1/completions", "/v1/chat/completions"):
+        if op.method.upper() == "POST" and op.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                                       "/v1/messages"):
             runs.append((op, GenerationMode.POSITIVE, 100 + i))
     for op, mode, seed in runs:
         for k, v in fuzz_operation(base_url, op, mode, examples, seed).items():
