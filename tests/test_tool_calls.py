@@ -130,6 +130,8 @@ def test_vllm_request_errors(srv, body, message, param):
 
 
 def test_auto_needs_the_parser_flags():
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        ServerThread([*ARGS, "--enable-auto-tool-choice"])          # refused at start, as vLLM
     with ServerThread(ARGS) as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
         r = c.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tools": TOOLS})
         assert r.status_code == 400
