@@ -120,3 +120,30 @@ def test_without_store_nothing_is_kept(monkeypatch):
         assert got.status_code == 404 and got.json()["error"]["param"] == "response_id"
         bg = c.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})
         assert bg.status_code == 400 and "VLLM_ENABLE_RESPONSES_API_STORE=1" in bg.json()["error"]["message"]
+
+
+def _named_events(text: str) -> list[dict]:
+    out = []
+    for e in text.split("\n\n"):
+        if e:
+            head, data = e.split("\n")
+            obj = json.loads(data.removeprefix("data: "))
+            assert obj["type"] == head.removeprefix("event: ")
+            out.append(obj)
+    return out
+
+
+def test_background_stream_replays_from_a_sequence_number(srv):
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        r = c.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 5, "background": True,
+                                          "stream": True})
+        events = _named_events(r.text)
+        assert events[-1]["type"] == "response.completed"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        rid = events[0]["response"]["id"]
+        again = _named_events(c.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": 2}).text)
+        assert again == events[3:]
+        assert c.get(f"/v1/responses/{rid}").json()["status"] in ("completed", "incomplete")
+        plain = c.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}).json()
+        bad = c.get(f"/v1/responses/{plain['id']}", params={"stream": "true"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == f"Unknown response_id: {plain['id']}"

@@ -39,12 +39,14 @@ STORE_UNSUPPORTED = ("`store=True` (default) is not supported. Please set `store
 
 
 class _Stored:
-    __slots__ = ("body", "messages", "task")
+    __slots__ = ("body", "messages", "task", "events", "signal")
 
     def __init__(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
         self.body = body
         self.messages = messages
         self.task: asyncio.Task | None = None
+        self.events: list[str] | None = None        # a streamed background response's events, for replay
+        self.signal = asyncio.Event()
 
 
 def new_store() -> OrderedDict[str, _Stored] | None:
@@ -117,8 +119,6 @@ async def create_response(request: Request) -> Response:
     store = _store(request)
     if req.background and (store is None or not req.store):
         raise APIError(STORE_UNSUPPORTED, "invalid_request_error", 400, "store")
-    if req.background and req.stream:
-        raise bad_request("Streaming background responses is not supported.", "stream")
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         prev = store.get(req.previous_response_id) if store is not None else None
@@ -135,6 +135,8 @@ async def create_response(request: Request) -> Response:
         fields["stream_options"] = {"include_usage": True}
     chat_req = chat_request(fields)
     keep = store is not None and bool(req.store)
+    if req.background and req.stream:
+        return await _background_stream(state, request, req, chat_req, rid, created, model, messages, store)
     if req.background:
         return await _background(state, request, req, chat_req, rid, created, model, messages, store)
     if req.stream:
@@ -188,12 +190,56 @@ async def _background(state: Any, request: Request, req: ResponsesRequest, chat_
     return json_response(stored.body)
 
 
+async def _background_stream(state: Any, request: Request, req: ResponsesRequest, chat_req: Any, rid: str,
+                             created: int, model: str, messages: list[dict[str, Any]],
+                             store: OrderedDict[str, _Stored]) -> Response:
+    """``background`` with ``stream``: the events are generated on, kept, and streamed from the kept list (to this
+    client, and to any ``GET ?stream=true&starting_after=N`` later)."""
+    resp = await chat_stream(state, StarletteRequest(dict(request.scope), _never_disconnect), chat_req, rid)
+    if not isinstance(resp, SSEResponse):
+        return resp
+    stored = _Stored(_envelope(rid, created, model, req, [], "queued", None), messages)
+    stored.events = []
+    _put(store, rid, stored)
+
+    async def pump() -> None:
+        stored.body["status"] = "in_progress"
+        try:
+            async for text in _events(resp, req, rid, created, model, messages, store):
+                stored.events.append(text)
+                stored.signal.set()
+        finally:
+            stored.signal.set()
+
+    stored.task = asyncio.create_task(pump())
+    return SSEResponse(_replay(stored, None), passed_headers(resp))
+
+
+async def _replay(stored: _Stored, starting_after: int | None) -> AsyncIterator[str]:
+    events = stored.events if stored.events is not None else []
+    i = 0 if starting_after is None else starting_after + 1
+    while True:
+        while i < len(events):
+            yield events[i]
+            i += 1
+        if stored.task is None or stored.task.done():
+            return
+        stored.signal.clear()
+        if i == len(events):
+            await stored.signal.wait()
+
+
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(request: Request, response_id: str) -> Response:
+async def retrieve_response(request: Request, response_id: str, stream: bool = False,
+                            starting_after: int | None = None) -> Response:
     store = _store(request)
     stored = store.get(response_id) if store is not None else None
     if stored is None:
         raise _not_found(response_id)
+    if stream:
+        if stored.events is None:
+            raise bad_request(f"Unknown response_id: {response_id}", "response_id")
+        return SSEResponse(_replay(stored, starting_after))
     return json_response(stored.body)
 
 
@@ -290,5 +336,9 @@ async def _events(resp: SSEResponse, req: ResponsesRequest, rid: str, created: i
         yield ev({"type": "response.output_item.done", "output_index": o["index"], "item": item})
     body = _envelope(rid, created, model, req, items, "completed", _usage(usage), finish)
     if store is not None:
-        _put(store, rid, _Stored(body, messages))
+        kept = store.get(rid)
+        if kept is not None:      # a background stream's entry: keep its events and task
+            kept.body = body
+        else:
+            _put(store, rid, _Stored(body, messages))
     yield ev({"type": "response.completed", "response": body})
