@@ -105,3 +105,17 @@ def test_seed_changes_vectors_deterministically(srv):
         b = c.post(other.base_url + "/v1/embeddings", json=body).json()["data"][0]["embedding"]
         b2 = c.post(other.base_url + "/v1/embeddings", json=body).json()["data"][0]["embedding"]
     assert a != b and b == b2
+
+
+def test_cohere_v2_embed(c):
+    f = c.post("/v1/embeddings", json={"model": "m", "input": "the cat sat"}).json()["data"][0]["embedding"]
+    r = c.post("/v2/embed", json={"model": "m", "texts": ["the cat sat"], "input_type": "search_document",
+                                  "embedding_types": ["float", "ubinary", "binary", "base64"]}).json()
+    emb = r["embeddings"]
+    assert emb["float"][0] == f and r["texts"] == ["the cat sat"] and r["meta"]["api_version"] == {"version": "2"}
+    bits = np.unpackbits(np.array(emb["ubinary"][0], dtype=np.uint8)).astype(bool)
+    assert np.array_equal(bits, np.array(f) >= 0)
+    assert [b + 128 for b in emb["binary"][0]] == emb["ubinary"][0]
+    assert np.array_equal(np.frombuffer(base64.b64decode(emb["base64"][0]), dtype="<f4"), np.array(f, np.float32))
+    assert r["meta"]["tokens"]["input_tokens"] == c.post("/v1/embeddings", json={
+        "model": "m", "input": "the cat sat"}).json()["usage"]["prompt_tokens"]

@@ -21,7 +21,13 @@ from kernelsight.server.protocol.anthropic import AnthropicCountTokensRequest, A
 from kernelsight.server.protocol.batch import BatchChatCompletionRequest
 from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
 from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
-from kernelsight.server.protocol.pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from kernelsight.server.protocol.pooling import (
+    CohereEmbedRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from kernelsight.server.protocol.responses import ResponsesRequest
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from kernelsight.server.routes import (
@@ -80,7 +86,8 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
         _include(app, lora.router)
     if opts.pooling:       # an embedding model: vLLM registers the routes of its tasks, and no generation routes
         _include(app, pooling.router)
-        bodies: list[type[BaseModel]] = [EmbeddingRequest, PoolingRequest, ScoreRequest, RerankRequest]
+        bodies: list[type[BaseModel]] = [EmbeddingRequest, CohereEmbedRequest, PoolingRequest, ScoreRequest,
+                                        RerankRequest]
     else:
         _include(app, completions.router)
         _include(app, chat.router)

@@ -42,3 +42,12 @@ def encode_vector(vec: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
     return vec.tolist()
+
+
+def pack_bits(vec: np.ndarray, signed: bool) -> list[int]:
+    """Cohere's binary types: one bit per component (1 for >= 0), 8 to a byte, most significant first; signed
+    bytes are offset by 128."""
+    if len(vec) % 8:
+        raise ValueError(f"Embedding dimension must be a multiple of 8 for binary embedding types, but got {len(vec)}.")
+    packed = np.packbits(vec >= 0).astype(np.int64)
+    return (packed - 128 if signed else packed).tolist()

@@ -3,7 +3,7 @@ spellings of the two sides) and /rerank."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -55,3 +55,24 @@ class RerankRequest(_PoolingBase):
     query: str
     documents: list[str | dict[str, Any]]
     top_n: int = 0
+
+
+class CohereEmbedRequest(BaseModel):
+    """Cohere's /v2/embed request as vLLM takes it (texts, or ``inputs`` of text content)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input_type: str | None = None
+    texts: list[str] | None = None
+    inputs: list[dict[str, Any]] | None = None
+    output_dimension: int | None = None
+    embedding_types: list[Literal["float", "binary", "ubinary", "base64"]] | None = None
+    truncate: Literal["NONE", "START", "END"] = "END"
+    priority: int = 0
+
+    def all_texts(self) -> list[str]:
+        if self.texts is not None:
+            return list(self.texts)
+        return ["".join(str(c.get("text") or "") for c in (i.get("content") or []) if isinstance(c, dict))
+                for i in self.inputs or []]

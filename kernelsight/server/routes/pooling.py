@@ -1,6 +1,6 @@
 """An embedding model's routes (registered instead of completions and chat under ``--runner pooling`` /
-``--convert embed``, as vLLM 0.33 registers them by the model's tasks): /v1/embeddings, /pooling, /score and
-/v1/score, /rerank, /v1/rerank and /v2/rerank.
+``--convert embed``, as vLLM 0.33 registers them by the model's tasks): /v1/embeddings, /v2/embed (Cohere's),
+/pooling, /score and /v1/score, /rerank, /v1/rerank and /v2/rerank.
 
 Every input is one engine request that prefills its tokens and generates none worth the name: it is submitted
 with one output token, so the answer comes when the simulated GPU finishes the prompt's prefill step (the step that
@@ -19,12 +19,18 @@ from fastapi.responses import Response
 
 from kernelsight.server.body import parse_body
 from kernelsight.server.bridge import admission_done
-from kernelsight.server.embeddings import cosine, embed, encode_vector
+from kernelsight.server.embeddings import cosine, embed, encode_vector, pack_bits
 from kernelsight.server.errors import APIError, bad_request
 from kernelsight.server.fastpath import RECV_KEY
 from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.prompts import completion_prompts, encode_prompt, normalize_messages, too_many_chars
-from kernelsight.server.protocol.pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from kernelsight.server.protocol.pooling import (
+    CohereEmbedRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from kernelsight.server.sleep_mode import SLEEPING_MESSAGE
 from kernelsight.server.sse import await_or_disconnect
 from kernelsight.server.state import ServerState, server_state
@@ -207,6 +213,41 @@ async def rerank(request: Request) -> Response:
                for i in order]
     return json_response({"id": rid, "model": req.model or state.model_name,
                           "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "results": results})
+
+
+@router.post("/v2/embed", openapi_extra=request_body(CohereEmbedRequest))
+async def cohere_embed(request: Request) -> Response:
+    """Cohere's embed API (vLLM 0.33's /v2/embed): ``embeddings`` by requested type, ``meta.tokens``."""
+    req: CohereEmbedRequest = await parse_body(request, CohereEmbedRequest)
+    state = server_state(request)
+    lora = state.check_model(req.model)
+    if req.output_dimension is not None:
+        raise bad_request(f'Model "{lora or state.model_name}" does not support matryoshka representation, changing '
+                          f"output dimensions will lead to poor results.", "output_dimension")
+    texts = req.all_texts()
+    if not texts:
+        raise bad_request("One of `texts` or `inputs` must be given.", "texts")
+    L = state.max_model_len
+    prompts = await _tokens(state, texts, True)
+    if req.truncate != "NONE":      # Cohere's truncate: drop tokens from the end (END) or the start (START)
+        prompts = [ids[:L] if req.truncate == "END" else ids[-L:] for ids in prompts]
+    prompts = _check_lengths(state, prompts, None)
+    rid = _rid(request, "embd", None)
+    if not await prefill(state, request, prompts, rid, req.priority):
+        return Response(status_code=499)
+    hidden, seed = state.config.model.hidden_size, state.config.args.seed
+    vecs = [embed(ids, hidden, seed) for ids in prompts]
+    out: dict[str, Any] = {}
+    for kind in req.embedding_types or ["float"]:
+        if kind == "float":
+            out[kind] = [v.tolist() for v in vecs]
+        elif kind == "base64":
+            out[kind] = [encode_vector(v, "base64") for v in vecs]
+        else:
+            out[kind] = [pack_bits(v, signed=kind == "binary") for v in vecs]
+    return json_response({"id": rid, "embeddings": out, "texts": texts,
+                          "meta": {"api_version": {"version": "2"},
+                                   "tokens": {"input_tokens": sum(map(len, prompts))}}})
 
 
 for _path in ("/score", "/v1/score"):
