@@ -22,7 +22,7 @@ from starlette.requests import Request as StarletteRequest
 
 from kernelsight.server.body import parse_body
 from kernelsight.server.chat_relay import chat_chunks, chat_json, chat_request, chat_stream, passed_headers
-from kernelsight.server.errors import APIError, bad_request, sse_error_event
+from kernelsight.server.errors import APIError, bad_request, sse_error_event, validation_error
 from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.protocol.responses import ResponsesRequest, chat_fields, output_as_messages, to_chat_messages
 from kernelsight.server.sse import SSEResponse
@@ -229,9 +229,36 @@ async def _replay(stored: _Stored, starting_after: int | None) -> AsyncIterator[
             await stored.signal.wait()
 
 
+def _query(request: Request) -> tuple[bool, int | None]:
+    """``stream`` and ``starting_after`` read as FastAPI reads them, errors in vLLM's 400 validation shape (the
+    app has no handler for FastAPI's own 422)."""
+    q = request.query_params
+    stream, after = q.get("stream"), q.get("starting_after")
+    errs = []
+    flag = False
+    if stream is not None:
+        low = stream.lower()
+        if low in ("1", "true", "on", "yes", "t", "y"):
+            flag = True
+        elif low not in ("0", "false", "off", "no", "f", "n"):
+            errs.append({"type": "bool_parsing", "loc": ("query", "stream"),
+                         "msg": "Input should be a valid boolean, unable to interpret input", "input": stream})
+    start = None
+    if after is not None:
+        try:
+            start = int(after)
+        except ValueError:
+            errs.append({"type": "int_parsing", "loc": ("query", "starting_after"),
+                         "msg": "Input should be a valid integer, unable to parse string as an integer",
+                         "input": after})
+    if errs:
+        raise validation_error(errs)
+    return flag, start
+
+
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(request: Request, response_id: str, stream: bool = False,
-                            starting_after: int | None = None) -> Response:
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    stream, starting_after = _query(request)
     store = _store(request)
     stored = store.get(response_id) if store is not None else None
     if stored is None:
