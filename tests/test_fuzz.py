@@ -36,11 +36,17 @@ def fuzz_srv():
         yield s
 
 
-def check_response(status: int, body: bytes, content_type: str) -> str | None:
+#: The streams of named events (Responses API, Anthropic Messages) and the event that ends each.
+NAMED_EVENT_STREAMS = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+
+
+def check_response(status: int, body: bytes, content_type: str, path: str = "") -> str | None:
     """What is wrong with one answer (None: nothing). Shared reading of the wire contract's error rules."""
     if status >= 500:
         return f"{status} server error: {body[:300]!r}"
     if status < 400:
+        if content_type.startswith("text/event-stream") and path in NAMED_EVENT_STREAMS:
+            return _named_stream_problem(body.decode(), NAMED_EVENT_STREAMS[path])
         if content_type.startswith("text/event-stream"):
             text = body.decode()
             if not text.endswith("data: [DONE]\n\n"):
@@ -58,9 +64,30 @@ def check_response(status: int, body: bytes, content_type: str) -> str | None:
         return f"{status} body is not JSON: {body[:200]!r}"
     if status in ROUTING and obj == ROUTING[status]:
         return None
+    if path.startswith("/v1/messages") and _anthropic_error_ok(obj):
+        return None       # vLLM answers the Messages API's handler errors in Anthropic's shape
     if not _error_shape_ok(obj, status):
         return f"{status} body not in vLLM's error shape: {str(obj)[:300]}"
     return None
+
+
+def _named_stream_problem(text: str, last: str) -> str | None:
+    """``event: <type>`` / ``data: <json>`` events, each data's ``type`` its event's, ended by ``last``."""
+    events = [e for e in text.split("\n\n") if e]
+    for e in events:
+        head, _, data = e.partition("\n")
+        if not head.startswith("event: ") or not data.startswith("data: "):
+            return f"not a named SSE event: {e[:200]!r}"
+        if json.loads(data[len("data: "):]).get("type") != head[len("event: "):]:
+            return f"event name and data type differ: {e[:200]!r}"
+    if not events or not events[-1].startswith(f"event: {last}\n"):
+        return f"stream not ended by {last}: {text[-200:]!r}"
+    return None
+
+
+def _anthropic_error_ok(obj: Any) -> bool:
+    return (isinstance(obj, dict) and obj.get("type") == "error" and isinstance(obj.get("error"), dict)
+            and isinstance(obj["error"].get("type"), str) and isinstance(obj["error"].get("message"), str))
 
 
 def _error_shape_ok(obj: Any, status: int | None) -> bool:
@@ -94,6 +121,8 @@ _SAMPLING = {
     "priority": {"type": "integer", "minimum": -5, "maximum": 5},
     "stream_options": {"type": "null"},
 }
+_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"enum": ["user", "assistant"]}, "content": {"type": "string", "maxLength": 200}}}
 REACHING = {
     "CompletionRequest": {**_SAMPLING,
                           "prompt": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 200},
@@ -110,6 +139,19 @@ REACHING = {
                                                                   {"type": "null"}]},
                               "logprobs": {"type": "boolean"},
                               "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 5}},
+    "ResponsesRequest": {"input": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 200},
+                                             {"type": "array", "minItems": 1, "maxItems": 3, "items": _MESSAGE}]},
+                         "instructions": {"anyOf": [{"type": "string", "maxLength": 100}, {"type": "null"}]},
+                         "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": 48},
+                         "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+                         "stream": {"type": "boolean"}, "seed": _SAMPLING["seed"]},
+    "AnthropicMessagesRequest": {"messages": {"type": "array", "minItems": 1, "maxItems": 3, "items": _MESSAGE},
+                                 "max_tokens": {"type": "integer", "minimum": 1, "maximum": 48},
+                                 "system": {"type": "string", "maxLength": 100},
+                                 "stop_sequences": {"type": "array", "maxItems": 3,
+                                                    "items": {"type": "string", "minLength": 1, "maxLength": 3}},
+                                 "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+                                 "top_k": _SAMPLING["top_k"], "stream": {"type": "boolean"}},
 }
 
 
@@ -119,7 +161,9 @@ def reaching(raw: dict[str, Any]) -> dict[str, Any]:
     for name, props in REACHING.items():
         model = out["components"]["schemas"][name]
         model["properties"] = {"model": {"const": MODEL}, **props}
-        model["required"] = [k for k in ("prompt", "messages") if k in props]
+        model["required"] = [k for k in ("prompt", "messages", "input") if k in props]
+        if name == "AnthropicMessagesRequest":
+            model["required"] += ["model", "max_tokens"]       # required by the Messages API itself
         model["additionalProperties"] = False
     return out
 
@@ -142,7 +186,9 @@ def _served_model(case: Any) -> Any:
 
 
 def has_inputs(op: Any) -> bool:
-    return bool(len(op.body) or len(op.query) or len(op.headers) or len(op.path_parameters))
+    """Whether the route has an input that can be drawn invalid (a string path parameter, such as a response id,
+    cannot: every string is one)."""
+    return bool(len(op.body) or len(op.query) or len(op.headers))
 
 
 def fuzz_operation(base_url: str, op: Any, mode: GenerationMode, max_examples: int, seed: int) -> dict[str, int]:
@@ -161,7 +207,7 @@ def fuzz_operation(base_url: str, op: Any, mode: GenerationMode, max_examples: i
         counts["cases"] += 1
         key = f"{r.status_code // 100}xx"
         counts[key] = counts.get(key, 0) + 1
-        problem = check_response(r.status_code, r.content, r.headers.get("content-type", ""))
+        problem = check_response(r.status_code, r.content, r.headers.get("content-type", ""), case.path)
         assert problem is None, f"{case.method} {case.path} body={str(case.body)[:300]}: {problem}"
 
     try:
@@ -187,7 +233,11 @@ def test_schema_documents_request_bodies(fuzz_srv):
     assert bodies == {"/tokenize": "#/components/schemas/TokenizeRequest",
                       "/detokenize": "#/components/schemas/DetokenizeRequest",
                       "/v1/completions": "#/components/schemas/CompletionRequest",
-                      "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest"}
+                      "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
+                      "/v1/chat/completions/batch": "#/components/schemas/BatchChatCompletionRequest",
+                      "/v1/responses": "#/components/schemas/ResponsesRequest",
+                      "/v1/messages": "#/components/schemas/AnthropicMessagesRequest",
+                      "/v1/messages/count_tokens": "#/components/schemas/AnthropicCountTokensRequest"}
     assert "prompt" in raw["components"]["schemas"]["CompletionRequest"]["properties"]
 
 
@@ -201,7 +251,8 @@ def fuzz_all(base_url: str, examples: int) -> dict[str, int]:
         if has_inputs(op):
             runs.append((op, GenerationMode.NEGATIVE, i))
     for i, (_, op) in enumerate(operations(base_url, narrowed=True)):
-        if op.method.upper() == "POST" and op.path in ("/v1/completions", "/v1/chat/completions"):
+        if op.method.upper() == "POST" and op.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                                       "/v1/messages"):
             runs.append((op, GenerationMode.POSITIVE, 100 + i))
     for op, mode, seed in runs:
         for k, v in fuzz_operation(base_url, op, mode, examples, seed).items():
@@ -222,3 +273,17 @@ def test_fuzz_every_route(fuzz_srv, examples):
     assert total["2xx"] >= examples, ("no fuzzed body reached the engine", total)
     assert total["5xx"] == 0
     assert_engine_idle(fuzz_srv)
+
+
+@pytest.mark.slow
+def test_fuzz_embedding_model_routes():
+    """An embedding model's routes (--runner pooling) under the same rules: no 5xx, vLLM's error shapes, idle."""
+    with ServerThread([*ARGS, "--runner", "pooling"]) as s:
+        total = {"cases": 0, "4xx": 0, "5xx": 0}
+        for i, (_, op) in enumerate(operations(s.base_url)):
+            modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if has_inputs(op) else [])
+            for mode in modes:
+                for k, v in fuzz_operation(s.base_url, op, mode, 40, 200 + i).items():
+                    total[k] = total.get(k, 0) + v
+        assert total["5xx"] == 0 and total["4xx"] > 0, total
+        assert_engine_idle(s)

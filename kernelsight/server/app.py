@@ -10,23 +10,39 @@ import contextlib
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from pydantic import BaseModel
 
 from kernelsight.server.auth import add_api_key_auth
 from kernelsight.server.errors import APIError, api_error_handler
 from kernelsight.server.fastpath import capture_raw_send
 from kernelsight.server.openapi_bodies import add_request_schemas
 from kernelsight.server.options import ServerOptions
+from kernelsight.server.protocol.anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from kernelsight.server.protocol.batch import BatchChatCompletionRequest
 from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
 from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
+from kernelsight.server.protocol.pooling import (
+    CohereEmbedRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from kernelsight.server.protocol.responses import ResponsesRequest
 from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from kernelsight.server.routes import (
     admin,
     chat,
+    chat_batch,
     completions,
+    invocations,
     kv_cache,
     kv_transfer,
     lora,
+    messages,
     models,
+    pooling,
+    responses,
     scale_out,
     sleep,
     system,
@@ -56,6 +72,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
     app = FastAPI(lifespan=lifespan, **kwargs)
     app.state.ks = state     # the handlers' state (server_state(request)); cli and runner read it too
     app.add_exception_handler(APIError, api_error_handler)
+    app.state.ks_responses = responses.new_store()     # /v1/responses storage (VLLM_ENABLE_RESPONSES_API_STORE)
 
     # the order of inclusion is the route order, and the OpenAPI schema's
     _include(app, system.router)
@@ -69,11 +86,21 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
         _include(app, sleep.dev_router)
     if opts.enable_lora and opts.allow_runtime_lora_updating:
         _include(app, lora.router)
-    _include(app, completions.router)
-    _include(app, chat.router)
+    if opts.pooling:       # an embedding model: vLLM registers the routes of its tasks, and no generation routes
+        _include(app, pooling.router)
+        bodies: list[type[BaseModel]] = [EmbeddingRequest, CohereEmbedRequest, PoolingRequest, ScoreRequest,
+                                        RerankRequest]
+    else:
+        _include(app, completions.router)
+        _include(app, chat.router)
+        _include(app, chat_batch.router)
+        _include(app, responses.router)
+        _include(app, messages.router)
+        bodies = [CompletionRequest, ChatCompletionRequest, BatchChatCompletionRequest, ResponsesRequest,
+                  AnthropicMessagesRequest, AnthropicCountTokensRequest]
+    _include(app, invocations.router)
     _include(app, scale_out.router)
-    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                              LoadLoRARequest, UnloadLoRARequest])
+    add_request_schemas(app, [*bodies, TokenizeRequest, DetokenizeRequest, LoadLoRARequest, UnloadLoRARequest])
 
     add_api_key_auth(app, opts)
     capture_raw_send(app)      # after auth: it wraps the whole stack, so it is the outermost layer

@@ -46,7 +46,7 @@ from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.server.turns import turn_gate
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_engine
-from kernelsight.simcore.request import Request
+from kernelsight.simcore.request import FinishReason, Request
 
 log = logging.getLogger("kernelsight.server")
 #: Draw keys of requests without a seed (a Generator per request cost ~20 µs of the admission path).
@@ -265,11 +265,12 @@ class EngineBridge:
                ignore_eos: bool = False, priority: int = 0, extra_keys: tuple | None = None,
                keys: list[int] | None = None, echo_output: bool = False, label: str | None = None,
                arrival_wall_s: float | None = None, hold_kv: bool = False,
-               remote_prefill: bool = False) -> Submission:
+               remote_prefill: bool = False, outputs: list[list[int]] | None = None) -> Submission:
         """Queue one engine request per prompt (each fanning out into n sequences).
 
         ``arrival_wall_s``: perf_counter() when the request reached the server (default: now). The time it then
         spent waiting for parsing and validation (behind a burst of others) is queueing in the simulated timeline.
+        ``outputs``: per prompt, the token ids its sequences emit (a structured output or tool call drawn up front).
         """
         eng = self.engine
         v = self.virtual_now()
@@ -288,7 +289,8 @@ class EngineBridge:
             outs = []
             for i in range(n):
                 key = keys[p] + 7919 * i if keys is not None else _UNSEEDED.getrandbits(63)
-                outs.append(OutputTokens(self.tok, key, mt, prompt if echo_output else None))
+                fixed = outputs[p] if outputs is not None else prompt if echo_output else None
+                outs.append(OutputTokens(self.tok, key, mt, fixed))
             seq_ids = eng.add_request(eid, prompt, mt, min_tokens=min(min_tokens, mt), ignore_eos=ignore_eos, n=n,
                                       priority=priority, arrival_s=arrival, extra_keys=extra_keys,
                                       output_token_ids=outs[0] if n == 1 else None, hold_kv=hold_kv,
@@ -296,6 +298,8 @@ class EngineBridge:
             ids.append(eid)
             for i, sid in enumerate(seq_ids):
                 req = eng.get_request(sid)
+                if req is not None and outputs is not None and req.target_output_len == len(outputs[p]):
+                    req.finish_reason_at_target = FinishReason.STOP     # a drawn output ends whole: at its EOS
                 if req is not None and n > 1:
                     req.output_token_ids = outs[i]    # per-choice ids (the engine takes one list per call)
                 seq = Seq(sid, p * n + i, outs[i], req, last_token_v=arrival)

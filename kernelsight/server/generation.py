@@ -184,6 +184,8 @@ class Generation:
         self._text_lens: list[int] = []
         self.lp_k: int | None = None      # logprobs per generated token (completions logprobs / chat top_logprobs)
         self.plp_k: int | None = None     # prompt logprobs
+        self.fixed_output: list[int] | None = None   # the token ids every choice emits (structured outputs, tools)
+        self.fast_ok = True               # False: a caller re-renders the chunks (no stream fast path)
         # tokens in logprobs as "token_id:<id>": the request's field, else the server flag
         as_ids = getattr(req, "return_tokens_as_token_ids", None)
         self.lp_as_ids: bool = state.opts.return_tokens_as_token_ids if as_ids is None else bool(as_ids)
@@ -309,10 +311,15 @@ class Generation:
         extra = ("lora", self.lora) if self.lora else None
         if req.cache_salt:
             extra = (*(extra or ()), "cache_salt", req.cache_salt)
+        fixed = self.fixed_output
+        if fixed is not None:        # drawn up front: it ends where it ends (EOS, see bridge.submit), or at max_tokens
+            limits = [min(lim, len(fixed)) for lim in limits]
         sub = bridge.submit([ids for ids, _ in prompts], limits, req.n, min_tokens=req.min_tokens,
-                            ignore_eos=req.ignore_eos, priority=self._priority(), extra_keys=extra,
-                            keys=self._keys(prompts), echo_output=self.state.opts.output_mode == "echo",
-                            label=self.rid, arrival_wall_s=self.request.scope.get(RECV_KEY),
+                            ignore_eos=req.ignore_eos or fixed is not None, priority=self._priority(),
+                            extra_keys=extra, keys=self._keys(prompts),
+                            echo_output=self.state.opts.output_mode == "echo", label=self.rid,
+                            arrival_wall_s=self.request.scope.get(RECV_KEY),
+                            outputs=[fixed] * len(prompts) if fixed is not None else None,
                             hold_kv=self.kv_role.hold_kv, remote_prefill=self.kv_role.source is not None)
         if self.kv_role.source is not None:
             bridge.kv_agent.expect_pull(sub.seqs[0].seq_id, self.kv_role.source)
@@ -650,5 +657,6 @@ class Generation:
         """The stream fast path covers the common case: one choice, no stop strings, logprobs, echo or
         per-chunk usage (those keep the general path)."""
         req = self.req
-        return (self.state.opts.stream_fast_path and len(self.views) == 1 and not self.stops and self.lp_k is None
-                and not self.continuous and not getattr(req, "echo", False) and not self.echo_text)
+        return (self.state.opts.stream_fast_path and self.fast_ok and len(self.views) == 1 and not self.stops
+                and self.lp_k is None and not self.continuous and not getattr(req, "echo", False)
+                and not self.echo_text)

@@ -26,6 +26,8 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
         ns.model = ns.model_tag
     if not ns.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {ns.time_scale}")
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:     # vLLM refuses to start the same way
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = create_engine_config(engine_args_from(ns))
     tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
     opts = server_options_from(ns)

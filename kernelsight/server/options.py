@@ -49,6 +49,9 @@ class ServerOptions:
     kv_transfer_link: str | None = None                  # --kv-transfer-link (None: the GPU profile's default)
     kv_transfer_bandwidth_gbps: float | None = None
     kv_transfer_latency_us: float | None = None
+    enable_auto_tool_choice: bool = False      # with tool_call_parser: tool_choice "auto" is allowed
+    tool_call_parser: str | None = None
+    pooling: bool = False                      # --runner pooling / --convert embed: an embedding model's routes
 
 
 def env_allows_lora_updates() -> bool:

@@ -27,10 +27,10 @@ IGNORED_VALUE_FLAGS = (
     "--distributed-executor-backend",
     "--generation-config", "--override-generation-config", "--allowed-origins", "--allowed-methods",
     "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
-    "--middleware", "--tool-call-parser", "--reasoning-parser", "--hf-overrides", "--limit-mm-per-prompt",
+    "--middleware", "--reasoning-parser", "--hf-overrides", "--limit-mm-per-prompt",
     "--api-server-count", "--stream-interval", "--max-log-len", "--response-role", "--max-lora-rank",
     "--lora-dtype", "--max-cpu-loras", "--max-seq-len-to-capture", "--worker-cls", "--mm-processor-kwargs",
-    "--override-pooler-config", "--task", "--runner", "--convert", "--structured-outputs-config",
+    "--override-pooler-config", "--structured-outputs-config",
     "--sse-keep-alive-interval", "--fingerprint-mode", "--max-num-partial-prefills",
     "--performance-mode", "--quantization-param-path", "--model-impl",
     "--otlp-traces-endpoint", "--collect-detailed-traces",
@@ -40,7 +40,7 @@ IGNORED_VALUE_FLAGS = (
 IGNORED_BOOL_FLAGS = (
     "--trust-remote-code", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests",
     "--disable-custom-all-reduce", "--disable-sliding-window",
-    "--allow-credentials", "--enable-auto-tool-choice",
+    "--allow-credentials",
     "--disable-frontend-multiprocessing",
     "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint", "--disable-uvicorn-access-log",
     "--skip-tokenizer-init", "--disable-cascade-attn", "--enable-per-request-metrics",
@@ -98,6 +98,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-sleep-mode", action="store_true",
                    help="allow POST /sleep and /wake_up (registered, with /is_sleeping, under VLLM_SERVER_DEV_MODE=1 "
                         "as in vLLM); a sleeping server answers completions and chat with 503")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model choose to call tools (tool_choice \"auto\", the default when tools are given); "
+                        "needs --tool-call-parser, as in vLLM")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="vLLM's tool-call parser name (hermes, llama3_json, ...): any name enables auto tool choice; "
+                        "the simulated model emits Hermes-style calls")
+    s.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                   help="pooling: serve the model as an embedding model (/v1/embeddings, /pooling, /score, /rerank "
+                        "instead of completions and chat), as vLLM's --runner pooling")
+    s.add_argument("--convert", choices=("auto", "none", "embed"), default="auto",
+                   help="embed: adapt the model to embeddings (implies --runner pooling), as vLLM's --convert embed")
+    s.add_argument("--task", choices=("auto", "generate", "embed", "embedding"), default="auto",
+                   help="older vLLM's spelling: embed / embedding = --runner pooling --convert embed")
     s.add_argument("--show-hidden-metrics-for-version", type=_metrics_version, default=None, metavar="VERSION",
                    help="also expose the deprecated metric names a version up to 0.11 still had (e.g. 0.10: "
                         "vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_queries/_hits, "
@@ -251,4 +264,6 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         prefix_caching_hash_algo=ns.prefix_caching_hash_algo, enable_sleep_mode=ns.enable_sleep_mode,
         show_hidden_metrics_for_version=ns.show_hidden_metrics_for_version, kv_transfer=ns.kv_transfer_config,
         kv_transfer_link=ns.kv_transfer_link, kv_transfer_bandwidth_gbps=ns.kv_transfer_bandwidth_gbps,
-        kv_transfer_latency_us=ns.kv_transfer_latency_us)
+        kv_transfer_latency_us=ns.kv_transfer_latency_us,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+        pooling=ns.runner == "pooling" or ns.convert == "embed" or ns.task in ("embed", "embedding"))

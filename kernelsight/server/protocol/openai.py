@@ -7,13 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kernelsight.server.protocol.tools import check_response_format, check_structured_outputs, check_tool_usage
+from kernelsight.server.protocol.validation import VLLMValidationError
 
-class VLLMValidationError(ValueError):
-    """A request-model check that names the offending parameter (reported as the error's ``param``)."""
-
-    def __init__(self, message: str, parameter: str | None = None) -> None:
-        super().__init__(message)
-        self.parameter = parameter
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "StreamOptions", "VLLMValidationError"]
 
 
 def _check_prompt_logprobs(data: Any) -> None:
@@ -68,6 +65,8 @@ class CompletionRequest(_Common):
     prompt_logprobs: int | None = None
     add_special_tokens: bool = True
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +91,20 @@ class ChatCompletionRequest(_Common):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = True
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_tools_and_formats(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_response_format(data)
+            check_structured_outputs(data)
+            check_tool_usage(data)
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -10,11 +10,12 @@ from fastapi.responses import Response
 
 from kernelsight.server.body import parse_body
 from kernelsight.server.errors import bad_request
-from kernelsight.server.generation import Generation, check_sampling, request_base, stop_list
+from kernelsight.server.generation import check_sampling, request_base, stop_list
 from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.prompts import encode_prompt, normalize_messages, too_many_chars
 from kernelsight.server.protocol.openai import ChatCompletionRequest
-from kernelsight.server.state import server_state
+from kernelsight.server.state import ServerState, server_state
+from kernelsight.server.tool_calls import chat_generation, check_auto_tools
 from kernelsight.server.turns import turn_gate
 
 router = APIRouter()
@@ -25,6 +26,13 @@ async def chat(request: Request) -> Response:
     state = server_state(request)
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     await turn_gate().wait(first=True)     # routing and parsing took this turn: the rest takes the next
+    return await run_chat(state, request, req)
+
+
+async def run_chat(state: ServerState, request: Request, req: ChatCompletionRequest, *, fast_ok: bool = True,
+                   rid: str | None = None) -> Response:
+    """A parsed chat request to its response (also the Responses, Messages and batch routes' engine: they
+    convert to and from chat as vLLM's handlers do; ``fast_ok=False`` when they re-render the stream)."""
     lora = state.check_model(req.model)
     stops = stop_list(req.stop)
     if req.max_completion_tokens is not None:
@@ -32,19 +40,24 @@ async def chat(request: Request) -> Response:
     else:
         max_tokens, field_name = req.max_tokens, "max_tokens"
     check_sampling(req, max_tokens, field_name)
+    check_auto_tools(state, req)
     if not req.messages:
         raise bad_request("messages must be a non-empty list.", "messages")
     messages = normalize_messages(req.messages)
     try:
+        kwargs = req.chat_template_kwargs
+        if req.tools and req.tool_choice != "none":      # the template sees the tools, as vLLM renders them
+            kwargs = {"tools": req.tools, **(kwargs or {})}
         text = state.tok.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
-                                     req.chat_template or state.opts.chat_template, req.chat_template_kwargs)
+                                     req.chat_template or state.opts.chat_template, kwargs)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's input
         raise bad_request(f"Error applying the chat template: {exc}") from None
     if len(text) > state.max_chars:
         raise too_many_chars(state, len(text))
     ids = await encode_prompt(state.tok, text, req.add_special_tokens)
-    gen = Generation(state, request, req, "chatcmpl-" + request_base(request, req.request_id), lora, stops,
-                     is_chat=True)
+    gen = chat_generation(state, request, req, rid or "chatcmpl-" + request_base(request, req.request_id), lora,
+                          stops, messages, ids)
+    gen.fast_ok = fast_ok
     gen.echo_text = _chat_echo(messages) if req.echo else None
     gen.lp_k = (req.top_logprobs or 0) if req.logprobs else None
     gen.plp_k = req.prompt_logprobs

@@ -12,6 +12,8 @@ from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.prompts import completion_prompts
 from kernelsight.server.protocol.openai import CompletionRequest
 from kernelsight.server.state import server_state
+from kernelsight.server.structured import constrained_text
+from kernelsight.server.tool_calls import draw_seed
 from kernelsight.server.turns import turn_gate
 
 router = APIRouter()
@@ -32,6 +34,9 @@ async def completions(request: Request) -> Response:
     prompts = await completion_prompts(state, req.prompt, req.add_special_tokens)
     gen = Generation(state, request, req, "cmpl-" + request_base(request, req.request_id), lora, stops,
                      is_chat=False)
+    text = constrained_text(req.response_format, req.structured_outputs, draw_seed(req, prompts[0][0]))
+    if text is not None:      # structured outputs: every prompt's choices emit the drawn JSON / choice
+        gen.fixed_output = state.tok.encode(text, False)
     gen.lp_k = req.logprobs
     gen.plp_k = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
     return await gen.run(prompts, max_tokens, echo_only=echo_only, field_name="max_tokens")
