@@ -168,6 +168,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 # -- profiles ----------------------------------------------------------------------------------------
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
+    from kernelsight.server.bundled_tokenizer import family_for
 
     print("hardware:")
     calibrated = set(profiles.list_calibrations())
@@ -182,7 +183,9 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
         try:
             m = profiles.load_model(mid)
             kind = f"MoE {m.num_experts}x top-{m.experts_per_token}" if m.is_moe else "dense"
-            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}")
+            fam = family_for(mid, m.vocab_size)
+            tok = f"tokenizer: bundled {fam.name}" if fam else "tokenizer: none bundled (--tokenizer DIR / HF cache)"
+            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {tok}")
         except ValueError as exc:
             print(f"  {mid:<40} not supported: {str(exc).splitlines()[0]}")
     return 0

@@ -100,11 +100,16 @@ class ServerTokenizer:
         vocab: dict[str, int] = self.hf.get_vocab()
         cand = sorted((i, t) for t, i in vocab.items() if re.fullmatch(r"[Ġ▁][a-z]{3,9}", t))
         ids, texts = [], []
+        # SentencePiece (Mistral, Llama 2): the decoder drops a leading "▁" and the encoder prepends one, so a
+        # word token stands for " word" inside a text but is probed without its space
+        sp_style = False
         for i, _ in cand:
-            text = self.hf.decode([i])
+            text = probe = self.hf.decode([i])
+            if not text.startswith(" "):
+                sp_style, text = True, " " + text
             if not re.fullmatch(r" [a-z]{3,9}", text):
                 continue
-            if list(self.hf.encode(text, add_special_tokens=False)) != [i]:
+            if list(self.hf.encode(probe, add_special_tokens=False)) != [i]:
                 continue
             ids.append(i)
             texts.append(text)
@@ -116,7 +121,7 @@ class ServerTokenizer:
         # verify the concatenation property on a sample (guards against unusual pre-tokenizers)
         sample = arr[np.random.default_rng(0).integers(0, len(arr), 64)]
         text = "".join(texts[ids.index(int(t))] for t in sample)
-        if len(self.hf.encode(text, add_special_tokens=False)) != len(sample):
+        if len(self.hf.encode(text[1:] if sp_style else text, add_special_tokens=False)) != len(sample):
             log.warning("tokenizer %s: generated text may not re-tokenize to the same count", self.source.where)
         return arr, texts
 
