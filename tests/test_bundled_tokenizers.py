@@ -253,5 +253,10 @@ def test_chat_templates_render_the_models_prompts():
     assert qwen.render_chat(msgs) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert qwen.render_chat(msgs, chat_template_kwargs={"enable_thinking": False}) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    mixtral = load_tokenizer("mistralai/Mixtral-8x7B-Instruct-v0.1", None, 32000)
+    two = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+           {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    assert mixtral.render_chat(two) == "<s> [INST] Be brief.\n\nHi [/INST] Hello</s> [INST] Bye [/INST]"
+    assert load_tokenizer("mistralai/Mixtral-8x7B-v0.1", None, 32000).chat_template is None   # base: none
     thinking = load_tokenizer("Qwen/Qwen3-30B-A3B-Thinking-2507", None, 151936)
     assert thinking.render_chat(msgs) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
