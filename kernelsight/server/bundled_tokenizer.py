@@ -20,6 +20,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,9 +289,19 @@ def built_tokenizer_file(fam: BundledFamily) -> Path:
     raise OSError(f"bundled tokenizer {fam.name}: no writable cache directory for its built tokenizer.json")
 
 
-@functools.cache
+# One load at a time: transformers' lazy attribute import is not safe from two threads at once (two bench
+# clients in one process hit it), and a family is built once rather than by every caller racing to it.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_bundled(name: str, instruct: bool = False) -> Any:
     """The family's tokenizer as a transformers fast tokenizer (what vLLM holds)."""
+    with _LOAD_LOCK:
+        return _load_bundled(name, instruct)
+
+
+@functools.cache
+def _load_bundled(name: str, instruct: bool) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     fam = families()[name]
