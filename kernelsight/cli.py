@@ -255,7 +255,8 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
             extra = f"  MTP x{m.num_mtp_layers}" if m.num_mtp_layers else ""
             fam = family_for(mid, m.vocab_size)
             tok = f"tokenizer: bundled {fam.name}" if fam else "tokenizer: none bundled (--tokenizer DIR / HF cache)"
-            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}  {tok}")
+            print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}"
+                  f"  {tok}")
         except ValueError as exc:
             print(f"  {mid:<40} not supported: {str(exc).splitlines()[0]}")
     return 0
