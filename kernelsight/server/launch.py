@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kernelsight.engine_args import create_engine_config, engine_args_from
@@ -17,8 +18,10 @@ from kernelsight.server.serve_args import server_options_from
 from kernelsight.simcore.engine_config import EngineConfig
 
 
-def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
-    """(one FastAPI app per replica, engine config) from parsed serve arguments."""
+def build_server_apps(ns: argparse.Namespace, replica_indices: Sequence[int] | None = None,
+                      ) -> tuple[list[Any], EngineConfig]:
+    """(one FastAPI app per replica, engine config) from parsed serve arguments: every replica of --replicas, or
+    those of ``replica_indices`` (a worker process's share: replica i is the same server in any process)."""
     from kernelsight.server.app import build_app
     from kernelsight.server.tokenizer import load_tokenizer
 
@@ -35,7 +38,8 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
             "data-parallel MoE: serve steps the %d ranks independently, each rank's MoE layers priced as the group's "
             "(all-to-all included, the other ranks assumed as busy); the lockstep's waits and dummy batches are "
             "simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
-    apps = [build_app(config, opts, tok, i) for i in range(ns.replicas)]
+    indices = range(ns.replicas) if replica_indices is None else replica_indices
+    apps = [build_app(config, opts, tok, i) for i in indices]
     return apps, config
 
 
@@ -107,8 +111,9 @@ except ImportError:  # pragma: no cover - serve needs the server extra
     ReplicaServer = None  # type: ignore[assignment,misc]
 
 
-async def serve_all(servers: list[Any]) -> None:
-    """Run the replicas' servers until a signal stops them all, then hand the cyclic GC to the engine loops."""
+async def serve_all(servers: list[Any], sockets: Sequence[Any] | None = None) -> None:
+    """Run the replicas' servers (on their already bound ``sockets``, one each, if given) until a signal stops them
+    all, then hand the cyclic GC to the engine loops."""
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
@@ -118,7 +123,11 @@ async def serve_all(servers: list[Any]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop)
-    tasks = [asyncio.ensure_future(srv.serve()) for srv in servers]
+    if sockets is None:
+        tasks = [asyncio.ensure_future(srv.serve()) for srv in servers]
+    else:
+        tasks = [asyncio.ensure_future(srv.serve(sockets=[sock]))
+                 for srv, sock in zip(servers, sockets, strict=True)]
     while not all(srv.started for srv in servers) and not any(t.done() for t in tasks):
         await asyncio.sleep(0.02)
     # everything built by now (tokenizer vocab, engine tables, the app, uvicorn and its imports: ~100k objects)
