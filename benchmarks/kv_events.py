@@ -208,7 +208,9 @@ def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks:
         port = free_port()
     kv_port = free_port()
     cmd = [sys.executable, "-m", "kernelsight.server", "--host", "127.0.0.1", "--port", str(port),
-           "--replicas", str(replicas), "--max-model-len", "2048", "--num-gpu-blocks-override", str(blocks),
+           # one process: the CPU figures below read the server's pid and its threads
+           "--replicas", str(replicas), "--replica-processes", "1", "--max-model-len", "2048",
+           "--num-gpu-blocks-override", str(blocks),
            "--served-model-name", "m", "--uvicorn-log-level", "warning", "--lateness-warn-ms", "0"]
     if events:
         cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}"})]
