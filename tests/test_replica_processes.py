@@ -186,3 +186,49 @@ def test_a_workers_kv_event_port_in_use_stops_the_start_with_one_line():
         assert f"cannot bind tcp://*:{kv + 1}" in line and "in use" in line
     finally:
         taken.close()
+
+
+# -- the supervisor alone (no server: workers are plain functions) -----------------------------------------------
+def _exit_with(code: int, ready) -> int:
+    ready.wait(60)                  # fail only once the other worker can take its SIGTERM
+    return code
+
+
+def _wait_for_sigterm(marker: str, ready) -> int:
+    """Block until SIGTERM, then leave a marker (proof the supervisor stopped this worker) and exit 0."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})     # held from here: no window to miss it in
+    ready.set()
+    signal.sigwait({signal.SIGTERM})
+    Path(marker).write_text("stopped")
+    return 0
+
+
+def _raise_value_error() -> int:
+    raise ValueError("--kv-events-config: cannot bind tcp://*:5557: Address already in use")
+
+
+def test_supervisor_stops_the_others_when_a_worker_fails_and_returns_its_code(tmp_path):
+    import multiprocessing
+
+    from kernelsight.server.replica_processes import run_replica_processes
+
+    marker = tmp_path / "stopped"
+    ready = multiprocessing.get_context("fork").Event()
+    code = run_replica_processes(lambda fn, arg: fn(arg, ready), [(_wait_for_sigterm, str(marker)), (_exit_with, 3)])
+    assert code == 3
+    assert marker.read_text() == "stopped"
+
+
+def test_supervisor_reports_a_workers_bad_config_in_one_line(capfd):
+    from kernelsight.server.replica_processes import run_replica_processes
+
+    assert run_replica_processes(lambda f: f(), [(_raise_value_error,)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["kernelsight serve: error: --kv-events-config: cannot bind tcp://*:5557: Address already in use"]
+
+
+def test_api_server_count_and_its_alias_are_accepted_with_a_notice():
+    from kernelsight.server.serve_args import ignored_flags, serve_parser
+
+    for argv in (["-asc", "4"], ["--api-server-count", "4"]):
+        assert ignored_flags(serve_parser().parse_args(argv)) == ["--api-server-count"]
