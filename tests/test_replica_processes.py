@@ -85,6 +85,12 @@ def test_http_port_in_use_stops_the_start_with_one_line_and_binds_nothing():
             s.bind(("127.0.0.1", p))
 
 
+def test_a_bad_flag_with_replica_processes_is_one_line_not_one_per_worker():
+    base = _port_run(2)
+    proc = _serve("--port", str(base), "--replicas", "2", "--replica-processes", "2", "--time-scale", "0")
+    assert _one_line_error(proc) == "kernelsight serve: error: --time-scale must be > 0, got 0.0"
+
+
 def _children(pid: int) -> list[int]:
     text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     return [int(x) for x in text.split()]

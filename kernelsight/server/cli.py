@@ -9,6 +9,7 @@ import sys
 
 from kernelsight.profiles.accuracy import describe_expected_error
 from kernelsight.server.serve_args import SERVE_DESCRIPTION, SERVE_HELP, add_serve_args, ignored_flags
+from kernelsight.simcore.engine_config import EngineConfig
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from kernelsight.server.launch import resolve_serve_config
     from kernelsight.server.listeners import bind_listeners
     from kernelsight.server.replica_processes import replica_groups, run_replica_processes
 
@@ -33,18 +35,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         groups = replica_groups(ns.replicas, ns.replica_processes)
         if len(groups) == 1:
             return serve_replicas(ns, groups[0], socks, announce=True)
+        config = resolve_serve_config(ns)       # once, here: a bad flag is one line, not one per worker
         print(f"kernelsight serve: {ns.replicas} replicas in {len(groups)} processes "
               f"({', '.join(str(len(g)) for g in groups)} each)", file=sys.stderr)
-        return run_replica_processes(serve_replicas, [(ns, g, [socks[i] for i in g], k == 0)
+        return run_replica_processes(serve_replicas, [(ns, g, [socks[i] for i in g], k == 0, config)
                                                       for k, g in enumerate(groups)])
     finally:
         for sock in socks:
             sock.close()
 
 
-def serve_replicas(ns: argparse.Namespace, indices: list[int], socks: list, announce: bool) -> int:
+def serve_replicas(ns: argparse.Namespace, indices: list[int], socks: list, announce: bool,
+                   config: EngineConfig | None = None) -> int:
     """Serve replicas ``indices`` of --replicas on their bound listeners in this process until a signal stops them
-    (``announce``: print the engine summary, once per command)."""
+    (``announce``: print the engine summary, once per command; ``config``: resolved already by the supervisor)."""
     import uvicorn
 
     from kernelsight.server.fastpath import http_protocol
@@ -56,7 +60,7 @@ def serve_replicas(ns: argparse.Namespace, indices: list[int], socks: list, anno
         uvicorn_shutdown_bound_s,
     )
 
-    apps, config = build_server_apps(ns, indices)
+    apps, config = build_server_apps(ns, indices, config)
     host = ns.host or "0.0.0.0"
     if announce:
         s = config.summary()

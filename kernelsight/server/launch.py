@@ -18,26 +18,36 @@ from kernelsight.server.serve_args import server_options_from
 from kernelsight.simcore.engine_config import EngineConfig
 
 
-def build_server_apps(ns: argparse.Namespace, replica_indices: Sequence[int] | None = None,
-                      ) -> tuple[list[Any], EngineConfig]:
-    """(one FastAPI app per replica, engine config) from parsed serve arguments: every replica of --replicas, or
-    those of ``replica_indices`` (a worker process's share: replica i is the same server in any process)."""
-    from kernelsight.server.app import build_app
-    from kernelsight.server.tokenizer import load_tokenizer
-
+def resolve_serve_config(ns: argparse.Namespace) -> EngineConfig:
+    """The engine config of parsed serve arguments, every flag checked (ValueError on a bad one). A supervisor
+    resolves it once before forking replica processes, so a bad flag is one line rather than one per process."""
     if ns.model_tag:
         ns.model = ns.model_tag
     if not ns.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {ns.time_scale}")
     config = create_engine_config(engine_args_from(ns))
-    tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
-    opts = server_options_from(ns)
+    server_options_from(ns)            # its own checks (fault types, LoRA modules) before anything is built
     if config.model.is_moe and config.args.data_parallel_size > 1:
         # the bridges run one engine each against wall time; the lockstep group is fast-forward's (dp_group.py)
         logging.getLogger("kernelsight.serve").warning(
             "data-parallel MoE: serve steps the %d ranks independently, each rank's MoE layers priced as the group's "
             "(all-to-all included, the other ranks assumed as busy); the lockstep's waits and dummy batches are "
             "simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
+    return config
+
+
+def build_server_apps(ns: argparse.Namespace, replica_indices: Sequence[int] | None = None,
+                      config: EngineConfig | None = None) -> tuple[list[Any], EngineConfig]:
+    """(one FastAPI app per replica, engine config) from parsed serve arguments: every replica of --replicas, or
+    those of ``replica_indices`` (a worker process's share: replica i is the same server in any process), with
+    ``config`` when it was resolved already (``resolve_serve_config``)."""
+    from kernelsight.server.app import build_app
+    from kernelsight.server.tokenizer import load_tokenizer
+
+    if config is None:
+        config = resolve_serve_config(ns)
+    tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
+    opts = server_options_from(ns)
     indices = range(ns.replicas) if replica_indices is None else replica_indices
     apps = [build_app(config, opts, tok, i) for i in indices]
     return apps, config

@@ -56,7 +56,7 @@ def _worker(run: Callable[..., int], args: tuple[Any, ...]) -> None:
     _die_with_parent()
     try:
         code = run(*args)
-    except ValueError as exc:          # a bad config found while building (e.g. a KV-event port in use)
+    except (ValueError, FileNotFoundError) as exc:   # found while building (a KV-event port in use, a tokenizer)
         print(f"kernelsight serve: error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
