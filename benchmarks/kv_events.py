@@ -309,7 +309,7 @@ def main() -> int:
                     help="requests/s per replica (0: as fast as the streams go); pace below capacity to compare "
                          "CPU per token at equal throughput")
     ap.add_argument("--replica-processes", type=int, default=1,
-                    help="serve's --replica-processes (default 1: the figures of one process)")
+                    help="serve's --replica-processes (default 1)")
     ap.add_argument("--blocks", type=int, default=1500, help="KV blocks per engine (small: prefixes evict)")
     ap.add_argument("--repeat", type=int, default=2, help="off/on pairs per level, interleaved (the least CPU per "
                                                            "token of each is compared: load from others only adds)")

@@ -659,8 +659,7 @@ def _wait_healthy(proc: subprocess.Popen, urls: list[str], log: Path, deadline_s
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """`kernelsight serve --replicas 3` as the CLI runs it (consecutive ports on 127.0.0.1; by default one worker
-    process per usable CPU, so on a multi-core runner the replicas span processes)."""
+    """`kernelsight serve --replicas 3` as the CLI runs it (one process, consecutive ports on 127.0.0.1)."""
     log = tmp_path_factory.mktemp("fleet") / "serve.log"
     for _attempt in range(3):
         base = _free_port_run(3)

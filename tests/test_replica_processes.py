@@ -238,3 +238,13 @@ def test_api_server_count_and_its_alias_are_accepted_with_a_notice():
 
     for argv in (["-asc", "4"], ["--api-server-count", "4"]):
         assert ignored_flags(serve_parser().parse_args(argv)) == ["--api-server-count"]
+
+
+def test_replica_processes_default_to_one_and_take_auto():
+    from kernelsight.server.serve_args import serve_parser
+
+    assert serve_parser().parse_args([]).replica_processes == 1
+    assert serve_parser().parse_args(["--replica-processes", "auto"]).replica_processes is None   # one per CPU
+    assert serve_parser().parse_args(["--replica-processes", "3"]).replica_processes == 3
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--replica-processes", "0"])
