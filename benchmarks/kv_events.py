@@ -11,7 +11,7 @@ cost, apart from the loop), the events-on/off CPU ratio, events/s received, gaps
 time during the level. A first section times vLLM's sha256 block hash against the simulator's internal key on
 the sim_speed workload's prompts (why the simulation keeps its own key and hashes vLLM's way only for events).
 
-Usage: python benchmarks/kv_events.py [--replicas 2] [--streams 8,32,64] [--seconds 20]
+Usage: python benchmarks/kv_events.py [--replicas 2] [--replica-processes 1] [--streams 8,32,64] [--seconds 20]
 Writes benchmarks/results/kv_events.json.
 """
 
@@ -178,7 +178,7 @@ async def load(urls: list[str], streams: int, seconds: float, seed: int, rate: f
     keeps up serves the same tokens per second with events on as off and CPU per token compares like for like."""
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(1000, 100_000, PREFIX_LEN).tolist() for _ in range(64)]
-    done = [0, 0]
+    done = [0, 0, 0]
     end = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=streams * len(urls) + 8)
     async with httpx.AsyncClient(timeout=120, limits=limits) as c:
@@ -193,22 +193,43 @@ async def load(urls: list[str], streams: int, seconds: float, seed: int, rate: f
                     await asyncio.sleep(max(nxt - time.perf_counter(), 0.0))
                     nxt += period
                 prompt = prefixes[int(r.integers(len(prefixes)))] + r.integers(1000, 100_000, SUFFIX_LEN).tolist()
-                resp = await c.post(url + "/v1/completions", json={"model": "m", "prompt": prompt,
-                                                                    "max_tokens": OUT_LEN, "ignore_eos": True})
+                body = {"model": "m", "prompt": prompt, "max_tokens": OUT_LEN, "ignore_eos": True}
+                try:
+                    resp = await c.post(url + "/v1/completions", json=body)
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    # the server closes a connection idle for 5 s (uvicorn's keep-alive, as vLLM's). A client this
+                    # starved of CPU reads a response seconds after it was sent, so the next request on that
+                    # connection can go out after the close: the request was never read, so send it again
+                    done[2] += 1
+                    resp = await c.post(url + "/v1/completions", json=body)
                 resp.raise_for_status()
                 done[0] += 1
                 done[1] += resp.json()["usage"]["completion_tokens"]
         await asyncio.gather(*(client(u, i * 1000 + j) for i, u in enumerate(urls) for j in range(streams)))
+    if done[2]:
+        print(f"  ({done[2]} request(s) re-sent after the server closed an idle keep-alive connection)", flush=True)
     return done[0], done[1]
 
 
-def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks: int, rate: float = 0.0) -> dict:
+def worker_pids(pid: int) -> list[int]:
+    """The serving processes under ``kernelsight serve`` PID: its replica workers, or the process itself."""
+    try:
+        kids = [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        kids = []
+    return kids or [pid]
+
+
+def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks: int, rate: float = 0.0,
+              processes: int = 1) -> dict:
     port = free_port()
     while any(free_port() == port + i for i in range(1, replicas)):   # a rough check that the range is free
         port = free_port()
     kv_port = free_port()
     cmd = [sys.executable, "-m", "kernelsight.server", "--host", "127.0.0.1", "--port", str(port),
-           "--replicas", str(replicas), "--max-model-len", "2048", "--num-gpu-blocks-override", str(blocks),
+           # the CPU figures below read each serving process and its threads (the supervisor's share is ~0)
+           "--replicas", str(replicas), "--replica-processes", str(processes), "--max-model-len", "2048",
+           "--num-gpu-blocks-override", str(blocks),
            "--served-model-name", "m", "--uvicorn-log-level", "warning", "--lateness-warn-ms", "0"]
     if events:
         cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}"})]
@@ -233,14 +254,21 @@ def run_level(replicas: int, streams: int, seconds: float, events: bool, blocks:
                 ctr.start()
             time.sleep(0.5)            # let the subscriptions reach the publishers before the first batch
         asyncio.run(load(urls, 2, 3.0, seed=99))   # warm-up (imports, first allocations), not measured
-        cpu0, side0, st0, t0 = cpu_s(proc.pid), side_threads_cpu_s(proc.pid), steal_s(), time.perf_counter()
+        pids = worker_pids(proc.pid)
+
+        def cpu_now() -> tuple[float, float]:
+            return sum(cpu_s(p) for p in pids), sum(side_threads_cpu_s(p) for p in pids)
+
+        (cpu0, side0), st0, t0 = cpu_now(), steal_s(), time.perf_counter()
         ev0 = [c.events for c in counters]
         reqs, toks = asyncio.run(load(urls, streams, seconds, seed=1, rate=rate))
         wall = time.perf_counter() - t0
-        cpu, side, st = cpu_s(proc.pid) - cpu0, side_threads_cpu_s(proc.pid) - side0, steal_s() - st0
+        cpu1, side1 = cpu_now()
+        cpu, side, st = cpu1 - cpu0, side1 - side0, steal_s() - st0
         time.sleep(1.0)                # the last batches
         evs = [c.events - e for c, e in zip(counters, ev0, strict=True)]
-        row = {"replicas": replicas, "streams_per_replica": streams, "rate_per_replica": rate, "events": events,
+        row = {"replicas": replicas, "processes": len(pids), "streams_per_replica": streams, "rate_per_replica": rate,
+               "events": events,
                "requests": reqs,
                "output_tokens": toks, "wall_s": wall, "tok_per_s": toks / wall, "server_cpu_s": cpu,
                "cpu_us_per_token": 1e6 * cpu / max(toks, 1), "side_threads_us_per_token": 1e6 * side / max(toks, 1),
@@ -280,6 +308,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=0.0,
                     help="requests/s per replica (0: as fast as the streams go); pace below capacity to compare "
                          "CPU per token at equal throughput")
+    ap.add_argument("--replica-processes", type=int, default=1,
+                    help="serve's --replica-processes (default 1)")
     ap.add_argument("--blocks", type=int, default=1500, help="KV blocks per engine (small: prefixes evict)")
     ap.add_argument("--repeat", type=int, default=2, help="off/on pairs per level, interleaved (the least CPU per "
                                                            "token of each is compared: load from others only adds)")
@@ -307,7 +337,7 @@ def main() -> int:
         side_on: list[float] = []
         for _ in range(ns.repeat):
             for events in (False, True):
-                r = run_level(ns.replicas, m, ns.seconds, events, ns.blocks, ns.rate)
+                r = run_level(ns.replicas, m, ns.seconds, events, ns.blocks, ns.rate, ns.replica_processes)
                 rows.append(r)
                 best[events] = min(best.get(events, float("inf")), r["cpu_us_per_token"])
                 if events:

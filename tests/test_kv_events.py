@@ -213,8 +213,9 @@ def test_bad_configs_fail_at_start_with_one_line(capsys):
     port = taken.getsockname()[1]
     try:
         cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+        # (an HTTP port of its own: serve binds it before building the engine, and 8000 may be someone else's)
         err = _cli_error(capsys, ["serve", "--num-gpu-blocks-override", "64", "--max-model-len", "512",
-                                  "--kv-events-config", cfg])
+                                  "--host", "127.0.0.1", "--port", str(_free_port()), "--kv-events-config", cfg])
         assert f"cannot bind tcp://*:{port}" in err and "in use" in err
     finally:
         taken.close()

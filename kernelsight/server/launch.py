@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kernelsight.engine_args import create_engine_config, engine_args_from
@@ -17,11 +18,9 @@ from kernelsight.server.serve_args import server_options_from
 from kernelsight.simcore.engine_config import EngineConfig
 
 
-def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
-    """(one FastAPI app per replica, engine config) from parsed serve arguments."""
-    from kernelsight.server.app import build_app
-    from kernelsight.server.tokenizer import load_tokenizer
-
+def resolve_serve_config(ns: argparse.Namespace) -> EngineConfig:
+    """The engine config of parsed serve arguments, every flag checked (ValueError on a bad one). A supervisor
+    resolves it once before forking replica processes, so a bad flag is one line rather than one per process."""
     if ns.model_tag:
         ns.model = ns.model_tag
     if not ns.time_scale > 0:
@@ -29,15 +28,30 @@ def build_server_apps(ns: argparse.Namespace) -> tuple[list[Any], EngineConfig]:
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:     # vLLM refuses to start the same way
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = create_engine_config(engine_args_from(ns))
-    tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
-    opts = server_options_from(ns)
+    server_options_from(ns)            # its own checks (fault types, LoRA modules) before anything is built
     if config.model.is_moe and config.args.data_parallel_size > 1:
         # the bridges run one engine each against wall time; the lockstep group is fast-forward's (dp_group.py)
         logging.getLogger("kernelsight.serve").warning(
             "data-parallel MoE: serve steps the %d ranks independently, each rank's MoE layers priced as the group's "
             "(all-to-all included, the other ranks assumed as busy); the lockstep's waits and dummy batches are "
             "simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
-    apps = [build_app(config, opts, tok, i) for i in range(ns.replicas)]
+    return config
+
+
+def build_server_apps(ns: argparse.Namespace, replica_indices: Sequence[int] | None = None,
+                      config: EngineConfig | None = None) -> tuple[list[Any], EngineConfig]:
+    """(one FastAPI app per replica, engine config) from parsed serve arguments: every replica of --replicas, or
+    those of ``replica_indices`` (a worker process's share: replica i is the same server in any process), with
+    ``config`` when it was resolved already (``resolve_serve_config``)."""
+    from kernelsight.server.app import build_app
+    from kernelsight.server.tokenizer import load_tokenizer
+
+    if config is None:
+        config = resolve_serve_config(ns)
+    tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
+    opts = server_options_from(ns)
+    indices = range(ns.replicas) if replica_indices is None else replica_indices
+    apps = [build_app(config, opts, tok, i) for i in indices]
     return apps, config
 
 
@@ -109,8 +123,9 @@ except ImportError:  # pragma: no cover - serve needs the server extra
     ReplicaServer = None  # type: ignore[assignment,misc]
 
 
-async def serve_all(servers: list[Any]) -> None:
-    """Run the replicas' servers until a signal stops them all, then hand the cyclic GC to the engine loops."""
+async def serve_all(servers: list[Any], sockets: Sequence[Any] | None = None) -> None:
+    """Run the replicas' servers (on their already bound ``sockets``, one each, if given) until a signal stops them
+    all, then hand the cyclic GC to the engine loops."""
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
@@ -120,7 +135,11 @@ async def serve_all(servers: list[Any]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop)
-    tasks = [asyncio.ensure_future(srv.serve()) for srv in servers]
+    if sockets is None:
+        tasks = [asyncio.ensure_future(srv.serve()) for srv in servers]
+    else:
+        tasks = [asyncio.ensure_future(srv.serve(sockets=[sock]))
+                 for srv, sock in zip(servers, sockets, strict=True)]
     while not all(srv.started for srv in servers) and not any(t.done() for t in tasks):
         await asyncio.sleep(0.02)
     # everything built by now (tokenizer vocab, engine tables, the app, uvicorn and its imports: ~100k objects)

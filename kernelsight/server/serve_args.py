@@ -122,6 +122,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help="generated text: random vocabulary words (re-tokenize exactly) or the prompt echoed")
     sim.add_argument("--replicas", type=positive_int, default=1,
                      help="N independent servers on ports port..port+N-1 (each its own engine and /metrics)")
+    sim.add_argument("--replica-processes", type=_processes, default=1, metavar="P|auto",
+                     help="run the --replicas in P worker processes (contiguous groups; replica i keeps its port, "
+                          "KV-event ports and metrics) so that a fleet uses several cores; auto: one per usable CPU, "
+                          "at most one per replica (default: 1, every replica in this process)")
     sim.add_argument("--deadline-spin-us", type=float, default=1500.0,
                      help="wait out this long before each step deadline precisely (a blocking sleep, then a "
                           "short spin) instead of on the event loop's ms-coarse timers (default: 1500; 0 = event "
@@ -171,6 +175,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         ign.add_argument(flag, action="store_true", default=None, dest=_ignored_dest(flag), help=argparse.SUPPRESS)
     ign.add_argument("-pp", nargs="?", const=True, default=None, dest=_ignored_dest("--pipeline-parallel-size"),
                      help=argparse.SUPPRESS)
+    ign.add_argument("-asc", nargs="?", const=True, default=None, dest=_ignored_dest("--api-server-count"),
+                     help=argparse.SUPPRESS)
     ign.add_argument("-O", nargs="?", const=True, default=None, dest=_ignored_dest("--compilation-config"),
                      help=argparse.SUPPRESS)
 
@@ -181,6 +187,11 @@ def _metrics_version(text: str) -> str:
     if len(parts) < 2 or not all(x.isdigit() for x in parts):
         raise argparse.ArgumentTypeError(f"expected a version like 0.10, got {text!r}")
     return ".".join(parts)
+
+
+def _processes(text: str) -> int | None:
+    """--replica-processes: a positive count, or ``auto`` (None: one per usable CPU)."""
+    return None if text == "auto" else positive_int(text)
 
 
 def _unit_fraction(text: str) -> float:
