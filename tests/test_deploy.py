@@ -604,8 +604,9 @@ def test_readme_section_commands_parse(parser):
     m = re.search(r"^## Testing a router or autoscaler\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     assert m, "README has the section"
     section = m.group(1)
-    cmds = [line for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.splitlines()
-            if line.startswith("kernelsight ")]
+    # a command continued with a trailing backslash is one command
+    blocks = [re.sub(r"\\\n\s*", " ", block) for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+    cmds = [line for block in blocks for line in block.splitlines() if line.startswith("kernelsight ")]
     assert any(" --replicas " in c for c in cmds)
     for c in cmds:
         argv = shlex.split(c.split("#")[0])[1:]
