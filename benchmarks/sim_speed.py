@@ -4,21 +4,31 @@ Target (issue #26): ≤ 0.5 s of wall time on one core. Prints a table and write
 The first run also pays the calibration's η memo (each distinct kernel shape is evaluated once per Calibration);
 later runs reuse it, as a search over one GPU in one process would. CPU seconds and the machine's steal and
 busy share (from /proc/stat) are printed beside wall seconds: on a shared machine wall time measures the load.
-Usage: python benchmarks/sim_speed.py [--num-prompts N] [--repeat R]
+With ``--against DIR`` (a directory holding another ``kernelsight`` package, e.g. ``git worktree add /tmp/main main``)
+it alternates this tree and that one, each round a fresh process per tree (warm-up run, then one measured run), so a
+before/after comparison shares one session's load; the table gives each tree's best and median CPU seconds.
+Usage: python benchmarks/sim_speed.py [--num-prompts N] [--repeat R] [--against DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(var, "1")      # one core: no BLAS threads
 
+if "--child-root" in sys.argv:     # a comparison child: import kernelsight from the given tree, not the installed one
+    _root = sys.argv[sys.argv.index("--child-root") + 1]
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    sys.path.insert(0, _root)
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine, write_result  # noqa: E402
+from _common import ROOT, machine, write_result  # noqa: E402
 
 from kernelsight.engine_args import create_engine_config  # noqa: E402
 from kernelsight.loadgen.arrivals import arrival_times_s  # noqa: E402
@@ -41,12 +51,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-prompts", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--against", default=None, help="another tree's root (holding kernelsight/) to alternate with")
+    ap.add_argument("--child-root", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    if ns.against:
+        return compare(ns)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # pin to one core
     cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", seed=0))
     samples = random_dataset(ns.num_prompts, 1000, 200, 0.1, cfg.model.vocab_size, seed=0)
     arrivals = arrival_times_s(ns.num_prompts, 20.0, 1.0, seed=0).tolist()
+    if ns.child_root:                 # one warm-up run, then the measured one, as one JSON line
+        run_fast_forward(cfg, samples, arrivals, ignore_eos=True)
+        ns.repeat = 1
     rows = []
     for i in range(ns.repeat):
         j0, t0, c0 = cpu_jiffies(), time.perf_counter(), time.process_time()
@@ -60,6 +77,10 @@ def main() -> int:
                      "simulated_s": res.duration_s, "steps": res.num_steps,
                      "sim_s_per_wall_s": res.duration_s / wall, "steps_per_s": res.num_steps / wall,
                      "completed": sum(r.success for r in res.records)})
+    if ns.child_root:
+        import kernelsight
+        print(json.dumps({**rows[0], "package": os.path.dirname(kernelsight.__file__)}))
+        return 0
     print(f"fast-forward speed, {ns.num_prompts} requests, Llama-3.1-8B on h100 (machine: {machine()})")
     print(format_table(rows, list(rows[0])))
     best = min(rows, key=lambda r: r["wall_s"])
@@ -67,6 +88,29 @@ def main() -> int:
           f"wall s, {best['steps_per_s']:.0f} steps/s")
     path = write_result("sim_speed", {"num_prompts": ns.num_prompts, "runs": rows, "best": best,
                                       "target_wall_s": 0.5})
+    print(f"wrote {path}")
+    return 0
+
+
+def compare(ns: argparse.Namespace) -> int:
+    """Alternate this tree and ``ns.against`` (fresh processes), ``ns.repeat`` rounds; table of CPU and wall seconds."""
+    trees = {"this": str(ROOT), "against": os.path.abspath(ns.against)}
+    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    for _ in range(ns.repeat):
+        for name, root in trees.items():
+            out = subprocess.run([sys.executable, __file__, "--num-prompts", str(ns.num_prompts), "--child-root", root],
+                                 check=True, capture_output=True, text=True).stdout
+            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    rows = []
+    for name, rs in runs.items():
+        cpu = [r["cpu_s"] for r in rs]
+        rows.append({"tree": name, "runs": len(rs), "cpu_best_s": min(cpu),
+                     "cpu_median_s": statistics.median(cpu), "wall_best_s": min(r["wall_s"] for r in rs),
+                     "steal_pct_max": max(r["steal_pct"] for r in rs),
+                     "busy_pct_min": min(r["machine_busy_pct"] for r in rs), "package": rs[0]["package"]})
+    print(f"fast-forward speed, {ns.num_prompts} requests, this tree vs {trees['against']} (machine: {machine()})")
+    print(format_table(rows, list(rows[0])))
+    path = write_result("sim_speed_compare", {"num_prompts": ns.num_prompts, "rows": rows, "runs": runs})
     print(f"wrote {path}")
     return 0
 
