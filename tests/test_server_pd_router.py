@@ -165,3 +165,53 @@ def test_min_tokens_reaches_the_prefill_instance_and_is_refused_as_vllm_refuses_
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "min_tokens" and "min_tokens" in r.json()["error"]["message"]
     assert _engine(p, lambda e: e.num_held) == held0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_the_real_vllm_router_binary_drives_a_pull(pd, tmp_path):
+    """The same through the router itself, when its binary is installed (``pip install vllm-router``; not a
+    dependency of this project)."""
+    import os
+    import shutil
+    import subprocess
+
+    exe = os.environ.get("VLLM_ROUTER_BIN") or shutil.which("vllm-router")
+    if exe is None:
+        pytest.skip("vllm-router is not installed")
+    p, d = pd
+    port = _free_port()
+    log = (tmp_path / "router.log").open("wb")
+    proc = subprocess.Popen([exe, "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", p.base_url,
+                             "--decode", d.base_url, "--policy", "round_robin", "--intra-node-data-parallel-size",
+                             "1", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
+                             str(_free_port())], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None          # stop waiting if it died
+        assert _wait_for(ready, 60) and proc.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
+        pulls0 = _engine(d, lambda e: e.num_pulls)
+        body = {"model": "m", "prompt": _prompt(4), "max_tokens": 5, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        assert events[0]["id"].startswith("cmpl-___prefill_addr_127.0.0.1:")
+        assert events[-1]["usage"]["completion_tokens"] == 5
+        assert _engine(d, lambda e: e.num_pulls) == pulls0 + 1
+        assert _wait_for(lambda: _engine(p, lambda e: e.num_held) == 0)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
