@@ -1,7 +1,8 @@
 """The router examples (docker/router/: compose and Kubernetes) against the CLI and each other, so they cannot
 silently rot: every kernelsight command line in them parses with kernelsight's own parser, the replicas publish
 KV events on distinct topics and ports, the router names exactly the replicas, and the endpoint picker's
-settings (selector, port, block size, hash seed, topic filter, ZeroMQ port) match the pods it scores."""
+settings (selector, port, block size, hash seed, topic filter, ZeroMQ port) match the pods it scores; in the P/D
+example (compose-pd.yaml) vllm-router's --prefill and --decode URLs name the prefill and decode services and ports."""
 
 from __future__ import annotations
 
@@ -96,6 +97,67 @@ def test_compose_load_goes_through_the_router(compose, parser):
     url = urlparse(ns.base_url)
     router_port = int(compose["router"]["command"][compose["router"]["command"].index("--port") + 1])
     assert (url.hostname, url.port) == ("router", router_port)
+
+
+# == compose, prefill/decode behind vllm-router =================================================================
+@pytest.fixture(scope="module")
+def compose_pd() -> dict:
+    return yaml.safe_load((ROUTER / "compose-pd.yaml").read_text())["services"]
+
+
+@pytest.fixture(scope="module")
+def pd_instances(compose_pd, parser) -> dict:
+    return {name: parse(parser, ["serve", *s["command"]], f"compose-pd {name}") for name, s in compose_pd.items()
+            if s.get("image") == "kernelsight:local" and "entrypoint" not in s}
+
+
+def _router_opts(cmd: list[str]) -> dict[str, list[str]]:
+    """vllm-router's command line as {flag: [values...]} (--prefill and --decode repeat)."""
+    out: dict[str, list[str]] = {}
+    for i, arg in enumerate(cmd):
+        if arg.startswith("--"):
+            vals = out.setdefault(arg, [])
+            if i + 1 < len(cmd) and not cmd[i + 1].startswith("--"):
+                vals.append(cmd[i + 1])
+    return out
+
+
+def test_compose_pd_instances_run_the_nixl_connector(compose_pd, pd_instances):
+    assert set(pd_instances) == {"prefill", "decode"}
+    for name, ns in pd_instances.items():
+        cfg = ns.kv_transfer_config
+        assert cfg is not None and cfg.kv_connector == "NixlConnector" and cfg.kv_role == "kv_both", name
+        assert [int(p.split(":")[1]) for p in compose_pd[name]["ports"]] == [ns.port], name
+        assert ns.model == pd_instances["prefill"].model and ns.max_model_len == pd_instances["prefill"].max_model_len
+    # the decode side notifies the prefill side at the remote_host it was handed: a name it can resolve
+    assert compose_pd["prefill"]["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "prefill"
+    assert pd_instances["decode"].kv_transfer_link is not None
+    host_ports = [p.split(":")[0] for s in compose_pd.values() for p in s.get("ports", [])]
+    assert len(host_ports) == len(set(host_ports)), "two services publish the same host port"
+
+
+def test_compose_pd_router_sends_prefill_and_decode_to_the_right_services(compose_pd, pd_instances):
+    router = compose_pd["router"]
+    assert "pip install --no-cache-dir vllm-router==" in router["build"]["dockerfile_inline"]
+    assert 'ENTRYPOINT ["vllm-router"]' in router["build"]["dockerfile_inline"]
+    opt = _router_opts(router["command"])
+    assert "--vllm-pd-disaggregation" in opt and opt["--kv-connector"] == ["nixl"]
+    for flag, name in (("--prefill", "prefill"), ("--decode", "decode")):
+        (url,) = [urlparse(u) for u in opt[flag]]
+        assert (url.scheme, url.hostname, url.port) == ("http", name, pd_instances[name].port), flag
+    assert opt["--policy"][0] in ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two",
+                                  "consistent_hash", "sticky_least_loaded")
+    published = {int(p.split(":")[1]) for p in router["ports"]}
+    assert {int(opt["--port"][0]), int(opt["--prometheus-port"][0])} == published
+    assert set(router["depends_on"]) == set(pd_instances)
+
+
+def test_compose_pd_load_goes_through_the_router(compose_pd, parser):
+    load = compose_pd["load"]
+    assert load["entrypoint"] == ["kernelsight", "bench"]
+    ns = parse(parser, ["bench", *load["command"]], "compose-pd load")
+    url = urlparse(ns.base_url)
+    assert (url.hostname, url.port) == ("router", int(_router_opts(compose_pd["router"]["command"])["--port"][0]))
 
 
 # == Kubernetes ================================================================================================
