@@ -608,8 +608,11 @@ def test_readme_section_commands_parse(parser):
     blocks = [re.sub(r"\\\n\s*", " ", block) for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
     cmds = [line for block in blocks for line in block.splitlines() if line.startswith("kernelsight ")]
     assert any(" --replicas " in c for c in cmds)
+    # shell variables the blocks assign (NAME='value'), substituted as the shell would
+    env = {k: shlex.split(v)[0] for block in blocks for k, v in re.findall(r"^([A-Z_]+)=(\S+)$", block, re.M)}
     for c in cmds:
-        argv = shlex.split(c.split("#")[0])[1:]
+        argv = [env.get(a[1:], a) if a.startswith("$") else a for a in shlex.split(c.split("#")[0])[1:]]
+        argv = argv[:-1] if argv[-1] == "&" else argv
         if argv[0] == "bench":
             assert "bench" in subcommands(parser), "README runs `kernelsight bench` (issue 5), not in this CLI"
         parse_cli(parser, argv, f"README: {c}")
