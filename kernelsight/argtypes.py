@@ -4,9 +4,14 @@ errors into one-line messages)."""
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import dataclasses
+import json
+from typing import NoReturn, TypeVar
 
-__all__ = ["OneLineParser", "positive_int", "non_negative_int", "rate", "fraction", "range_ratio"]
+__all__ = ["OneLineParser", "positive_int", "non_negative_int", "rate", "fraction", "range_ratio",
+           "json_dataclass"]
+
+_T = TypeVar("_T")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -63,3 +68,22 @@ def non_negative_float(text: str) -> float:
     if not 0.0 <= v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
     return v
+
+
+def json_dataclass(cls: type[_T], text: str) -> _T:
+    """A vLLM-style ``--*-config JSON`` flag's value as dataclass ``cls``: malformed JSON, a non-object, an unknown
+    field or a value the dataclass rejects (TypeError/ValueError) become one-line argparse messages."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    valid = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(d) - valid)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+    try:
+        return cls(**d)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -15,15 +15,15 @@ protocol (``kv_transfer_params``), on the engine's held blocks and KV pulls (``s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from kernelsight.argtypes import json_dataclass
 from kernelsight.simcore.engine import NIXL_ABORT_REQUEST_TIMEOUT_S, Engine
 
 log = logging.getLogger("kernelsight.server")
@@ -74,24 +74,9 @@ class KVTransferConfig:
         return self.kv_connector is not None
 
 
-_FIELDS = {f.name for f in fields(KVTransferConfig)}
-
-
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     """argparse type of ``--kv-transfer-config JSON``: errors become one-line argparse messages."""
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    unknown = sorted(set(d) - _FIELDS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
-    try:
-        return KVTransferConfig(**d)
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json_dataclass(KVTransferConfig, text)
 
 
 def abort_timeout_s() -> float:

@@ -3,9 +3,9 @@ argparse uses (a bad value is one line on stderr, as vLLM's)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from kernelsight.argtypes import json_dataclass
 
 
 @dataclass
@@ -37,24 +37,9 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-_FIELDS = {f.name for f in fields(KVEventsConfig)}
-
-
 def parse_kv_events_config(text: str) -> KVEventsConfig:
     """argparse type of ``--kv-events-config JSON``: errors become one-line argparse messages."""
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    unknown = sorted(set(d) - _FIELDS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
-    try:
-        return KVEventsConfig(**d)
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json_dataclass(KVEventsConfig, text)
 
 
 def offset_endpoint(endpoint: str | None, offset: int) -> str | None:
