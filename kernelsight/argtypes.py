@@ -9,7 +9,7 @@ import json
 from typing import NoReturn, TypeVar
 
 __all__ = ["OneLineParser", "positive_int", "non_negative_int", "rate", "fraction", "range_ratio",
-           "json_dataclass"]
+           "json_object", "json_dataclass"]
 
 _T = TypeVar("_T")
 
@@ -70,15 +70,21 @@ def non_negative_float(text: str) -> float:
     return v
 
 
-def json_dataclass(cls: type[_T], text: str) -> _T:
-    """A vLLM-style ``--*-config JSON`` flag's value as dataclass ``cls``: malformed JSON, a non-object, an unknown
-    field or a value the dataclass rejects (TypeError/ValueError) become one-line argparse messages."""
+def json_object(text: str) -> dict:
+    """argparse type of a flag taking a JSON object: malformed JSON or another JSON value is a one-line message."""
     try:
         d = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
     if not isinstance(d, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return d
+
+
+def json_dataclass(cls: type[_T], text: str) -> _T:
+    """A vLLM-style ``--*-config JSON`` flag's value as dataclass ``cls``: malformed JSON, a non-object, an unknown
+    field or a value the dataclass rejects (TypeError/ValueError) become one-line argparse messages."""
+    d = json_object(text)
     valid = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(d) - valid)
     if unknown:

@@ -9,10 +9,16 @@ itself, so the dataclass lives there and this module maps command lines onto it.
 from __future__ import annotations
 
 import argparse
-import json
 
 from kernelsight import profiles
-from kernelsight.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from kernelsight.argtypes import (
+    fraction,
+    json_object,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
 from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
@@ -112,13 +118,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def speculative_config_json(text: str) -> dict:
     """argparse type of ``--speculative-config JSON``: a JSON object (its fields are checked when the engine
     config is resolved, as vLLM's SpeculativeConfig checks them)."""
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return d
+    return json_object(text)
 
 
 def acceptance_rates(text: str) -> tuple[float, ...]:
