@@ -324,6 +324,9 @@ def test_an_mtp_draft_pass_costs_the_one_layer_draft_plus_exactly_the_mtp_input_
         # the kernels it adds are the ones mtp_step_kernels has beyond a plain layer's
         names = {k.name for k in mtp_step_kernels(cfg.model, batch, 8, cfg.precision, m_padded)}
         assert {k.name for k in mtp_input_kernels(cfg.model, m_padded, cfg.precision)} <= names
+        # eh_proj is vLLM's plain nn.Linear: bf16 even in the fp8 checkpoint whose layer GEMMs run fp8
+        by_name = {k.name: k for k in mtp_step_kernels(cfg.model, batch, 8, cfg.precision, m_padded)}
+        assert by_name["mtp_eh_proj"].dtype == "bf16" and by_name["q_b_proj"].dtype == "fp8"
     eagle = make_config(model="deepseek-ai/DeepSeek-V3", hardware="h200", tensor_parallel_size=8,
                         speculative_config={"method": "eagle", "model": "x/eagle", "num_speculative_tokens": 1})
     assert type(build_step_model(eagle).drafter) is StepModel

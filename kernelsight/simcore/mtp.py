@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from kernelsight.simcore.kernel_shapes import NORM, BatchShape, Kernel, elementwise_kernel, linear_kernel
+from kernelsight.simcore.kernel_shapes import NORM, BatchShape, Kernel, elementwise_kernel, gemm_kernel
 from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, attention_kernels, row_kernels, sampling_kernels
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
@@ -39,11 +39,13 @@ def mtp_step_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: Pr
 
 def mtp_input_kernels(model: ModelSpec, m: int, precision: Precision) -> list[Kernel]:
     """What an MTP module runs over its ``m`` rows before its decoder layer, and a plain decoder layer does not:
-    ``enorm`` and ``hnorm`` and the ``eh_proj`` projection of their concatenation (2h → h, not sharded by TP)."""
+    ``enorm`` and ``hnorm`` and the ``eh_proj`` projection of their concatenation (2h → h). vLLM builds ``eh_proj``
+    as a plain ``nn.Linear`` (deepseek_mtp.py): replicated on every TP rank and never quantized, so it is a bf16 GEMM
+    whatever the checkpoint's format (like the LM head)."""
     h, a = model.hidden_size, precision.act_bytes
     return [elementwise_kernel("mtp_enorm", NORM, 3.0 * m * h * a, precision.gemm_compute_dtype),
             elementwise_kernel("mtp_hnorm", NORM, 3.0 * m * h * a, precision.gemm_compute_dtype),
-            linear_kernel("mtp_eh_proj", m, h, 2 * h, precision)]
+            gemm_kernel("mtp_eh_proj", m, h, 2 * h, "bf16", 2.0, a)]
 
 
 class MTPStepModel(StepModel):
