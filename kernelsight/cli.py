@@ -175,6 +175,12 @@ def _print_pd(pd: dict[str, Any]) -> None:
           f"{link['bytes_per_s'] * 8 / 1e9:.0f} Gb/s per GPU, {link['latency_s'] * 1e6:.0f} µs per pull):")
     rows = [{**r, "peak_kv_%": round(100 * r["peak_kv_usage"], 2)} for r in pd["instances"]]
     print(format_table(rows, list(PD_COLUMNS)))
+    st = pd.get("ttft_stages")
+    if st and st["requests"]:
+        from kernelsight.loadgen.pd_stages import STAGE_COLUMNS
+
+        print(f"TTFT by stage ({st['requests']} requests that pulled their KV; the stages add up to each TTFT):")
+        print(format_table(st["stages"], list(STAGE_COLUMNS)))
 
 
 def _json_default(o: Any) -> Any:

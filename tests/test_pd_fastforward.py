@@ -102,3 +102,65 @@ def test_simulate_cli_rejects_pd_with_replicas(capsys):
     rc = main(["simulate", "--pd", "1P1D", "--replicas", "2", "--num-prompts", "2"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and err.startswith("kernelsight simulate: error:") and "--replicas" in err
+
+
+def _prefill_only_ends(cfg, samples, arrivals) -> list[float]:
+    """Each request's prefill end on one engine fed only the prefills (max_tokens 1, nothing held): what a prefill
+    instance must reproduce when nothing on the decode side holds it back."""
+    eng = build_engine(cfg, per_token_events=False)
+    reqs = []
+    for i, (s, a) in enumerate(zip(samples, arrivals, strict=True)):
+        eng.add_request(f"r{i}", s.prompt_token_ids, 1, ignore_eos=True, arrival_s=a)
+        reqs.append(eng.get_request(f"r{i}"))
+    while eng.step(max_steps=256) is not None:
+        pass
+    return [r.first_token_s for r in reqs]
+
+
+def test_under_poisson_load_the_prefill_side_queues_as_a_prefill_only_engine_and_stages_add_up():
+    # ~60% prefill utilisation with Poisson arrivals: the prefill queue is real queueing, and nothing else. A P/D
+    # stepping order that delayed arrivals, a prefill engine waiting on held blocks it need not wait for, or a decode
+    # window running past a hand-off would each move a prefill end or open a gap between the stages and the TTFT.
+    from kernelsight.loadgen.arrivals import arrival_times_s
+
+    cfg = make_config()
+    samples = _samples(120, 2000, 30, seed=11)
+    arrivals = arrival_times_s(120, 18.0, seed=4).tolist()
+    res = run_pd(cfg, samples, arrivals, 1, 1)
+    st = res.pd_stages
+    assert st is not None and st.request_ids == [f"ff-{i}" for i in range(120)]
+    sec = st.seconds
+    ends = arrivals + sec["prefill_queue"] + sec["prefill"]
+    assert ends.tolist() == pytest.approx(_prefill_only_ends(cfg, samples, arrivals), rel=0, abs=1e-9)
+    assert [r.ttft_s for r in res.records] == pytest.approx(st.total_s().tolist(), rel=1e-9)
+    assert (sec["prefill_queue"] > 0).sum() > 20              # the load queued some (the test means something)
+    assert (sec["prefill_queue"] == 0).sum() > 20             # and an idle prefill engine started others at once
+    # the decode side: one pull per request, and at most a decode step's wait on either side of it
+    p0, d0 = res.pd["instances"]
+    pull_s = d0["kv_transfer_s"] / d0["pulls"]
+    step_bound_s = max(sec["first_decode_step"])
+    assert min(sec["kv_ready"]) >= pull_s - 1e-6
+    assert max(sec["kv_ready"]) <= pull_s + step_bound_s + 1e-6
+    assert max(sec["step_after_pull"]) <= step_bound_s
+    summary = res.pd["ttft_stages"]
+    assert summary["requests"] == 120 and [r["stage"] for r in summary["stages"]][-1] == "ttft"
+    assert summary["stages"][-1]["mean_ms"] == pytest.approx(1e3 * st.total_s().mean(), abs=1e-3)
+
+
+def test_an_idle_prefill_engine_starts_a_request_at_its_arrival_while_the_decode_engine_runs_long_windows():
+    cfg = make_config()
+    link = kv_link(profiles.load_hardware("h100"), "nvlink")
+    plen = 1000
+    samples = _samples(2, plen, 800, seed=2)[:1] + _samples(1, plen, 5, seed=9)
+    res = run_pd(cfg, samples, [0.0, 1.0], 1, 1, link=link)       # at 1 s the decode engine is mid-way through A
+    sec = res.pd_stages.seconds
+    ref = build_engine(cfg, link=link)
+    _, prefill_s = ref.step_model.step(BatchShape((PrefillChunk(plen, 0, True),), 0, 0))
+    _, decode_step_s = ref.step_model.step(BatchShape((), 1, plen + 800))     # A's longest decode step
+    pull_s = ref.kv_transfer.time_s(math.ceil(plen / 16))
+    assert sec["prefill_queue"][1] == 0.0
+    assert sec["prefill"][1] == pytest.approx(prefill_s, rel=1e-9)
+    # the decode engine's window was cut at B's hand-off: B waits for at most the step in flight, not the window
+    assert pull_s <= sec["kv_ready"][1] <= pull_s + 1.01 * decode_step_s
+    assert sec["step_after_pull"][1] <= 1.01 * decode_step_s
+    assert res.records[1].ttft_s == pytest.approx(sum(sec[s][1] for s in sec), rel=1e-9)

@@ -14,7 +14,7 @@ import pytest
 from kernelsight.loadgen.datasets import random_dataset
 from kernelsight.loadgen.fastforward import run_fast_forward
 from kernelsight.simcore.engine_config import EngineArgs, build_engine, build_step_model, resolve_engine_config
-from kernelsight.simcore.kernels import FAMILIES, BatchShape
+from kernelsight.simcore.kernels import FAMILIES, BatchShape, PrefillChunk
 from kernelsight.simcore.spec_decode import (
     DEFAULT_CONDITIONAL_ACCEPTANCE,
     SpecDecoder,
@@ -292,3 +292,53 @@ def test_cuda_graph_sizes_follow_vllms_spec_decode_rule():
     assert base[-1] == 64                                   # min(2 · 32, 512)
     assert sizes[-1] == 256 and all(s % 4 == 0 for s in sizes)   # min(2 · 32 · 4, 512), multiples of 1 + k
     assert sizes[:4] == (4, 8, 16, 24)
+
+
+def test_an_mtp_draft_pass_costs_the_one_layer_draft_plus_exactly_the_mtp_input_kernels():
+    # method 'mtp' drafts with DeepSeek's MTP module (simcore/mtp.py): the one decoder layer an EAGLE head is, plus
+    # enorm, hnorm and eh_proj over the same rows
+    from kernelsight.simcore.kernels import FAMILY_INDEX
+    from kernelsight.simcore.mtp import MTPStepModel, mtp_input_kernels, mtp_step_kernels
+
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    cfg = make_config(model="deepseek-ai/DeepSeek-V3", hardware="h200", tensor_parallel_size=8,
+                      speculative_config=spec)
+    drafter = build_step_model(cfg).drafter
+    assert type(drafter) is MTPStepModel and drafter.model is cfg.draft_model
+    plain = StepModel(cfg.draft_model, cfg.hardware, cfg.calibration, cfg.precision, drafter.config)
+    kernel_families = [i for f, i in FAMILY_INDEX.items() if f not in ("launch", "host")]
+    for batch in (BatchShape((), 32, 32 * 3000), BatchShape((PrefillChunk(700, 0, True),), 5, 5 * 900)):
+        m_padded = plain._graph_mode(batch.num_tokens, batch.is_decode_only)[1]
+        extra = np.zeros(len(FAMILIES))
+        for k in mtp_input_kernels(cfg.model, m_padded, cfg.precision):
+            extra[FAMILY_INDEX[k.family]] += plain.kernel_time_s(k)
+        assert extra[FAMILY_INDEX["gemm"]] > 0 and extra[FAMILY_INDEX["norm"]] > 0
+        (mtp_out, mtp_s), (one_out, one_s) = drafter.step(batch), plain.step(batch)
+        assert (mtp_out - one_out)[kernel_families] == pytest.approx(extra[kernel_families], rel=1e-12, abs=1e-15)
+        # the drafter's passes run inside the target's step (SpecStepModel.draft drops their host time): on the GPU a
+        # decode batch replays a full CUDA graph and the extra kernels add to it; a piecewise (mixed) step may hide
+        # them under its exposed launch time
+        host = FAMILY_INDEX["host"]
+        gpu = (mtp_s - mtp_out[host], one_s - one_out[host])
+        assert gpu[0] - gpu[1] == pytest.approx(extra.sum(), rel=1e-9) if batch.is_decode_only else gpu[0] >= gpu[1]
+        # the kernels it adds are the ones mtp_step_kernels has beyond a plain layer's
+        names = {k.name for k in mtp_step_kernels(cfg.model, batch, 8, cfg.precision, m_padded)}
+        assert {k.name for k in mtp_input_kernels(cfg.model, m_padded, cfg.precision)} <= names
+        # eh_proj is vLLM's plain nn.Linear: bf16 even in the fp8 checkpoint whose layer GEMMs run fp8
+        by_name = {k.name: k for k in mtp_step_kernels(cfg.model, batch, 8, cfg.precision, m_padded)}
+        assert by_name["mtp_eh_proj"].dtype == "bf16" and by_name["q_b_proj"].dtype == "fp8"
+    eagle = make_config(model="deepseek-ai/DeepSeek-V3", hardware="h200", tensor_parallel_size=8,
+                        speculative_config={"method": "eagle", "model": "x/eagle", "num_speculative_tokens": 1})
+    assert type(build_step_model(eagle).drafter) is StepModel
+
+
+def test_deepseek_v3_with_mtp_runs_end_to_end_in_simulate(capsys):
+    from kernelsight.cli import main
+
+    rc = main(["simulate", "--model", "deepseek-ai/DeepSeek-V3", "--hardware", "h200", "-tp", "8",
+               "--speculative-config", '{"method":"mtp","num_speculative_tokens":1}', "--num-prompts", "20",
+               "--request-rate", "5", "--random-input-len", "600", "--random-output-len", "40", "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Successful requests:                     20" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("Speculative decoding (mtp, k=1)"))
+    assert "drafting 0.00 s" not in line

@@ -20,6 +20,7 @@ import numpy as np
 
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.metrics import RequestRecord
+from kernelsight.loadgen.pd_stages import TTFTStages
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, build_engine
 from kernelsight.simcore.kernels import FAMILIES
@@ -65,6 +66,7 @@ class FastForwardResult:
     ranks: list[dict[str, Any]] | None = None     # per data-parallel rank (DP > 1): see RankStats.summary
     pd: dict[str, Any] | None = None              # a P/D deployment (loadgen/pd_fastforward.py): link, instances
     spec_decode: dict[str, Any] | None = None     # speculative decoding: spec_decode_summary
+    pd_stages: TTFTStages | None = None           # a P/D deployment: each request's TTFT by stage (per request)
 
     def simulator_stats(self) -> dict[str, Any]:
         wall = max(self.wall_s, 1e-9)

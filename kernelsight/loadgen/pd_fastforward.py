@@ -26,10 +26,12 @@ import numpy as np
 
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.fastforward import MAX_WINDOW_STEPS, FastForwardResult, _record, _Sender
+from kernelsight.loadgen.pd_stages import ttft_stages
 from kernelsight.simcore.engine import FINISHED, Engine
 from kernelsight.simcore.engine_config import EngineConfig, build_engine
 from kernelsight.simcore.kernels import FAMILIES
 from kernelsight.simcore.kv_transfer import KVLink
+from kernelsight.simcore.request import Request
 
 _PD_RE = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 #: Columns of the per-instance table of a P/D run (``simulator.pd_instances``).
@@ -97,6 +99,8 @@ def run_pd(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: S
               for i in range(num_decode)]
     owner: dict[str, _Instance] = {}          # request id -> the instance whose events it is in now
     arrived: dict[str, float] = {}            # request id -> its arrival at the decode engine
+    # each request as the prefill and the decode engine recorded it: its TTFT by stage (pd_stages.py)
+    sides: dict[str, list[Request]] = {}
     rr = {"P": 0, "D": 0}
 
     def pick(role: str) -> _Instance:
@@ -111,6 +115,7 @@ def run_pd(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: S
         inst = pick("P")
         owner[rid] = inst
         inst.engine.add_request(rid, prompt, 1, ignore_eos=ignore_eos, arrival_s=arrival_s, hold_kv=True)
+        sides[rid] = [inst.engine.get_request(rid)]
 
     sender = _Sender(samples, arrivals_s, max_concurrency, to_prefill, ignore_eos)
     trackers, send = sender.trackers, sender.send
@@ -143,8 +148,10 @@ def run_pd(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: S
         if nxt.role == "P":
             for ev in res.events:
                 if ev.kind == FINISHED:
-                    _prefill_done(ev.request_id, ev.finish_reason, nxt.ends[ev.step_index], nxt, pick, owner, arrived,
-                                  trackers, sender)
+                    d_req = _prefill_done(ev.request_id, ev.finish_reason, nxt.ends[ev.step_index], nxt, pick, owner,
+                                          arrived, trackers, sender)
+                    if d_req is not None:
+                        sides[ev.request_id].append(d_req)
             continue
         for rid, ready_s in nxt.engine.take_pulled():
             nxt.kv_wait_s += ready_s - arrived.pop(rid, ready_s)
@@ -174,6 +181,7 @@ def run_pd(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: S
     breakdown = sum((e.stats.breakdown_s for e in engines), np.zeros(len(FAMILIES)))
     duration = max((r.start_s + r.latency_s for r in records if r.success), default=0.0)
     lk = decode[0].engine.kv_transfer.link
+    stages = ttft_stages((v[0], v[1]) for v in sides.values() if len(v) == 2)
     return FastForwardResult(
         records=records, duration_s=duration, wall_s=time.perf_counter() - wall0,
         num_steps=sum(e.stats.num_steps for e in engines),
@@ -182,17 +190,20 @@ def run_pd(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: S
         prefix_cache_hit_rate=hits / queries if queries else 0.0, finish_reasons=reasons, timeline=None,
         pd={"prefill": num_prefill, "decode": num_decode,
             "link": {"kind": lk.kind, "bytes_per_s": lk.bytes_per_s, "latency_s": lk.latency_s},
-            "instances": [x.summary() for x in everyone]})
+            "instances": [x.summary() for x in everyone], "ttft_stages": stages.summary()},
+        pd_stages=stages)
 
 
 def _prefill_done(rid: str, reason: str | None, at_s: float, inst: _Instance, pick: Callable[[str], _Instance],
-                  owner: dict[str, _Instance], arrived: dict[str, float], trackers: dict, sender: _Sender) -> None:
-    """The proxy's second leg: the prefill engine answered at ``at_s``; send the request to a decode engine then."""
+                  owner: dict[str, _Instance], arrived: dict[str, float], trackers: dict,
+                  sender: _Sender) -> Request | None:
+    """The proxy's second leg: the prefill engine answered at ``at_s``; send the request to a decode engine then.
+    Returns the decode engine's request (None: aborted, not sent)."""
     tr = trackers[rid]
     if reason == "abort":
         tr.finished, tr.finish_reason = True, "abort"
         sender.in_flight -= 1
-        return
+        return None
     remote = inst.engine.held_block_ids(rid) is not None     # None: it ended on EOS, nothing kept, no params
     d = pick("D")
     tr.rank = d.index
@@ -204,3 +215,4 @@ def _prefill_done(rid: str, reason: str | None, at_s: float, inst: _Instance, pi
         arrived[rid] = at_s
     else:
         owner[rid] = d
+    return d.engine.get_request(rid)

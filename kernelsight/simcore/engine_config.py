@@ -19,6 +19,7 @@ from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.kv_transfer import KVLink, kv_link, kv_transfer_model
 from kernelsight.simcore.memory import MemoryPlan, kv_bytes_per_token, plan_memory, weight_bytes_per_rank
 from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.mtp import MTPStepModel
 from kernelsight.simcore.precision import Precision, resolve_precision
 from kernelsight.simcore.scheduler import FCFS, PRIORITY, SchedulerConfig
 from kernelsight.simcore.spec_decode import (
@@ -308,7 +309,9 @@ def _drafter(cfg: EngineConfig) -> StepModel | None:
     """The draft's own step model (same GPU, calibration and precision; its own TP and CUDA graphs)."""
     if cfg.draft_model is None:
         return None
-    return StepModel(cfg.draft_model, cfg.hardware, cfg.calibration, cfg.precision,
+    # an MTP module is more than the decoder layer an EAGLE head is: its input norms and eh_proj come on top
+    cls = MTPStepModel if cfg.speculative.method == MTP else StepModel
+    return cls(cfg.draft_model, cfg.hardware, cfg.calibration, cfg.precision,
                      StepConfig(tp=cfg.speculative.draft_tensor_parallel_size,
                                 cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                                 enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling))
