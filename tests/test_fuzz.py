@@ -261,7 +261,7 @@ def fuzz_all(base_url: str, examples: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("examples", [pytest.param(8, id="quick"),
-                                      pytest.param(300, id="full", marks=pytest.mark.slow)])
+                                      pytest.param(120, id="full", marks=pytest.mark.slow)])
 def test_fuzz_every_route(fuzz_srv, examples):
     names = {name for name, _ in operations(fuzz_srv.base_url)}
     assert names >= {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
