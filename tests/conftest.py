@@ -53,3 +53,19 @@ def llama8b():
 @pytest.fixture(scope="session")
 def h100():
     return profiles.load_hardware("h100")
+
+
+def cli_one_line_error(capsys, argv: list[str]) -> str:
+    """Run the CLI on ``argv`` expecting a start-up refusal: exit 2, no traceback, and the last stderr line (a
+    tokenizer library may warn on lines of its own before it) is the command's one-line error, returned."""
+    from kernelsight.cli import main
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith("kernelsight serve: error: ") or last.startswith("kernelsight: error: ")
+    return last

@@ -12,6 +12,8 @@ import socket
 import httpx
 import pytest
 
+from tests.conftest import cli_one_line_error
+
 pytest.importorskip("fastapi")
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
@@ -190,22 +192,9 @@ def test_config_defaults_and_rules():
             parse_kv_events_config(bad)
 
 
-def _cli_error(capsys, argv: list[str]) -> str:
-    from kernelsight.cli import main
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = exc.code
-    assert rc == 2
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    last = err.splitlines()[-1]     # (a tokenizer library may warn on lines of its own before it)
-    assert last.startswith("kernelsight serve: error: ") or last.startswith("kernelsight: error: ")
-    return last
-
 
 def test_bad_configs_fail_at_start_with_one_line(capsys):
-    err = _cli_error(capsys, ["serve", "--kv-events-config", "{not json"])
+    err = cli_one_line_error(capsys, ["serve", "--kv-events-config", "{not json"])
     assert "--kv-events-config" in err and "invalid JSON" in err
     taken = socket.socket()
     taken.bind(("", 0))
@@ -214,7 +203,7 @@ def test_bad_configs_fail_at_start_with_one_line(capsys):
     try:
         cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
         # (an HTTP port of its own: serve binds it before building the engine, and 8000 may be someone else's)
-        err = _cli_error(capsys, ["serve", "--num-gpu-blocks-override", "64", "--max-model-len", "512",
+        err = cli_one_line_error(capsys, ["serve", "--num-gpu-blocks-override", "64", "--max-model-len", "512",
                                   "--host", "127.0.0.1", "--port", str(_free_port()), "--kv-events-config", cfg])
         assert f"cannot bind tcp://*:{port}" in err and "in use" in err
     finally:

@@ -12,6 +12,7 @@ import pytest
 
 from kernelsight.server.kv_transfer import parse_kv_transfer_config
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
+from tests.conftest import cli_one_line_error
 from tests.pd_proxy import ProxyThread
 
 NIXL = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
@@ -179,19 +180,6 @@ def test_config_parsing_follows_vllm():
     assert extra.kv_connector_extra_config == {"proxy_port": "30001"}
 
 
-def _cli_error(capsys, argv: list[str]) -> str:
-    from kernelsight.cli import main
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = exc.code
-    assert rc == 2
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    last = err.splitlines()[-1]
-    assert last.startswith("kernelsight serve: error: ")
-    return last
-
 
 @pytest.mark.parametrize(("value", "message"), [
     ("{not json", "invalid JSON"),
@@ -201,5 +189,5 @@ def _cli_error(capsys, argv: list[str]) -> str:
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_colour": 1}', "unknown field(s) kv_colour"),
 ])
 def test_bad_configs_fail_at_start_with_one_line(capsys, value, message):
-    err = _cli_error(capsys, ["serve", "--kv-transfer-config", value])
-    assert "--kv-transfer-config" in err and message in err
+    err = cli_one_line_error(capsys, ["serve", "--kv-transfer-config", value])
+    assert err.startswith("kernelsight serve: error: ") and "--kv-transfer-config" in err and message in err
