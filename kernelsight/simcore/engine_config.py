@@ -6,7 +6,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kernelsight.simcore.calibration import Calibration
-from kernelsight.simcore.dp_group import DPGroup, GroupMoEStepModel, LockstepStepModel, MoEGroupTiming
+from kernelsight.simcore.dp_group import (
+    DPGroup,
+    GroupMoESpecStepModel,
+    GroupMoEStepModel,
+    LockstepSpecStepModel,
+    LockstepStepModel,
+    MoEGroupTiming,
+)
 from kernelsight.simcore.engine import Engine
 from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
@@ -289,9 +296,14 @@ def _draft_memory(spec: SpeculativeConfig | None, draft: ModelSpec | None, targe
     return {"draft_weight_bytes": weights, "draft_kv_bytes_per_token": kv}
 
 
+#: The step model of a rank that drafts and verifies, by the one it would have without speculation.
+_SPEC_STEP_MODELS: dict[type[StepModel], type[StepModel]] = {
+    StepModel: SpecStepModel, LockstepStepModel: LockstepSpecStepModel, GroupMoEStepModel: GroupMoESpecStepModel}
+
+
 def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwargs: Any) -> StepModel:
-    if cfg.speculative is not None and cls is StepModel:
-        cls = SpecStepModel
+    if cfg.speculative is not None and cls in _SPEC_STEP_MODELS:
+        cls = _SPEC_STEP_MODELS[cls]
         plain = () if cfg.args.enforce_eager else default_cudagraph_capture_sizes(cfg.scheduler.max_num_seqs,
                                                                                  cfg.args.max_cudagraph_capture_size)
         baseline = StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
@@ -347,8 +359,6 @@ def build_engine(cfg: EngineConfig, per_token_events: bool = True, link: KVLink 
     tokens and finishes. ``link``: what a P/D decode side pulls prompt KV over (default: the GPU profile's, see
     ``simcore/kv_transfer.py``)."""
     moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
-    if moe is not None and cfg.speculative is not None:
-        raise ValueError("speculative decoding with a data-parallel MoE group is not modelled")
     sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
     eng = Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
                  per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),
@@ -362,8 +372,6 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
     """The ``data_parallel_size`` engines of a configuration behind vLLM's router (every rank alike, as vLLM
     starts them: same config and seed). A MoE model's ranks step in lockstep (see ``simcore/dp_group.py``)."""
     moe = moe_group_timing(cfg)
-    if moe is not None and cfg.speculative is not None:
-        raise ValueError("speculative decoding with a data-parallel MoE group is not modelled")
     engines = [Engine(cfg.scheduler, cfg.memory.num_gpu_blocks,
                       build_step_model(cfg, StepModel if moe is None else LockstepStepModel), seed=cfg.args.seed,
                       per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),

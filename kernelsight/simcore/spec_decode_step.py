@@ -127,6 +127,18 @@ class SpecStepModel(StepModel):
         return {"verify_s": self.verify_s, "draft_s": self.draft_s, "decode_steps": self.num_decode_steps,
                 "decode_steps_s": self.spec_s, "same_decode_batches_without_spec_s": self.baseline_s}
 
+    def draft_passes(self, batch: BatchShape) -> list[tuple[StepModel, int]]:
+        """The drafter's forward passes of this step as (its step model, padded rows), in the order :meth:`draft`
+        prices them: a data-parallel MoE group runs each one across its ranks (vLLM pads every draft pass to the
+        group's largest rank, as it does the target's pass), so the group prices their MoE layers and all-to-alls.
+        None for n-gram (no GPU pass) or a step with no request to draft for."""
+        d = self.drafter
+        num_requests = batch.num_decodes + sum(1 for p in batch.prefills if p.samples)
+        if not num_requests or self.spec.method == NGRAM or d is None:
+            return []
+        passes = [(d, d._graph_mode(batch.num_tokens, not batch.prefills)[1])]
+        return passes + [(d, d._graph_mode(num_requests, True)[1])] * (self.spec.num_speculative_tokens - 1)
+
     def draft(self, batch: BatchShape) -> tuple[np.ndarray, float]:
         """The proposer's time after the target's pass: host time for n-gram, else the draft's passes."""
         num_requests = batch.num_decodes + sum(1 for p in batch.prefills if p.samples)
