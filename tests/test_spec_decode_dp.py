@@ -45,6 +45,11 @@ def test_mtp_on_a_dp2_ep_group_makes_more_tokens_per_step_and_lowers_tpot():
     # both ranks drafted (their counters are summed over the group's engines)
     assert all(rank["requests"] > 0 and rank["steps"] > 0 for rank in mtp.ranks)
     assert _tokens_per_rank_step(mtp) > 1.3 * _tokens_per_rank_step(plain)
+    # the report's verify and drafting seconds are the group's: each rank's own work with the MoE GEMMs at the
+    # group's size, plus every pass's dispatch/combine (not the rank's MoE at its own rows)
+    assert spec["verify_s"] + spec["draft_s"] == pytest.approx(
+        sum(rank["own_step_s"] + rank["all2all_s"] for rank in mtp.ranks), rel=1e-5)
+    assert 1.0 < spec["estimated_decode_speedup"] < spec["mean_acceptance_length"]
 
     def median_tpot(res):
         return np.median([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in res.records])

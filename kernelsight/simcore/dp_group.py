@@ -348,6 +348,8 @@ class DPGroup:
             total += moe_s - bd[_I_MOE]    # the expert GEMMs run at the group's size, not the rank's
             bd[_I_MOE] = moe_s
             own.append((bd, total))
+        if isinstance(models[0], SpecStepModel):
+            _regroup_spec_accounting(moe, models, passes)
         slowest = max(t for _, t in own)
         duration = slowest + comm_s
         end = start + duration
@@ -388,6 +390,17 @@ def _group_passes(per_rank: Sequence[Sequence[tuple[StepModel, int]]]) -> list[t
         rows = [p[i] for p in per_rank if i < len(p)]
         out.append((rows[0][0], max(r for _, r in rows)))
     return out
+
+
+def _regroup_spec_accounting(moe: MoEGroupTiming, models: Sequence[StepModel],
+                             passes: Sequence[tuple[StepModel, int]]) -> None:
+    """Each speculating rank's verify/draft seconds (and its decode-only steps' counterfactual without drafts, padded
+    to the largest rank's plain rows) with the group's MoE GEMMs and all-to-alls, not its own rows'."""
+    per_pass = [sum(moe.moe_and_comm_s(m, r)) for m, r in passes]
+    plain_rows = [sm.last_plain_rows for sm in models if sm.last_plain_rows is not None]   # type: ignore[attr-defined]
+    plain_s = sum(moe.moe_and_comm_s(models[0], max(plain_rows))) if plain_rows else None
+    for sm in models:
+        sm.regroup(per_pass[0], sum(per_pass[1:]), plain_s)                  # type: ignore[attr-defined]
 
 
 def _has_work(e: Engine) -> bool:
