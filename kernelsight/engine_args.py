@@ -154,7 +154,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     model = profiles.load_model(args.model)
     hw = profiles.load_hardware(args.hardware)
     calib = profiles.load_calibration(hw.name, args.calibration)
-    return resolve_engine_config(args, model, hw, calib, _draft_model(args))
+    return resolve_engine_config(args, model, hw, calib, draft_model_spec(args))
 
 
 def add_kv_link_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -175,7 +175,7 @@ def kv_link_from(ns: argparse.Namespace, hw: HardwareSpec) -> KVLink:
                    latency_s=None if lat is None else lat * 1e-6)
 
 
-def _draft_model(args: EngineArgs) -> ModelSpec | None:
+def draft_model_spec(args: EngineArgs) -> ModelSpec | None:
     """A speculative config's draft model (method draft_model, vLLM's default when only ``model`` is given) from the
     bundled profiles; EAGLE heads and MTP layers are derived from the target in simcore."""
     sc = args.speculative_config

@@ -111,6 +111,66 @@ def test_rerun_hits_the_cache_and_a_widened_search_simulates_only_new_points(sma
     assert wider["search"]["simulated"] == len(new) >= 1
 
 
+# Llama-3.1-8B at 2 req/s on one H100: without speculation the decode steps alone are too slow for a 5.5 ms TPOT
+# (p99 ~6.7 ms, no queue); n-gram drafting (k=3) gains ~1.8 tokens per verify step and meets it.
+NGRAM3 = '{"method":"ngram","num_speculative_tokens":3}'
+SPEC = ["plan", "--model", "meta-llama/Llama-3.1-8B", "--dataset-name", "random", "--num-prompts", "40",
+        "--random-input-len", "512", "--random-output-len", "64", "--request-rate", "2",
+        "--slo", "ttft_p99_ms=200,tpot_p99_ms=5.5", "--gpus", "h100", "--tp", "1", "--replicas", "1-2",
+        "--quantization", "none", "--curve-loads", "1", "--no-progress", "--workers", "1"]
+
+
+def test_speculative_decoding_is_searched_chosen_for_the_tpot_limit_and_its_rerun_reproduces_it(tmp_path):
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    out = tmp_path / "plain.json"
+    assert main([*SPEC, *cache, "--result-json", str(out)]) == 0
+    plain = json.loads(out.read_text())
+    assert plain["chosen"] is None            # no speculation: no deployment of one or two H100s meets it
+    assert main([*SPEC, *cache, "--speculative-config", f"none; {NGRAM3}", "--result-json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    # the plain points are the cached ones (their key is unchanged); the speculative ones are new points
+    assert plan["search"]["cache_hits"] >= 1
+    by_label = {p["label"]: p for p in plan["points"]}
+    rejected = by_label["1× h100-sxm TP1"]
+    assert not rejected["meets_slo"] and rejected["speculative_config"] == ""
+    assert rejected["why"].startswith("tpot_p99_ms") and "steps themselves are too slow" in rejected["why"]
+    chosen = plan["chosen"]
+    assert chosen["label"] == "1× h100-sxm TP1 spec ngram k3" and chosen["speculative_config"] == NGRAM3
+    assert chosen["key"] != rejected["key"] and chosen["p99_tpot_ms"] < 5.5 < rejected["p99_tpot_ms"]
+    argv = shlex.split(plan["simulate_command"])
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == json.loads(NGRAM3)
+    sim = run_simulate(plan["simulate_command"], tmp_path)
+    assert sim["config"]["speculative_config"]["method"] == "ngram"
+    assert sim["p99_tpot_ms"] == pytest.approx(chosen["p99_tpot_ms"], abs=1e-3)
+    assert sim["p99_ttft_ms"] == pytest.approx(chosen["p99_ttft_ms"], abs=1e-3)
+
+
+def test_speculation_lowers_the_tpot_floor_pruning_by_one_plus_k(tmp_path):
+    # 16 GB of weights at 3.35 TB/s: no H100 step is under ~4.8 ms, so a 3 ms TPOT is out of reach one token per step
+    # but not four (1 + k); the TTFT floor stays one step
+    out = tmp_path / "floor.json"
+    argv = [*SPEC, "--no-cache", "--slo", "tpot_p99_ms=3", "--replicas", "1", "--result-json", str(out)]
+    assert main([*argv, "--speculative-config", f"none;{NGRAM3}"]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["search"]["pruned_by_reason"] == {"roofline (the SLO is below the GPU's step floor)": 1}
+    assert [p["label"] for p in plan["points"]] == ["1× h100-sxm TP1 spec ngram k3"]
+    assert main([*argv, "--slo", "ttft_p99_ms=3", "--speculative-config", NGRAM3]) == 0
+    assert json.loads(out.read_text())["search"]["simulated"] == 0
+
+
+def test_a_bad_speculative_config_stops_plan_at_start(capsys):
+    for bad, says in (('none;{"method":"foo","num_speculative_tokens":3}', "Unsupported speculative method: 'foo'"),
+                      ("none;[1]", "not a JSON object")):
+        try:
+            rc = main([*SPEC, "--speculative-config", bad])
+        except SystemExit as exc:     # argparse refuses the list itself
+            rc = exc.code
+        assert rc == 2
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and err.splitlines()[-1].startswith("kernelsight plan: error: ")
+        assert says in err.splitlines()[-1]
+
+
 def test_results_are_deterministic_for_a_seed_and_pool_agrees_with_one_process(small, tmp_path):
     _, first = small
     pooled = run_plan(tmp_path, "--no-cache", "--workers", "2", name="pooled.json")

@@ -167,6 +167,30 @@ def test_draft_weights_and_kv_take_memory():
         base.num_gpu_blocks
 
 
+def test_an_mtp_module_holds_its_norms_and_bf16_eh_proj_beside_its_decoder_layer():
+    # vLLM's deepseek_mtp: enorm, hnorm and shared_head.norm (RMSNorms of h) and eh_proj (nn.Linear 2h → h, no bias),
+    # built in the model dtype outside the quantization config and replicated on every TP rank; the decoder layer
+    # is the one an EAGLE head of the target's shape has (the embedding and LM head are the target's)
+    from kernelsight.profiles import _package_dir
+    from kernelsight.simcore.engine_config import _draft_memory
+
+    config = json.loads((_package_dir("models") / "deepseek-ai--DeepSeek-V3.json").read_text())
+    h, experts, inter = config["hidden_size"], config["n_routed_experts"], config["moe_intermediate_size"]
+    assert config["num_nextn_predict_layers"] == 1 and config["torch_dtype"] == "bfloat16"
+    extra = (3 * h + 2 * h * h) * 2
+    mtp, eagle = {"method": "mtp", "num_speculative_tokens": 1}, {**EAGLE, "num_speculative_tokens": 1}
+    for parallel in (dict(tensor_parallel_size=8), dict(tensor_parallel_size=4, data_parallel_size=2,
+                                                        enable_expert_parallel=True)):
+        kw = dict(model="deepseek-ai/DeepSeek-V3", hardware="h200", max_model_len=4096, **parallel)
+        with_mtp, with_eagle = make_config(speculative_config=mtp, **kw), make_config(speculative_config=eagle, **kw)
+        assert with_mtp.memory.weight_bytes - with_eagle.memory.weight_bytes == extra     # not divided by TP
+    # the module's MoE layer splits its experts over a data-parallel group's ranks as the target's layers do
+    # (DeepSeek-V3's experts are fp8: one byte per parameter)
+    split = [_draft_memory(with_mtp.speculative, with_mtp.draft_model, with_mtp.model, with_mtp.precision,
+                           ep)["draft_weight_bytes"] for ep in (1, 2)]
+    assert split[0] - split[1] == experts * 3 * h * inter * 1.0 / 4 / 2
+
+
 def test_the_mtp_hook_reads_the_models_mtp_modules(llama8b):
     from kernelsight.simcore.spec_decode_step import mtp_layers
 

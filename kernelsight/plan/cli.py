@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 from pathlib import Path
@@ -57,6 +58,30 @@ def _on_off(text: str) -> bool:
     if text in ("off", "false", "0"):
         return False
     raise argparse.ArgumentTypeError("choose off or on")
+
+
+def _spec_configs(text: str) -> tuple[str | None, ...]:
+    """``none;{"method":"ngram","num_speculative_tokens":3}``: ';'-separated (JSON has commas), each ``none`` or a
+    JSON object as ``simulate --speculative-config`` takes; kept as canonical JSON, duplicates once."""
+    from kernelsight.plan.space import canonical_spec
+
+    out: list[str | None] = []
+    for item in (x.strip() for x in text.split(";") if x.strip()):
+        if item.lower() == "none":
+            value = None
+        else:
+            try:
+                obj = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise argparse.ArgumentTypeError(f"bad item {item!r}: {exc}") from None
+            if not isinstance(obj, dict):
+                raise argparse.ArgumentTypeError(f"bad item {item!r}: not a JSON object")
+            value = canonical_spec(obj)
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError("empty list")
+    return tuple(out)
 
 
 def _replicas(text: str) -> tuple[int, ...]:
@@ -115,6 +140,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         "mxfp4 (MoE experts) (default: none,fp8)")
     g.add_argument("--kv-cache-dtype", type=_csv_list(_kv), default=("auto",),
                    help="KV formats: auto, fp8 (default: auto)")
+    g.add_argument("--speculative-config", type=_spec_configs, default=(None,), metavar="'none;JSON;...'",
+                   help="speculative configs to try, ';'-separated: none or a JSON object as simulate's "
+                        "--speculative-config, e.g. 'none;{\"method\":\"ngram\",\"num_speculative_tokens\":3}' "
+                        "(default: none)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length every engine must hold (default: the model's)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
@@ -155,11 +184,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from kernelsight.plan.slo import parse_slo
     from kernelsight.plan.space import SearchSpace
     from kernelsight.simcore.engine_config import EngineArgs
+    from kernelsight.simcore.spec_decode import resolve_speculative_config
 
     slo = parse_slo(ns.slo)
     if ns.request_rate is None and ns.dataset_name != "trace" and ns.max_concurrency is None:
         raise ValueError("plan needs the load to plan for: --request-rate R (or --max-concurrency C)")
     model = profiles.load_model(ns.model)
+    for spec in ns.speculative_config:      # a bad config stops the command with vLLM's message, as simulate's does
+        if spec is not None:
+            resolve_speculative_config(json.loads(spec), 1, model.num_mtp_layers)
     wl = build_workload(ns, model.vocab_size, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
     rate = wl.request_rate
     if rate == "trace":
@@ -175,7 +208,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                         max_num_seqs=tuple(ns.max_num_seqs), max_num_batched_tokens=tuple(ns.max_num_batched_tokens),
                         quantizations=tuple(ns.quantization), kv_cache_dtypes=tuple(ns.kv_cache_dtype),
                         data_parallel_sizes=tuple(sorted(set(ns.dp))), expert_parallel=tuple(sorted(set(
-                            ns.expert_parallel))), pd_max=ns.pd_max, kv_link=_kv_link_spec(ns), max_gpus=ns.max_gpus)
+                            ns.expert_parallel))), speculative_configs=ns.speculative_config, pd_max=ns.pd_max,
+                        kv_link=_kv_link_spec(ns), max_gpus=ns.max_gpus)
     base = EngineArgs(model=ns.model, max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
                       seed=ns.seed)
     if ns.all2all_backend is not None:
@@ -248,6 +282,8 @@ def simulate_command(ns: argparse.Namespace, chosen: dict | None) -> str:
         argv += ["--kv-cache-dtype", a["kv_cache_dtype"]]
     if a["gpu_memory_utilization"] != 0.9:
         argv += ["--gpu-memory-utilization", str(a["gpu_memory_utilization"])]
+    if a.get("speculative_config") is not None:
+        argv += ["--speculative-config", json.dumps(a["speculative_config"], sort_keys=True, separators=(",", ":"))]
     argv += ["--seed", str(a["seed"]), "--dataset-name", ns.dataset_name, "--num-prompts", str(ns.num_prompts)]
     if ns.dataset_path:
         argv += ["--dataset-path", str(Path(ns.dataset_path))]

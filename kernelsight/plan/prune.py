@@ -5,6 +5,9 @@
 * roofline: every decode step reads the active weights once, so no step is shorter than
   ``active weight bytes per GPU / datasheet bandwidth``; a TPOT or ITL limit below that (or a TTFT limit below one
   step, an E2EL limit below its requests' decode floor) cannot be met at any load;
+* speculative decoding: a step still reads the weights once and a first token still takes a step, but a request
+  may gain up to ``1 + k`` tokens per step, so the TPOT and E2EL floors (and the tokens per step of the load
+  bound) allow that many; the FLOP bound stands (every output token is a position the target computed);
 * roofline on load: an engine makes at most ``max_num_seqs`` output tokens per step, and at most
   ``TP · peak FLOP/s / (2 · active parameters)`` tokens per second (a DP group of N ranks N times that); a
   deployment whose replicas (or a P/D split whose decode engines) together cannot produce the workload's output
@@ -20,12 +23,14 @@ least its non-expert weights and its share of the active experts).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from kernelsight import profiles
+from kernelsight.engine_args import draft_model_spec
 from kernelsight.plan.slo import Slo
 from kernelsight.plan.space import EngineChoice
 from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_engine_config
@@ -68,6 +73,7 @@ class WorkloadShape:
 class Bounds:
     step_floor_s: float                 # no engine step is shorter (active weights read at datasheet bandwidth)
     max_rate_per_replica: float         # requests/s one replica (a whole DP group) can at most complete
+    max_tokens_per_step: int = 1        # a request's output tokens per step at most (1 + k with speculation)
 
 
 _PROFILES: dict[tuple, tuple] = {}
@@ -81,7 +87,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model = profiles.load_model(args.model)
         hw = profiles.load_hardware(args.hardware)
         _PROFILES[key] = (model, hw, profiles.load_calibration(hw.name, args.calibration))
-    return resolve_engine_config(args, *_PROFILES[key])
+    return resolve_engine_config(args, *_PROFILES[key], draft_model_spec(args))
 
 
 def resolve_choice(choice: EngineChoice, base: EngineArgs, shape: WorkloadShape) -> tuple[EngineConfig | None, str]:
@@ -115,7 +121,9 @@ def engine_args_for(choice: EngineChoice, base: EngineArgs) -> EngineArgs:
                                max_num_seqs=choice.max_num_seqs, max_num_batched_tokens=choice.max_num_batched_tokens,
                                quantization=choice.quantization, kv_cache_dtype=choice.kv_cache_dtype,
                                data_parallel_size=choice.data_parallel_size,
-                               enable_expert_parallel=choice.enable_expert_parallel)
+                               enable_expert_parallel=choice.enable_expert_parallel,
+                               speculative_config=(json.loads(choice.speculative_config)
+                                                   if choice.speculative_config is not None else None))
 
 
 def _active_fraction(cfg: EngineConfig) -> float:
@@ -138,21 +146,26 @@ def roofline_bounds(cfg: EngineConfig, shape: WorkloadShape) -> Bounds:
     step_floor_s = cfg.memory.weight_bytes * active / hw.mem_bytes_per_s
     linear, other = param_counts(cfg.model)
     flops_per_token = 2.0 * (linear * active + other)
-    tokens_per_s = dp * min(cfg.scheduler.max_num_seqs / step_floor_s,
+    per_step = 1 + (cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0)
+    tokens_per_s = dp * min(cfg.scheduler.max_num_seqs * per_step / step_floor_s,
                             tp * hw.peak_flops_per_s(cfg.precision.gemm_compute_dtype) / flops_per_token)
     max_rate = tokens_per_s / max(shape.mean_output_tokens, 1.0)
-    return Bounds(step_floor_s, max_rate)
+    return Bounds(step_floor_s, max_rate, per_step)
 
 
 def slo_floor_violation(bounds: Bounds, slo: Slo, shape: WorkloadShape) -> str:
     """Why no load can meet ``slo`` on this engine (empty when the floor allows it)."""
     floor_ms = bounds.step_floor_s * 1000.0
+    per_step = bounds.max_tokens_per_step      # an ITL is one step's tokens (one chunk), a TPOT their share of it
     for lim in slo.limits:
-        if lim.metric in ("tpot", "itl", "ttft"):
+        if lim.metric in ("itl", "ttft"):
             lb_ms = floor_ms
-        else:    # e2el ≥ one step per output token, at the statistic's percentile of output lengths
+        elif lim.metric == "tpot":
+            lb_ms = floor_ms / per_step
+        else:    # e2el ≥ one step per output token (1 + k of them with speculation), at the statistic's percentile
             q = 50.0 if lim.stat in ("mean", "median") else float(lim.stat[1:])
-            lb_ms = floor_ms * float(np.percentile(shape.output_tokens, q)) if shape.output_tokens.size else 0.0
+            lb_ms = (floor_ms * float(np.percentile(shape.output_tokens, q)) / per_step
+                     if shape.output_tokens.size else 0.0)
         if lb_ms > lim.limit_ms:
             return (f"{REASON_ROOFLINE_SLO}: {lim.name} ≥ {lb_ms:.1f} ms (active weights per GPU at datasheet "
                     f"bandwidth) > {lim.limit_ms:g}")

@@ -15,7 +15,7 @@ from kernelsight.plan.search import PlanResult
 __all__ = ["format_plan", "write_json", "write_csv", "write_html", "plan_json"]
 
 CSV_COLUMNS = ("label", "hardware", "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel",
-               "replicas", "pd", "num_gpus", "quantization", "kv_cache_dtype",
+               "replicas", "pd", "num_gpus", "quantization", "kv_cache_dtype", "speculative_config",
                "max_num_seqs", "max_num_batched_tokens", "request_rate", "meets_slo", "goodput_rps",
                "throughput_rps", "usd_per_hour", "gpu_hours_per_mtok", "usd_per_mtok", "p50_ttft_ms", "p99_ttft_ms",
                "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "failed_requests", "why")

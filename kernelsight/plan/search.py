@@ -38,7 +38,7 @@ from kernelsight.plan.prune import (
 )
 from kernelsight.plan.runner import PointRunner
 from kernelsight.plan.slo import Slo
-from kernelsight.plan.space import Deployment, EngineChoice, SearchSpace, pd_label
+from kernelsight.plan.space import Deployment, EngineChoice, SearchSpace, canonical_spec, pd_label
 from kernelsight.simcore.engine_config import EngineArgs
 
 __all__ = ["PlanResult", "run_plan", "evaluate_point", "diagnose"]
@@ -145,6 +145,7 @@ def evaluate_point(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float,
         "data_parallel_size": a.get("data_parallel_size", 1),
         "enable_expert_parallel": bool(a.get("enable_expert_parallel", False)),
         "pd": pd_label((pd[0], pd[1])) if pd else "",
+        "speculative_config": canonical_spec(a.get("speculative_config")) or "",
         "request_rate": entry["request_rate"], "meets_slo": meets, "violations": violations,
         # requests/s that meet the SLO out of the offered rate (a short run's drain tail would deflate vLLM's
         # good-requests-over-duration, kept as bench_goodput_rps)

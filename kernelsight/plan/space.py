@@ -9,15 +9,20 @@ whole experts per GPU), so the ranks step in lockstep and the weights per GPU sh
 are independent engines; all that differs from N replicas is the router (vLLM's coordinator sends a request to
 the least-loaded rank, the replicas' router round robin), which is not worth doubling the search for: dense DP is
 searched as replicas. A replica of a DP group is the whole group (TP × DP GPUs).
+
+Speculative decoding is a dimension when asked for (``--speculative-config 'none;{...}'``): each engine choice runs
+with each config, kept as its canonical JSON (sorted keys) so that a choice stays hashable and its label and cache
+key name it.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["EngineChoice", "Deployment", "SearchSpace", "DEFAULT_GPUS", "pd_label"]
+__all__ = ["EngineChoice", "Deployment", "SearchSpace", "DEFAULT_GPUS", "pd_label", "canonical_spec", "spec_label"]
 
 #: GPUs searched when --gpus is not given: the datacenter GPUs with a bundled example price.
 DEFAULT_GPUS = ("a100-sxm", "h100-sxm", "h200-sxm", "b200-sxm", "l40s", "mi300x")
@@ -26,6 +31,20 @@ DEFAULT_GPUS = ("a100-sxm", "h100-sxm", "h200-sxm", "b200-sxm", "l40s", "mi300x"
 def pd_label(pd: tuple[int, int]) -> str:
     """(2, 3) → ``2P3D``, as ``kernelsight simulate --pd`` takes it."""
     return f"{pd[0]}P{pd[1]}D"
+
+
+def canonical_spec(config: dict[str, Any] | None) -> str | None:
+    """A ``--speculative-config`` object as the JSON a choice holds (None: no speculation)."""
+    return None if config is None else json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def spec_label(spec: str | None) -> str:
+    """``spec ngram k3``, ``spec mtp k1``: the method and draft count of a choice's speculative config."""
+    if spec is None:
+        return ""
+    c = json.loads(spec)
+    method = c.get("method") or ("draft_model" if c.get("model") else "?")
+    return f"spec {method} k{c.get('num_speculative_tokens', 1)}"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -40,6 +59,7 @@ class EngineChoice:
     kv_cache_dtype: str = "auto"
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    speculative_config: str | None = None     # canonical JSON (canonical_spec); None: no speculative decoding
 
     @property
     def gpus_per_engine(self) -> int:
@@ -58,6 +78,8 @@ class EngineChoice:
             parts.append(f"seqs {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None:
             parts.append(f"mbt {self.max_num_batched_tokens}")
+        if self.speculative_config is not None:
+            parts.append(spec_label(self.speculative_config))
         return " ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -99,6 +121,8 @@ class SearchSpace:
     data_parallel_sizes: tuple[int, ...] = (1,)
     #: expert parallelism off / on (MoE models with DP > 1; with one rank it changes nothing in the simulator)
     expert_parallel: tuple[bool, ...] = (False,)
+    #: speculative configs to try, as canonical JSON (None: without speculative decoding)
+    speculative_configs: tuple[str | None, ...] = (None,)
     #: P/D splits XPyD with X + Y ≤ pd_max engines (0: none); single-rank engines only, as ``simulate --pd``
     pd_max: int = 0
     #: the link a split's decode engines pull KV over: (kind, Gb/s, µs) as ``--kv-transfer-*`` (None: the GPU
@@ -110,10 +134,10 @@ class SearchSpace:
     def engine_choices(self, moe: bool = False) -> list[EngineChoice]:
         dps = self.data_parallel_sizes if moe else (1,)
         parallel = sorted({(dp, ep and dp > 1) for dp in dps for ep in self.expert_parallel} if moe else {(1, False)})
-        return [EngineChoice(hw, tp, seqs, mbt, q, kv, dp, ep)
-                for hw, tp, seqs, mbt, q, kv, (dp, ep) in itertools.product(
+        return [EngineChoice(hw, tp, seqs, mbt, q, kv, dp, ep, spec)
+                for hw, tp, seqs, mbt, q, kv, (dp, ep), spec in itertools.product(
                     self.gpus, self.tensor_parallel_sizes, self.max_num_seqs, self.max_num_batched_tokens,
-                    self.quantizations, self.kv_cache_dtypes, parallel)]
+                    self.quantizations, self.kv_cache_dtypes, parallel, self.speculative_configs)]
 
     def pd_splits(self) -> list[tuple[int, int]]:
         """Every XPyD with X, Y ≥ 1 and X + Y ≤ pd_max, fewest engines first."""

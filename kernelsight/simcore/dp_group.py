@@ -18,6 +18,14 @@ A lockstep rank's engine is built with a :class:`LockstepStepModel`: the engine'
 it scheduled (priced 0 s); the group then prices all ranks' batches together and moves every rank's clock, step
 end and statistics to the group's step end. The engine's hot loop is unchanged, and a group of one is never used
 (a single engine is driven directly).
+
+Speculative decoding (vLLM's DP attention + EP + MTP deployments): each rank drafts and verifies its own batch
+(its own acceptance draws), but every forward pass of the step is a group pass: the target's verify pass (each
+decode's ``1 + k`` tokens) and each of the drafter's passes (its first pass over the step's tokens, then ``k - 1``
+passes of one row per request), each padded to the largest rank's rows, its MoE layers (an MTP module has one)
+priced at the group's size with their own dispatch/combine (:func:`moe_passes`). A rank's own work is its
+:class:`~kernelsight.simcore.spec_decode_step.SpecStepModel` step; an idle rank's dummy batch drafts too (vLLM's
+dummy run calls the drafter's), so it also joins every draft pass.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from kernelsight.simcore import kernels as K
 from kernelsight.simcore.engine import FIRST_TOKEN, Engine, StepResult
 from kernelsight.simcore.expert_parallel import all2all_s, ep_moe_kernels
 from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape
+from kernelsight.simcore.spec_decode_step import SpecStepModel
 from kernelsight.simcore.step_model import EAGER, StepModel
 
 #: vLLM's DP load-balancing weight of a waiting request against a running one.
@@ -44,6 +53,15 @@ LB_STATS_INTERVAL_S = 0.1
 _I_MOE = FAMILY_INDEX[K.MOE_GEMM]
 #: A dummy batch (an idle rank of a lockstep group): one decode row whose attention reads one token.
 DUMMY_BATCH = BatchShape((), 1, 1)
+
+
+def moe_passes(sm: StepModel, batch: BatchShape) -> list[tuple[StepModel, int]]:
+    """The forward passes of one step of ``sm`` over ``batch`` whose MoE layers run in the group, as (the pass's
+    step model, its padded rows): the target's pass, then a speculative drafter's passes."""
+    passes = [(sm, StepModel.graph_mode(sm, batch)[1])]
+    if isinstance(sm, SpecStepModel):
+        passes += sm.draft_passes(batch)
+    return passes
 
 
 class LockstepStepModel(StepModel):
@@ -96,7 +114,9 @@ class MoEGroupTiming:
 
     def moe_and_comm_s(self, sm: StepModel, rows_per_rank: int) -> tuple[float, float]:
         """(MoE expert-GEMM seconds of the busiest rank, dispatch+combine seconds) of one step."""
-        hit = self._cache.get(rows_per_rank)
+        # keyed by the pass's model too: a speculative drafter's passes (one MTP layer) share the cache
+        key = (sm.model.name, sm.model.num_moe_layers, rows_per_rank)
+        hit = self._cache.get(key)
         if hit is not None:
             return hit
         # the TP ranks of one DP rank hold the same rows: the group's distinct rows are DP × rows, gathered over
@@ -111,14 +131,26 @@ class MoEGroupTiming:
             backend = "allgather_reducescatter"
         moe_s = sum(sm.kernel_time_s(k) for k in kernels if k.family == K.MOE_GEMM)
         comm_s = all2all_s(backend, model, rows_per_rank, dp, sm.hw, sm.calib.comm, sm.precision)
-        self._cache[rows_per_rank] = (moe_s, comm_s)
+        self._cache[key] = (moe_s, comm_s)
+        return moe_s, comm_s
+
+    def passes_s(self, passes: Sequence[tuple[StepModel, int]]) -> tuple[float, float]:
+        """:meth:`moe_and_comm_s` summed over a step's passes ((step model, rows per rank) each)."""
+        if len(passes) == 1:
+            return self.moe_and_comm_s(*passes[0])
+        moe_s = comm_s = 0.0
+        for sm, rows in passes:
+            m, c = self.moe_and_comm_s(sm, rows)
+            moe_s += m
+            comm_s += c
         return moe_s, comm_s
 
 
 class GroupMoEStepModel(StepModel):
     """A rank of a MoE data-parallel group stepped on its own clock (``serve``, ``--data-parallel-rank``): its MoE
     layers are priced as the group's, every rank assumed to run as many rows as this one, dispatch/combine
-    included; the lockstep's waits for a slower rank and dummy batches are not seen from one rank."""
+    included; the lockstep's waits for a slower rank and dummy batches are not seen from one rank. With speculative
+    decoding (:class:`GroupMoESpecStepModel`) the drafter's passes are group passes too (:func:`moe_passes`)."""
 
     def __init__(self, *args: Any, moe: MoEGroupTiming, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -126,10 +158,20 @@ class GroupMoEStepModel(StepModel):
 
     def step(self, batch: BatchShape) -> tuple[np.ndarray, float]:
         bd, total = super().step(batch)
-        moe_s, comm_s = self.moe.moe_and_comm_s(self, self.graph_mode(batch)[1])
+        moe_s, comm_s = self.moe.passes_s(moe_passes(self, batch))
         total += moe_s - bd[_I_MOE] + comm_s
         bd[_I_MOE] = moe_s
         return bd, total
+
+
+class GroupMoESpecStepModel(GroupMoEStepModel, SpecStepModel):
+    """:class:`GroupMoEStepModel` of a rank that drafts and verifies (serve's per-rank engines): its
+    :class:`SpecStepModel` step, then every pass's MoE layers (target and drafter) priced as the group's."""
+
+
+class LockstepSpecStepModel(LockstepStepModel, SpecStepModel):
+    """:class:`LockstepStepModel` of a rank that drafts and verifies: ``priced`` is its :class:`SpecStepModel`
+    step (verification + drafting); the group swaps every pass's MoE layers for the group's."""
 
 
 @dataclass(slots=True)
@@ -296,15 +338,18 @@ class DPGroup:
                 results.append((i, res))
             batches.append(e.step_model.last_batch if res is not None else None)   # type: ignore[attr-defined]
         models: list[LockstepStepModel] = [e.step_model for e in engines]         # type: ignore[misc]
-        rows = max(sm.padded_rows(b if b is not None else DUMMY_BATCH) for sm, b in zip(models, batches,
-                                                                                          strict=True))
-        moe_s, comm_s = moe.moe_and_comm_s(models[0], rows)
+        passes = _group_passes([moe_passes(sm, b if b is not None else DUMMY_BATCH)
+                                for sm, b in zip(models, batches, strict=True)])
+        rows = passes[0][1]
+        moe_s, comm_s = moe.passes_s(passes)
         own: list[tuple[np.ndarray, float]] = []
         for sm, b in zip(models, batches, strict=True):
             bd, total = sm.priced(b if b is not None else DUMMY_BATCH, rows)
             total += moe_s - bd[_I_MOE]    # the expert GEMMs run at the group's size, not the rank's
             bd[_I_MOE] = moe_s
             own.append((bd, total))
+        if isinstance(models[0], SpecStepModel):
+            _regroup_spec_accounting(moe, models, passes)
         slowest = max(t for _, t in own)
         duration = slowest + comm_s
         end = start + duration
@@ -337,9 +382,31 @@ class DPGroup:
         return results
 
 
+def _group_passes(per_rank: Sequence[Sequence[tuple[StepModel, int]]]) -> list[tuple[StepModel, int]]:
+    """The group's passes of one lockstep step: pass i of every rank padded to the largest rank's rows (a rank
+    with fewer passes joins the rest with a dummy pass, as vLLM's collectives need every rank in each)."""
+    out = []
+    for i in range(max(len(p) for p in per_rank)):
+        rows = [p[i] for p in per_rank if i < len(p)]
+        out.append((rows[0][0], max(r for _, r in rows)))
+    return out
+
+
+def _regroup_spec_accounting(moe: MoEGroupTiming, models: Sequence[StepModel],
+                             passes: Sequence[tuple[StepModel, int]]) -> None:
+    """Each speculating rank's verify/draft seconds (and its decode-only steps' counterfactual without drafts, padded
+    to the largest rank's plain rows) with the group's MoE GEMMs and all-to-alls, not its own rows'."""
+    per_pass = [sum(moe.moe_and_comm_s(m, r)) for m, r in passes]
+    plain_rows = [sm.last_plain_rows for sm in models if sm.last_plain_rows is not None]   # type: ignore[attr-defined]
+    plain_s = sum(moe.moe_and_comm_s(models[0], max(plain_rows))) if plain_rows else None
+    for sm in models:
+        sm.regroup(per_pass[0], sum(per_pass[1:]), plain_s)                  # type: ignore[attr-defined]
+
+
 def _has_work(e: Engine) -> bool:
     return e.num_running > 0 or e.num_waiting > 0
 
 
-__all__ = ["DUMMY_BATCH", "LB_STATS_INTERVAL_S", "WAITING_WEIGHT", "DPGroup", "GroupMoEStepModel",
-           "LockstepStepModel", "MoEGroupTiming", "RankStats"]
+__all__ = ["DUMMY_BATCH", "LB_STATS_INTERVAL_S", "WAITING_WEIGHT", "DPGroup", "GroupMoESpecStepModel",
+           "GroupMoEStepModel", "LockstepSpecStepModel", "LockstepStepModel", "MoEGroupTiming", "RankStats",
+           "moe_passes"]

@@ -6,7 +6,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kernelsight.simcore.calibration import Calibration
-from kernelsight.simcore.dp_group import DPGroup, GroupMoEStepModel, LockstepStepModel, MoEGroupTiming
+from kernelsight.simcore.dp_group import (
+    DPGroup,
+    GroupMoESpecStepModel,
+    GroupMoEStepModel,
+    LockstepSpecStepModel,
+    LockstepStepModel,
+    MoEGroupTiming,
+)
 from kernelsight.simcore.engine import Engine
 from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
@@ -246,7 +253,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
                          # a MoE model's experts are split over the DP ranks with or without EP (vLLM
                          # tensor-slices them over DP×TP when EP is off)
                          ep_data_parallel=dp if model.is_moe else 1,
-                         **_draft_memory(spec, draft, model, precision))
+                         **_draft_memory(spec, draft, model, precision, dp if model.is_moe else 1))
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                             max_model_len=max_model_len, block_size=args.block_size,
                             enable_prefix_caching=args.enable_prefix_caching,
@@ -274,24 +281,46 @@ def spec_decode_capture_sizes(max_num_seqs: int, max_capture_size: int | None, d
 
 
 def _draft_memory(spec: SpeculativeConfig | None, draft: ModelSpec | None, target: ModelSpec,
-                  precision: Precision) -> dict[str, float]:
+                  precision: Precision, ep_data_parallel: int = 1) -> dict[str, float]:
     """The drafter's weights and KV per token on one GPU (its layers share the target's block table, as vLLM's
-    KV-cache groups do). An EAGLE head / MTP module shares the target's embedding and LM head: only its layers."""
+    KV-cache groups do). An EAGLE head / MTP module shares the target's embedding and LM head: only its layers,
+    and for an MTP module its own input norms and projection (:func:`mtp_module_extra_bytes`). A MoE draft layer's
+    experts are split over a data-parallel group's ranks as the target's are (``ep_data_parallel``)."""
     if spec is None or draft is None:
         return {}
     tp = spec.draft_tensor_parallel_size
-    weights = weight_bytes_per_rank(draft, precision, tp)
+    weights = weight_bytes_per_rank(draft, precision, tp, ep_data_parallel)
     kv = kv_bytes_per_token(draft, precision, tp)
     if spec.method != DRAFT_MODEL:
         weights -= weight_bytes_per_rank(replace(draft, num_layers=0, num_moe_layers=0), precision, tp)
         modules = max(mtp_layers(target), 1) if spec.method == MTP else 1
+        if spec.method == MTP:
+            weights += mtp_module_extra_bytes(target)
         weights, kv = weights * modules, kv * modules
     return {"draft_weight_bytes": weights, "draft_kv_bytes_per_token": kv}
 
 
+#: Bytes per parameter of the MTP module's own weights: vLLM's deepseek_mtp builds them in the model dtype
+#: (bf16) outside the quantization config (eh_proj is a plain nn.Linear, the norms RMSNorms).
+_MTP_EXTRA_BYTES_PER_PARAM = 2.0
+
+
+def mtp_module_extra_bytes(target: ModelSpec) -> float:
+    """Weights one GPU holds for one MTP module beyond its decoder layer: ``enorm``, ``hnorm`` and the shared
+    head's ``norm`` (h each) and ``eh_proj`` (2h → h, no bias), all replicated on every TP rank and never
+    quantized (vLLM's deepseek_mtp; the shared head's LM head is the target's)."""
+    h = target.hidden_size
+    return (3 * h + 2 * h * h) * _MTP_EXTRA_BYTES_PER_PARAM
+
+
+#: The step model of a rank that drafts and verifies, by the one it would have without speculation.
+_SPEC_STEP_MODELS: dict[type[StepModel], type[StepModel]] = {
+    StepModel: SpecStepModel, LockstepStepModel: LockstepSpecStepModel, GroupMoEStepModel: GroupMoESpecStepModel}
+
+
 def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwargs: Any) -> StepModel:
-    if cfg.speculative is not None and cls is StepModel:
-        cls = SpecStepModel
+    if cfg.speculative is not None and cls in _SPEC_STEP_MODELS:
+        cls = _SPEC_STEP_MODELS[cls]
         plain = () if cfg.args.enforce_eager else default_cudagraph_capture_sizes(cfg.scheduler.max_num_seqs,
                                                                                  cfg.args.max_cudagraph_capture_size)
         baseline = StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
@@ -347,8 +376,6 @@ def build_engine(cfg: EngineConfig, per_token_events: bool = True, link: KVLink 
     tokens and finishes. ``link``: what a P/D decode side pulls prompt KV over (default: the GPU profile's, see
     ``simcore/kv_transfer.py``)."""
     moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
-    if moe is not None and cfg.speculative is not None:
-        raise ValueError("speculative decoding with a data-parallel MoE group is not modelled")
     sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
     eng = Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
                  per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),
@@ -362,8 +389,6 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
     """The ``data_parallel_size`` engines of a configuration behind vLLM's router (every rank alike, as vLLM
     starts them: same config and seed). A MoE model's ranks step in lockstep (see ``simcore/dp_group.py``)."""
     moe = moe_group_timing(cfg)
-    if moe is not None and cfg.speculative is not None:
-        raise ValueError("speculative decoding with a data-parallel MoE group is not modelled")
     engines = [Engine(cfg.scheduler, cfg.memory.num_gpu_blocks,
                       build_step_model(cfg, StepModel if moe is None else LockstepStepModel), seed=cfg.args.seed,
                       per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),

@@ -26,6 +26,7 @@ from kernelsight.simcore.spec_decode import NGRAM, NGRAM_HOST_S_PER_REQUEST, Spe
 from kernelsight.simcore.step_model import StepModel
 
 _I_HOST = FAMILY_INDEX[K.HOST]
+_I_MOE = FAMILY_INDEX[K.MOE_GEMM]
 _I_ATTN_PREFILL = FAMILY_INDEX[K.ATTN_PREFILL]
 _I_ATTN_DECODE = FAMILY_INDEX[K.ATTN_DECODE]
 
@@ -103,29 +104,67 @@ class SpecStepModel(StepModel):
         self.spec_s = 0.0
         self.baseline_s = 0.0
         self.num_decode_steps = 0
+        # the last step's own MoE-GEMM seconds (verification, drafting) and, for a decode-only step, its plain
+        # counterfactual's (MoE seconds, padded rows): what regroup swaps for a data-parallel MoE group's
+        self._last_moe_s = (0.0, 0.0)
+        self._last_plain: tuple[float, int] | None = None
 
     def step(self, batch: BatchShape) -> tuple[np.ndarray, float]:
+        self._last_plain = None
         if batch.num_spec_tokens:
             out, total = verify_step(self, batch, batch.num_sampling_rows)
             if not batch.prefills:
                 plain = replace(batch, num_spec_tokens=0)
-                self.baseline_s += (self.baseline.step(plain) if self.baseline is not None
-                                    else StepModel.step(self, plain))[1]
+                base = self.baseline if self.baseline is not None else self
+                plain_out, plain_s = base.step(plain) if base is not self else StepModel.step(self, plain)
+                self.baseline_s += plain_s
+                self._last_plain = (float(plain_out[_I_MOE]), StepModel.graph_mode(base, plain)[1])
         else:
             out, total = StepModel.step(self, batch)
         self.verify_s += total
         draft_out, draft_s = self.draft(batch)
         self.draft_s += draft_s
+        self._last_moe_s = (float(out[_I_MOE]), float(draft_out[_I_MOE]))
         if batch.num_spec_tokens and not batch.prefills:
             self.spec_s += total + draft_s
             self.num_decode_steps += 1
         return out + draft_out, total + draft_s
+
+    @property
+    def last_plain_rows(self) -> int | None:
+        """Padded rows of the last step's counterfactual without drafts (None: not a decode-only verify step)."""
+        return self._last_plain[1] if self._last_plain is not None else None
+
+    def regroup(self, verify_group_s: float, draft_group_s: float, plain_group_s: float | None) -> None:
+        """Re-count the last step as a data-parallel MoE group ran it: its verification's and its drafting's MoE
+        GEMMs (own rows, :meth:`step`) replaced by the group's seconds for them (MoE GEMMs at the group's size plus
+        dispatch/combine), and so its plain counterfactual's (``plain_group_s``, for a decode-only step), so that
+        the summary's drafting share and estimated speedup are the group's."""
+        v_own, d_own = self._last_moe_s
+        dv, dd = verify_group_s - v_own, draft_group_s - d_own
+        self.verify_s += dv
+        self.draft_s += dd
+        if self._last_plain is not None and plain_group_s is not None:
+            self.spec_s += dv + dd
+            self.baseline_s += plain_group_s - self._last_plain[0]
 
     def summary(self) -> dict[str, float]:
         """Seconds spent verifying and drafting, and the decode-only verification steps' time against the same
         batches without draft tokens (what one step of them costs without speculation)."""
         return {"verify_s": self.verify_s, "draft_s": self.draft_s, "decode_steps": self.num_decode_steps,
                 "decode_steps_s": self.spec_s, "same_decode_batches_without_spec_s": self.baseline_s}
+
+    def draft_passes(self, batch: BatchShape) -> list[tuple[StepModel, int]]:
+        """The drafter's forward passes of this step as (its step model, padded rows), in the order :meth:`draft`
+        prices them: a data-parallel MoE group runs each one across its ranks (vLLM pads every draft pass to the
+        group's largest rank, as it does the target's pass), so the group prices their MoE layers and all-to-alls.
+        None for n-gram (no GPU pass) or a step with no request to draft for."""
+        d = self.drafter
+        num_requests = batch.num_decodes + sum(1 for p in batch.prefills if p.samples)
+        if not num_requests or self.spec.method == NGRAM or d is None:
+            return []
+        passes = [(d, d._graph_mode(batch.num_tokens, not batch.prefills)[1])]
+        return passes + [(d, d._graph_mode(num_requests, True)[1])] * (self.spec.num_speculative_tokens - 1)
 
     def draft(self, batch: BatchShape) -> tuple[np.ndarray, float]:
         """The proposer's time after the target's pass: host time for n-gram, else the draft's passes."""
