@@ -185,6 +185,7 @@ class Generation:
         self.lp_k: int | None = None      # logprobs per generated token (completions logprobs / chat top_logprobs)
         self.plp_k: int | None = None     # prompt logprobs
         self.fixed_output: list[int] | None = None   # the token ids every choice emits (structured outputs, tools)
+        self.engine_error: APIError | None = None     # refused by the engine's parameter checks (structured outputs)
         self.fast_ok = True               # False: a caller re-renders the chunks (no stream fast path)
         # tokens in logprobs as "token_id:<id>": the request's field, else the server flag
         as_ids = getattr(req, "return_tokens_as_token_ids", None)
@@ -279,6 +280,11 @@ class Generation:
                 raise lp_err
             self.prompts = prompts
             return SSEResponse(self._error_stream(lp_err), self.headers)
+        if self.engine_error is not None:      # vLLM validates structured outputs after logprobs, in generate()
+            if not req.stream:
+                raise self.engine_error
+            self.prompts = prompts
+            return SSEResponse(self._error_stream(self.engine_error), self.headers)
         if self.plp_k is not None:      # requested only: long prompts off the event loop (~0.1 ms per token)
             self.prompts = prompts
             cache = self.__dict__.setdefault("_plp", {})
