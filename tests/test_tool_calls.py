@@ -380,3 +380,17 @@ def test_parallel_calls_through_responses_and_messages(srv):
             if e["type"] == "content_block_delta":
                 partial[e["index"]] = partial.get(e["index"], "") + e["delta"]["partial_json"]
         assert [json.loads(partial[i]) for i in range(len(uses))] == [u["input"] for u in uses]
+
+
+def test_characters_split_over_tokens_arrive_whole(srv):
+    # an emoji is several byte-level tokens: one-by-one decoding would give U+FFFD pieces; vLLM's incremental
+    # detokenizer (and ours) holds a token that ends mid-character back until the character is whole
+    pattern = "🙂 (ok|fine) ☕{1,3}"
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        for seed in range(3):
+            body = {"model": "m", "messages": USER, "seed": seed, "structured_outputs": {"regex": pattern}}
+            text = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+            assert re.fullmatch(pattern, text)
+            chunks = _chunks(c, "/v1/chat/completions", body)
+            assert _streamed_text(chunks, True) == text
+            assert all("\ufffd" not in (ch["delta"].get("content") or "") for k in chunks for ch in k["choices"])

@@ -29,6 +29,7 @@ from kernelsight.server.faults import (
 )
 from kernelsight.server.kv_transfer import NO_TRANSFER, transfer_role
 from kernelsight.server.logprobs import MAX_LOGPROBS
+from kernelsight.server.output_tokens import exact_pieces
 from kernelsight.server.protocol.version import MAX_STOP_STRINGS
 from kernelsight.server.sleep_mode import SLEEPING_MESSAGE
 from kernelsight.server.sse import SSEResponse, await_or_disconnect, watch_disconnect
@@ -326,6 +327,7 @@ class Generation:
                             echo_output=self.state.opts.output_mode == "echo", label=self.rid,
                             arrival_wall_s=self.request.scope.get(RECV_KEY),
                             outputs=[fixed] * len(prompts) if fixed is not None else None,
+                            output_pieces=exact_pieces(self.state.tok, fixed) if fixed is not None else None,
                             hold_kv=self.kv_role.hold_kv, remote_prefill=self.kv_role.source is not None)
         if self.kv_role.source is not None:
             bridge.kv_agent.expect_pull(sub.seqs[0].seq_id, self.kv_role.source)
