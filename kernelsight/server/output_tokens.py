@@ -96,8 +96,11 @@ class OutputTokens(Sequence[int]):
 def exact_pieces(tok: ServerTokenizer, ids: Sequence[int]) -> list[str] | None:
     """Each token's text when tokens decoded one by one do not join into the text (a character split over tokens,
     such as an emoji in byte-level BPE): as vLLM's incremental detokenizer gives it, a token that ends mid-character
-    gives nothing and the next one the whole character. None when one-by-one decoding is exact (the usual case)."""
-    if "".join(tok.decode([t]) for t in ids) == tok.decode(ids):
+    gives nothing and the next one the whole character. None when one-by-one decoding is exact (the usual case).
+    ASCII text is taken as exact without the check (one decode per token costs ~12 µs: a tenth of the server's
+    CPU per streamed token), as fixed outputs always were: a byte-level token never splits an ASCII character."""
+    full = tok.decode(ids)
+    if full.isascii() or "".join(tok.decode([t]) for t in ids) == full:
         return None
     pieces: list[str] = []
     emitted = ""
