@@ -256,8 +256,10 @@ def test_engine_refuses_bad_constraints_as_vllm(srv, so, message):
         # streaming: the engine refuses inside generate(), so the error is the stream's one event, then [DONE]
         (event,) = _chunks(c, "/v1/chat/completions", body)
         assert message in event["error"]["message"] and event["error"]["code"] == 400
-        assert c.post("/v1/completions", json={"model": "m", "prompt": "x", "structured_outputs": so}).status_code \
-            == 400
+        cbody = {"model": "m", "prompt": "x", "structured_outputs": so}
+        assert c.post("/v1/completions", json=cbody).status_code == 400
+        (event,) = _chunks(c, "/v1/completions", cbody)
+        assert message in event["error"]["message"]
         # and the engine was never given the request: nothing is left running
         assert all(not b.engine.num_running and not b.engine.num_waiting for b in srv.state.bridges)
 
@@ -394,3 +396,17 @@ def test_characters_split_over_tokens_arrive_whole(srv):
             chunks = _chunks(c, "/v1/chat/completions", body)
             assert _streamed_text(chunks, True) == text
             assert all("\ufffd" not in (ch["delta"].get("content") or "") for k in chunks for ch in k["choices"])
+
+
+def test_guided_tool_choices_check_the_tools_patterns(srv):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "(?<=x)y"}}, "required": ["code"]}}}]
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        for choice in ({"type": "function", "function": {"name": "f"}}, "required"):
+            r = c.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tools": bad,
+                                                     "tool_choice": choice})
+            assert r.status_code == 400 and "look-around" in r.json()["error"]["message"]
+        # auto is not guided: the model calls the tool, with a string the refused pattern does not constrain
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tools": bad}).json()
+        (call,) = r["choices"][0]["message"]["tool_calls"]
+        assert isinstance(json.loads(call["function"]["arguments"])["code"], str)
