@@ -265,12 +265,14 @@ class EngineBridge:
                ignore_eos: bool = False, priority: int = 0, extra_keys: tuple | None = None,
                keys: list[int] | None = None, echo_output: bool = False, label: str | None = None,
                arrival_wall_s: float | None = None, hold_kv: bool = False,
-               remote_prefill: bool = False, outputs: list[list[int]] | None = None) -> Submission:
+               remote_prefill: bool = False, outputs: list[list[int]] | None = None,
+               output_pieces: list[str] | None = None) -> Submission:
         """Queue one engine request per prompt (each fanning out into n sequences).
 
         ``arrival_wall_s``: perf_counter() when the request reached the server (default: now). The time it then
         spent waiting for parsing and validation (behind a burst of others) is queueing in the simulated timeline.
-        ``outputs``: per prompt, the token ids its sequences emit (a structured output or tool call drawn up front).
+        ``outputs``: per prompt, the token ids its sequences emit (a structured output or tool call drawn up front);
+        ``output_pieces``: their texts when decoding them one by one is not exact (``output_tokens.exact_pieces``).
         """
         eng = self.engine
         v = self.virtual_now()
@@ -290,7 +292,7 @@ class EngineBridge:
             for i in range(n):
                 key = keys[p] + 7919 * i if keys is not None else _UNSEEDED.getrandbits(63)
                 fixed = outputs[p] if outputs is not None else prompt if echo_output else None
-                outs.append(OutputTokens(self.tok, key, mt, fixed))
+                outs.append(OutputTokens(self.tok, key, mt, fixed, output_pieces if outputs is not None else None))
             seq_ids = eng.add_request(eid, prompt, mt, min_tokens=min(min_tokens, mt), ignore_eos=ignore_eos, n=n,
                                       priority=priority, arrival_s=arrival, extra_keys=extra_keys,
                                       output_token_ids=outs[0] if n == 1 else None, hold_kv=hold_kv,

@@ -29,6 +29,7 @@ from kernelsight.server.faults import (
 )
 from kernelsight.server.kv_transfer import NO_TRANSFER, transfer_role
 from kernelsight.server.logprobs import MAX_LOGPROBS
+from kernelsight.server.output_tokens import exact_pieces
 from kernelsight.server.protocol.version import MAX_STOP_STRINGS
 from kernelsight.server.sleep_mode import SLEEPING_MESSAGE
 from kernelsight.server.sse import SSEResponse, await_or_disconnect, watch_disconnect
@@ -185,6 +186,7 @@ class Generation:
         self.lp_k: int | None = None      # logprobs per generated token (completions logprobs / chat top_logprobs)
         self.plp_k: int | None = None     # prompt logprobs
         self.fixed_output: list[int] | None = None   # the token ids every choice emits (structured outputs, tools)
+        self.engine_error: APIError | None = None     # refused by the engine's parameter checks (structured outputs)
         self.fast_ok = True               # False: a caller re-renders the chunks (no stream fast path)
         # tokens in logprobs as "token_id:<id>": the request's field, else the server flag
         as_ids = getattr(req, "return_tokens_as_token_ids", None)
@@ -279,6 +281,11 @@ class Generation:
                 raise lp_err
             self.prompts = prompts
             return SSEResponse(self._error_stream(lp_err), self.headers)
+        if self.engine_error is not None:      # vLLM validates structured outputs after logprobs, in generate()
+            if not req.stream:
+                raise self.engine_error
+            self.prompts = prompts
+            return SSEResponse(self._error_stream(self.engine_error), self.headers)
         if self.plp_k is not None:      # requested only: long prompts off the event loop (~0.1 ms per token)
             self.prompts = prompts
             cache = self.__dict__.setdefault("_plp", {})
@@ -320,6 +327,7 @@ class Generation:
                             echo_output=self.state.opts.output_mode == "echo", label=self.rid,
                             arrival_wall_s=self.request.scope.get(RECV_KEY),
                             outputs=[fixed] * len(prompts) if fixed is not None else None,
+                            output_pieces=exact_pieces(self.state.tok, fixed) if fixed is not None else None,
                             hold_kv=self.kv_role.hold_kv, remote_prefill=self.kv_role.source is not None)
         if self.kv_role.source is not None:
             bridge.kv_agent.expect_pull(sub.seqs[0].seq_id, self.kv_role.source)

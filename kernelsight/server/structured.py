@@ -1,6 +1,14 @@
 """Structured outputs without a model: a JSON value drawn from a JSON schema (``instance_of``), deterministically
 from a seed, and the text a request's ``response_format`` / ``structured_outputs`` constrains the output to
-(``constrained_text``).
+(``constrained_text``): a JSON value, one of the choices, a string matching a regex (``regex_sample``; a schema's
+``pattern`` too) or one a grammar derives (``grammar_sample``).
+
+What vLLM's engine refuses when it validates a request's structured-output parameters (its default "auto" backend:
+xgrammar, then llguidance) is a ``StructuredOutputError``: a 400, or in a stream the in-stream error event, as the
+engine's input processor raises it inside ``generate()``. A regex with look-around or back-references is refused
+(neither backend takes them); an invalid regex or grammar is refused with llguidance's "Grammar error: " prefix; a
+grammar this simulator cannot generate from (see ``grammar_sample``) is refused the same way, since emitting text
+the grammar might reject would break the client's parser.
 
 vLLM constrains decoding with a grammar, so a finished constrained output always parses and validates; here the
 whole output is drawn up front, tokenized, and released token by token like any other output (see
@@ -11,9 +19,12 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from typing import Any
 
-from kernelsight.server.errors import bad_request
+from kernelsight.server.errors import APIError, bad_request
+from kernelsight.server.grammar_sample import GrammarNotSupported, parse_grammar, sample_grammar
+from kernelsight.server.regex_sample import RegexNotSupported, RegexUnsatisfiable, check_regex, sample_regex
 
 #: Words the strings are made of (short, ASCII: every token decodes on its own, so deltas join exactly).
 _WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "iris", "juniper", "kelp",
@@ -21,9 +32,52 @@ _WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "fjord", "garnet", "harbo
           "willow", "xenon", "yarrow", "zephyr")
 #: Depth past which optional members are left out and arrays kept empty (recursive schemas must end).
 _MAX_DEPTH = 6
-_FORMATS = {"date": "2024-05-17", "date-time": "2024-05-17T09:30:00Z", "time": "09:30:00", "email": "user@example.com",
-            "uri": "https://example.com/item", "url": "https://example.com/item", "ipv4": "192.0.2.7",
-            "uuid": "123e4567-e89b-42d3-a456-426614174000", "hostname": "example.com"}
+#: String formats (xgrammar's set) as regexes the value is drawn from; the ones the draw cannot express exactly
+#: (a valid calendar date) are kept inside their valid range by construction.
+_FORMAT_REGEXES = {
+    "date": r"20[0-3]\d-(0[1-9]|1[0-2])-(0[1-9]|1\d|2[0-8])",
+    "time": r"([01]\d|2[0-3]):[0-5]\d:[0-5]\dZ",
+    "date-time": r"20[0-3]\d-(0[1-9]|1[0-2])-(0[1-9]|1\d|2[0-8])T([01]\d|2[0-3]):[0-5]\d:[0-5]\dZ",
+    "duration": r"P[1-9]DT[1-9]H", "email": r"[a-z]{3,8}(\.[a-z]{3,8})?@[a-z]{4,9}\.(com|org|net)",
+    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}",
+    "ipv4": r"(19[2-8]|1[0-8]\d|[1-9]\d?)\.(1?\d\d?)\.(1?\d\d?)\.(1?\d\d?)",
+    "ipv6": r"2001:db8(:[1-9a-f][0-9a-f]{0,3}){6}", "hostname": r"[a-z]{4,9}\.(com|org|net)",
+    "uri": r"https://[a-z]{4,9}\.com/[a-z]{3,8}", "url": r"https://[a-z]{4,9}\.com/[a-z]{3,8}",
+    "uri-reference": r"/[a-z]{3,8}/[1-9]\d?", "uri-template": r"https://[a-z]{4,9}\.com/\{id\}",
+    "json-pointer": r"/[a-z]{3,8}/[0-9]", "relative-json-pointer": r"[0-9]/[a-z]{3,8}",
+}
+
+
+class StructuredOutputError(APIError):
+    """A 400 the engine raises when it validates the request's structured outputs (in a stream: the in-stream
+    error event, as vLLM's input processor raises it inside ``generate()``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "BadRequestError", 400, None)
+
+
+def _regex_error(pattern: str) -> StructuredOutputError | None:
+    try:
+        check_regex(pattern)
+    except (re.error, RegexNotSupported) as exc:
+        return StructuredOutputError(f"Grammar error: invalid regex {pattern!r}: {exc}")
+    except (RecursionError, OverflowError):
+        return StructuredOutputError(f"Grammar error: regex {pattern[:100]!r} is nested too deeply")
+    return None
+
+
+def check_schema_patterns(schema: Any) -> None:
+    """vLLM compiles the whole schema: a bad ``pattern`` anywhere in it refuses the request."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            pat = node.get("pattern")
+            if isinstance(pat, str) and (err := _regex_error(pat)) is not None:
+                raise err
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 class _Draw:
@@ -112,12 +166,19 @@ class _Draw:
         return out
 
     def _string(self, schema: dict[str, Any], depth: int) -> str:
-        fmt = schema.get("format")
-        s = _FORMATS.get(fmt) if isinstance(fmt, str) else None
-        if s is None:
-            s = self._words(1, 4)
         lo = int(schema.get("minLength", 0))
         hi = schema.get("maxLength")
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str):
+            # a pattern wins over the length bounds when no draw meets both (xgrammar drops them beside it)
+            try:
+                return sample_regex(pattern, self.rng.getrandbits(63), min_len=lo,
+                                    max_len=int(hi) if hi is not None else None)
+            except (re.error, RegexUnsatisfiable, RecursionError):
+                raise StructuredOutputError(f"Grammar error: no string matches the pattern {pattern!r}") from None
+        fmt = schema.get("format")
+        fmt_re = _FORMAT_REGEXES.get(fmt) if isinstance(fmt, str) else None
+        s = sample_regex(fmt_re, self.rng.getrandbits(63)) if fmt_re is not None else self._words(1, 4)
         while len(s) < lo:
             s += " " + self._words(1, 2)
         if hi is not None and len(s) > int(hi):
@@ -161,8 +222,8 @@ class _Draw:
 
 
 def instance_of(schema: dict[str, Any] | bool, seed: int) -> Any:
-    """A JSON value valid against ``schema`` (the common JSON-schema keywords; ``pattern`` is not honoured),
-    the same for the same seed."""
+    """A JSON value valid against ``schema`` (the common JSON-schema keywords, ``pattern`` and ``format``
+    included), the same for the same seed."""
     root = schema if isinstance(schema, dict) else {}
     return _Draw(root, seed).value(schema)
 
@@ -180,14 +241,29 @@ def _as_schema(value: Any, param: str) -> dict[str, Any]:
 
 def constrained_text(response_format: Any, structured_outputs: Any, seed: int) -> str | None:
     """The output text a request is constrained to, or None for free text. ``response_format`` (OpenAI:
-    ``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``choice``, ``json_object``;
-    ``regex`` and ``grammar`` are left free: drawing from them is not simulated)."""
+    ``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
+    ``grammar``, ``json_object``; ``structural_tag`` is left free). Raises ``StructuredOutputError`` where vLLM's
+    engine refuses the parameters."""
     so = structured_outputs if isinstance(structured_outputs, dict) else None
     if so is not None:
+        check_structured_outputs(so)
         if so.get("json") is not None:
-            return json.dumps(instance_of(_as_schema(so["json"], "structured_outputs.json"), seed))
+            schema = _as_schema(so["json"], "structured_outputs.json")
+            check_schema_patterns(schema)
+            return json.dumps(instance_of(schema, seed))
+        if isinstance(so.get("regex"), str):
+            try:
+                return sample_regex(so["regex"], seed)
+            except (RegexUnsatisfiable, RecursionError) as exc:
+                raise StructuredOutputError(f"Grammar error: no string matching the regex was found ({exc})"
+                                            ) from None
         if isinstance(so.get("choice"), list) and so["choice"]:
             return str(random.Random(seed).choice(so["choice"]))
+        if isinstance(so.get("grammar"), str):
+            try:
+                return sample_grammar(so["grammar"], seed)
+            except GrammarNotSupported as exc:
+                raise StructuredOutputError(f"Grammar error: {exc}") from None
         if so.get("json_object"):
             return json.dumps(_free_object(seed))
     rf = response_format if isinstance(response_format, dict) else None
@@ -199,8 +275,35 @@ def constrained_text(response_format: Any, structured_outputs: Any, seed: int) -
     if kind == "json_schema":
         js = rf.get("json_schema") or {}
         schema = js.get("schema", js.get("json_schema", {})) if isinstance(js, dict) else {}
-        return json.dumps(instance_of(_as_schema(schema, "response_format.json_schema"), seed))
+        schema = _as_schema(schema, "response_format.json_schema")
+        check_schema_patterns(schema)
+        return json.dumps(instance_of(schema, seed))
     return None
+
+
+def check_structured_outputs(so: dict[str, Any]) -> None:
+    """vLLM's engine-side checks of ``structured_outputs`` (``SamplingParams._validate_structured_outputs`` and the
+    backends' compile check), in its order."""
+    choice, grammar, js, regex = so.get("choice"), so.get("grammar"), so.get("json"), so.get("regex")
+    if isinstance(choice, list) and not choice:
+        raise StructuredOutputError(f"Choice '{choice}' cannot be an empty list")
+    if isinstance(grammar, str) and grammar.strip() == "":
+        raise StructuredOutputError("structured_outputs.grammar cannot be an empty string")
+    if isinstance(js, str) and js.strip() == "":
+        raise StructuredOutputError("structured_outputs.json cannot be an empty string")
+    if so.get("json_object") is False:
+        raise StructuredOutputError("structured_outputs.json_object must be True if set; omit structured_outputs "
+                                    "to disable structured outputs")
+    if isinstance(regex, str):
+        if "\x00" in regex:
+            raise StructuredOutputError("structured_outputs.regex must not contain a NUL character ('\\x00')")
+        if (err := _regex_error(regex)) is not None:
+            raise err
+    if isinstance(grammar, str):
+        try:
+            parse_grammar(grammar)
+        except GrammarNotSupported as exc:
+            raise StructuredOutputError(f"Grammar error: {exc}") from None
 
 
 def _free_object(seed: int) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from kernelsight.server.openapi_bodies import request_body
 from kernelsight.server.prompts import completion_prompts
 from kernelsight.server.protocol.openai import CompletionRequest
 from kernelsight.server.state import server_state
-from kernelsight.server.structured import constrained_text
+from kernelsight.server.structured import StructuredOutputError, constrained_text
 from kernelsight.server.tool_calls import draw_seed
 from kernelsight.server.turns import turn_gate
 
@@ -34,7 +34,10 @@ async def completions(request: Request) -> Response:
     prompts = await completion_prompts(state, req.prompt, req.add_special_tokens)
     gen = Generation(state, request, req, "cmpl-" + request_base(request, req.request_id), lora, stops,
                      is_chat=False)
-    text = constrained_text(req.response_format, req.structured_outputs, draw_seed(req, prompts[0][0]))
+    try:
+        text = constrained_text(req.response_format, req.structured_outputs, draw_seed(req, prompts[0][0]))
+    except StructuredOutputError as exc:
+        text, gen.engine_error = None, exc
     if text is not None:      # structured outputs: every prompt's choices emit the drawn JSON / choice
         gen.fixed_output = state.tok.encode(text, False)
     gen.lp_k = req.logprobs
