@@ -140,6 +140,22 @@ def test_an_expert_parallel_step_lasts_the_slowest_rank_plus_the_all_to_all():
     assert st[0].all2all_s == st[1].all2all_s == comm_s
 
 
+def test_a_lockstep_ranks_token_parallel_kernels_run_at_the_groups_padded_rows():
+    """vLLM pads every DP rank's forward pass to the largest rank's tokens: the short rank's GEMMs cost the long
+    rank's, not its own (a regression: StepModel.step reached the unpadded graph-mode hook)."""
+    cfg, group = _moe_group()
+    group.add_request("long", list(range(1, 1501)), 8, arrival_s=0.0, rank=0)
+    group.add_request("short", list(range(1, 31)), 8, arrival_s=0.0, rank=1)
+    group.step()
+    (m0, b0), (m1, b1) = [(e.step_model, e.step_model.last_batch) for e in group.engines]
+    rows = max(m0.padded_rows(b0), m1.padded_rows(b1))
+    assert m1.padded_rows(b1) < rows
+    gemm = K.FAMILIES.index(K.GEMM)
+    padded_short = m1.priced(b1, rows)[0][gemm]
+    assert padded_short == pytest.approx(m0.priced(b0, rows)[0][gemm], rel=1e-12)
+    assert padded_short > m1.priced(b1, 1)[0][gemm]       # its own rows alone cost less
+
+
 def test_an_idle_rank_runs_dummy_batches_and_slows_a_lone_request_by_the_group_overhead():
     cfg, group = _moe_group()
     group.add_request("solo", list(range(1, 200)), 40, arrival_s=0.0)

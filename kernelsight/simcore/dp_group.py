@@ -58,7 +58,7 @@ DUMMY_BATCH = BatchShape((), 1, 1)
 def moe_passes(sm: StepModel, batch: BatchShape) -> list[tuple[StepModel, int]]:
     """The forward passes of one step of ``sm`` over ``batch`` whose MoE layers run in the group, as (the pass's
     step model, its padded rows): the target's pass, then a speculative drafter's passes."""
-    passes = [(sm, StepModel.graph_mode(sm, batch)[1])]
+    passes = [(sm, StepModel._graph_mode(sm, batch.num_tokens, batch.is_decode_only)[1])]   # own rows, unpadded
     if isinstance(sm, SpecStepModel):
         passes += sm.draft_passes(batch)
     return passes
@@ -80,16 +80,17 @@ class LockstepStepModel(StepModel):
             return self._zeros.copy(), 0.0
         return super().step(batch)
 
-    def graph_mode(self, batch: BatchShape) -> tuple[str, int]:
-        mode, padded = super().graph_mode(batch)
+    def _graph_mode(self, m: int, decode_only: bool) -> tuple[str, int]:
+        # overrides the private hook, not graph_mode: StepModel.step calls _graph_mode directly (its hot path)
+        mode, padded = super()._graph_mode(m, decode_only)
         if self._pad_rows > padded:
-            pad_mode, padded = super().graph_mode(BatchShape((), self._pad_rows))
+            pad_mode, padded = super()._graph_mode(self._pad_rows, True)
             if pad_mode == EAGER:
                 mode = EAGER
         return mode, padded
 
     def padded_rows(self, batch: BatchShape) -> int:
-        return super().graph_mode(batch)[1]
+        return StepModel._graph_mode(self, batch.num_tokens, batch.is_decode_only)[1]
 
     def priced(self, batch: BatchShape, pad_rows: int) -> tuple[np.ndarray, float]:
         """(seconds per family, total) of ``batch`` with its rows padded to at least ``pad_rows``."""

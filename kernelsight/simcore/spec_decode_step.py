@@ -118,7 +118,8 @@ class SpecStepModel(StepModel):
                 base = self.baseline if self.baseline is not None else self
                 plain_out, plain_s = base.step(plain) if base is not self else StepModel.step(self, plain)
                 self.baseline_s += plain_s
-                self._last_plain = (float(plain_out[_I_MOE]), StepModel.graph_mode(base, plain)[1])
+                self._last_plain = (float(plain_out[_I_MOE]),
+                                    StepModel._graph_mode(base, plain.num_tokens, plain.is_decode_only)[1])
         else:
             out, total = StepModel.step(self, batch)
         self.verify_s += total
