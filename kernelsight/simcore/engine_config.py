@@ -394,4 +394,7 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
                       per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),
                       spec_decoder=spec_decoder(cfg))
                for _ in range(cfg.args.data_parallel_size)]
+    for eng in engines:     # what a P/D decode side pulls prompt KV over, as build_engine's
+        eng.kv_transfer = kv_transfer_model(cfg.model, cfg.precision, cfg.args.tensor_parallel_size,
+                                            cfg.scheduler.block_size, kv_link(cfg.hardware))
     return DPGroup(engines, moe)
