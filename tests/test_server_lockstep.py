@@ -6,6 +6,7 @@ stay independent. Checked through real HTTP against the fast-forward of the same
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import numpy as np
@@ -17,7 +18,7 @@ from kernelsight.loadgen.datasets import SampleRequest  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.server.runner import ServerThread  # noqa: E402
 from kernelsight.simcore.engine import FIRST_TOKEN, TOKENS  # noqa: E402
-from kernelsight.simcore.engine_config import build_engine  # noqa: E402
+from kernelsight.simcore.engine_config import build_dp_group, build_engine  # noqa: E402
 
 MOE = "Qwen/Qwen3-30B-A3B-Instruct-2507"
 DENSE = "meta-llama/Llama-3.1-8B"
@@ -163,3 +164,46 @@ def test_dense_ranks_stay_independent(dense_srv):
         expected += [res.end_s] * sum(ev.num_tokens for ev in res.events if ev.kind in (FIRST_TOKEN, TOKENS))
     assert times1 == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert not set(times0) <= set(times1)
+
+
+def test_a_lockstep_decode_instance_decodes_after_its_pull_in_step_with_the_idle_rank():
+    """P/D with DP MoE on both sides (vLLM's toy-proxy semantics): the decode group's first step for the pulled
+    request starts at the pull's end, it then decodes with rank 1 running dummy batches (token times as the same
+    request replayed on the group), and the prefill side frees its held blocks on the decode side's notification."""
+    import json
+
+    from tests.pd_proxy import ProxyThread
+
+    nixl = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    common = ["--model", MOE, "--hardware", "rtx-pro-6000", "-dp", "2", "--enable-expert-parallel",
+              "--served-model-name", "m", "--max-model-len", "4096", "--record-timings", "--kv-transfer-config", nixl]
+    plen = 1500
+    with ServerThread(common) as p, ServerThread([*common, "--kv-transfer-link", "tcp",
+                                                  "--kv-transfer-bandwidth-gbps", "10"]) as d, \
+            ProxyThread([p.base_url], [d.base_url]) as proxy:
+        r = httpx.post(proxy.base_url + "/v1/completions", timeout=60,
+                       json={"model": "m", "prompt": _prompt(20, plen), "max_tokens": 6, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+        eng = d.state.bridges[0].engine
+        (rec,) = d.call(lambda: list(d.state.bridges[0].timings.values()))
+        pull_s = d.call(lambda: eng.kv_transfer.time_s(-(-plen // 16)))
+        assert d.call(lambda: eng.num_pulls) == 1 and pull_s > 0.05
+        # the same request replayed on a fresh group of the decode config: the pull starts at its arrival, the first
+        # step at the pull's end (not before: the server's group waited for it), the ranks in lockstep after it
+        replay = build_dp_group(d.config)
+        replay.engines[0].kv_transfer = eng.kv_transfer
+        replay.engines[0].add_request("x", _prompt(20, plen), 6, ignore_eos=True, arrival_s=rec["arrival_s"],
+                                      remote_prefill=True)
+        expected = []
+        while (step := replay.step()) is not None:
+            for _, res in step:
+                expected += [res.end_s] * sum(ev.num_tokens for ev in res.events if ev.kind in (FIRST_TOKEN, TOKENS))
+        assert rec["token_times_s"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert expected[0] > rec["arrival_s"] + pull_s
+        stats = d.call(lambda: [(s.num_steps, s.num_dummy_steps) for s in d.state.lockstep.group.stats])
+        assert stats[0][0] == 6 and stats[1] == (0, 6)
+        deadline = time.monotonic() + 20
+        while p.call(lambda: p.state.bridges[0].engine.num_held) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.call(lambda: sum(b.engine.num_held for b in p.state.bridges)) == 0

@@ -17,7 +17,9 @@ How the ranks share time depends on the model (vLLM's ``DPEngineCoreProc``):
 A lockstep rank's engine is built with a :class:`LockstepStepModel`: the engine's own call only records the batch
 it scheduled (priced 0 s); the group then prices all ranks' batches together and moves every rank's clock, step
 end and statistics to the group's step end. The engine's hot loop is unchanged, and a group of one is never used
-(a single engine is driven directly).
+(a single engine is driven directly). The real-time server drives the same group (``server/lockstep.py``); it
+submits to the rank its front end picked, straight to that engine, and never lets an idle group's clock run ahead
+of wall time (``step(until_s=...)``).
 
 Speculative decoding (vLLM's DP attention + EP + MTP deployments): each rank drafts and verifies its own batch
 (its own acceptance draws), but every forward pass of the step is a group pass: the target's verify pass (each
@@ -147,7 +149,7 @@ class MoEGroupTiming:
 
 
 class GroupMoEStepModel(StepModel):
-    """A rank of a MoE data-parallel group stepped on its own clock (``serve``, ``--data-parallel-rank``): its MoE
+    """A rank of a MoE data-parallel group stepped on its own clock (``serve --data-parallel-rank``): its MoE
     layers are priced as the group's, every rank assumed to run as many rows as this one, dispatch/combine
     included; the lockstep's waits for a slower rank and dummy batches are not seen from one rank. With speculative
     decoding (:class:`GroupMoESpecStepModel`) the drafter's passes are group passes too (:func:`moe_passes`)."""
@@ -165,7 +167,7 @@ class GroupMoEStepModel(StepModel):
 
 
 class GroupMoESpecStepModel(GroupMoEStepModel, SpecStepModel):
-    """:class:`GroupMoEStepModel` of a rank that drafts and verifies (serve's per-rank engines): its
+    """:class:`GroupMoEStepModel` of a rank that drafts and verifies (``serve --data-parallel-rank``): its
     :class:`SpecStepModel` step, then every pass's MoE layers (target and drafter) priced as the group's."""
 
 
