@@ -24,6 +24,9 @@ MOE = "Qwen/Qwen3-30B-A3B-Instruct-2507"
 DENSE = "meta-llama/Llama-3.1-8B"
 COMMON = ["--max-model-len", "4096", "--max-num-seqs", "16", "--max-num-batched-tokens", "1024",
           "--num-gpu-blocks-override", "2000", "--record-timings"]
+#: rank 1's stream in the busy-rank tests: long enough (~0.7 s) that the other rank's request lands inside it on a
+#: loaded machine
+STREAM_TOKENS = 120
 
 
 def _server(model: str, *extra: str) -> ServerThread:
@@ -113,13 +116,13 @@ def _stream_token_times(c: httpx.Client, model: str, prompt: list[int], max_toke
 
 
 def _busy_other_rank(srv: ServerThread, model: str) -> tuple[list[float], list[float], float]:
-    """Rank 1 streams 40 tokens; meanwhile rank 0 prefills a 3,000-token prompt (three 1,024-token chunks) and
+    """Rank 1 streams 120 tokens; meanwhile rank 0 prefills a 3,000-token prompt (three 1,024-token chunks) and
     decodes 5. Returns (rank 1's token times, rank 0's token times, rank 0's arrival), virtual."""
     out: dict[str, str] = {}
     with httpx.Client(base_url=srv.base_url, timeout=60) as c, httpx.Client(base_url=srv.base_url, timeout=60) as c2:
         def other() -> None:
             out["busy"] = _completion(c2, model, _prompt(11, 3000), 5, rank=0)["id"]
-        rid = _stream_token_times(c, model, _prompt(10, 200), 40, 1, other)
+        rid = _stream_token_times(c, model, _prompt(10, 200), STREAM_TOKENS, 1, other)
     _, times1 = _virtual_timing(srv, 1, rid)
     arrival0, times0 = _virtual_timing(srv, 0, out["busy"])
     return times1, times0, arrival0
@@ -129,7 +132,7 @@ def test_a_busy_rank_holds_back_the_other_ranks_stream(moe_srv):
     srv = moe_srv
     _wait_idle(srv)
     times1, times0, arrival0 = _busy_other_rank(srv, MOE)
-    assert len(times1) == 40 and len(times0) == 5
+    assert len(times1) == STREAM_TOKENS and len(times0) == 5
     # lockstep: every token rank 0 releases goes out at a step end of rank 1's stream (both decoding then)
     assert set(times0) <= set(times1)
     itl = np.diff(times1)
@@ -138,8 +141,8 @@ def test_a_busy_rank_holds_back_the_other_ranks_stream(moe_srv):
     assert len(before) >= 2 and len(during) >= 1
     # the steps that carry rank 0's prefill chunks last as long as the chunk's 1,024 rows: rank 1 waits for them
     assert during.max() > 3 * np.median(before)
-    # alone, the same 40 tokens take 40 lone steps (the fast-forward of that request alone)
-    alone = _fast_forward_token_times(srv, [(_prompt(10, 200), 40, 0.0)])[0]
+    # alone, the same tokens take as many lone steps (the fast-forward of that request alone)
+    alone = _fast_forward_token_times(srv, [(_prompt(10, 200), STREAM_TOKENS, 0.0)])[0]
     assert times1[-1] - times1[0] > (alone[-1] - alone[0]) + 2 * np.median(before)
     # each rank still has its own queue, KV cache and /metrics engine label
     metrics = httpx.get(srv.base_url + "/metrics").text
@@ -158,7 +161,7 @@ def test_dense_ranks_stay_independent(dense_srv):
     # step at a time: fast-forward's decode windows sum the same steps in another order): rank 0's prefill does
     # not touch them
     alone = build_engine(srv.config)
-    alone.add_request("r", _prompt(10, 200), 40, ignore_eos=True, arrival_s=rid_arrival[0])
+    alone.add_request("r", _prompt(10, 200), STREAM_TOKENS, ignore_eos=True, arrival_s=rid_arrival[0])
     expected = []
     while (res := alone.step(1)) is not None:
         expected += [res.end_s] * sum(ev.num_tokens for ev in res.events if ev.kind in (FIRST_TOKEN, TOKENS))
