@@ -210,3 +210,27 @@ def test_a_lockstep_decode_instance_decodes_after_its_pull_in_step_with_the_idle
         while p.call(lambda: p.state.bridges[0].engine.num_held) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert p.call(lambda: sum(b.engine.num_held for b in p.state.bridges)) == 0
+
+
+def test_the_slow_fault_slows_the_whole_lockstep_group(moe_srv):
+    """The "slow" replica state multiplies the group's steps (a LockstepStepModel behind ScaledStepModel would price
+    the rank's batch unscaled): every virtual token time after the arrival ×3 exactly, and back after."""
+    srv = moe_srv
+    _wait_idle(srv)
+
+    def relative_times(c: httpx.Client, seed: int) -> list[float]:
+        body = _completion(c, MOE, _prompt(seed, 300), 8, rank=1)
+        arrival, times = _virtual_timing(srv, 1, body["id"])
+        return [t - arrival for t in times]
+
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        normal = relative_times(c, 30)
+        assert c.post("/kernelsight/faults", json={"types": ["slow"], "slow_factor": 3}).status_code == 200
+        try:
+            slow = relative_times(c, 31)
+        finally:
+            assert c.post("/kernelsight/faults", json={"types": []}).status_code == 200
+        again = relative_times(c, 32)
+    assert len(slow) == len(normal) == 8
+    assert slow == pytest.approx([3 * t for t in normal], rel=1e-9)
+    assert again == pytest.approx(normal, rel=1e-9)
