@@ -6,8 +6,8 @@ before a change), ``--check FILE`` recomputes and compares (after it): bit-for-b
 
 The workloads cover what the fast path special-cases: the sim_speed workload itself, prefix-cache hits,
 preemption under a small KV cache, chunked prefill of long prompts with tensor parallelism (a MoE model too),
-a max-concurrency client, the exact per-request scheduler (no decode group, long-prefill threshold, priority),
-and the real-time server's per-token event stream.
+a max-concurrency client, a data-parallel MoE group in lockstep, the exact per-request scheduler (no decode group,
+long-prefill threshold, priority), and the real-time server's per-token event stream.
 
 ``--hardware GPU`` runs every chosen workload on that GPU instead of its own (a calibration change of one GPU, e.g.
 the RTX PRO 6000's or a cross-generation table's, is checked on that GPU).
@@ -96,6 +96,14 @@ def moe_concurrency() -> dict:
     return _ff(a, random_dataset(800, 500, 250, 0.5, _vocab(a), seed=4), float("inf"), max_concurrency=64)
 
 
+def dp_moe_lockstep() -> dict:
+    """Qwen3-30B-A3B as DP2 + EP on RTX PRO 6000s: the ranks step in lockstep (padded rows, dummy batches,
+    all-to-all), requests routed by vLLM's DP load balancer."""
+    a = EngineArgs(model="Qwen/Qwen3-30B-A3B-Instruct-2507", hardware="rtx-pro-6000", seed=7, data_parallel_size=2,
+                   enable_expert_parallel=True, max_model_len=8192)
+    return _ff(a, random_dataset(300, 600, 150, 0.5, _vocab(a), seed=7), 8.0)
+
+
 def exact_scheduler() -> dict:
     """The per-request scheduler loop: no decode group, a long-prefill threshold, priority policy, abort."""
     a = EngineArgs(model="Qwen/Qwen3-8B", hardware="a100-sxm", seed=5, long_prefill_token_threshold=256,
@@ -145,7 +153,7 @@ def _engine_events(args: EngineArgs, use_decode_group: bool) -> dict:
 
 
 WORKLOADS = {f.__name__: f for f in (sim_speed, prefix_hits, preemption, chunked_tp, moe_concurrency,
-                                     exact_scheduler, per_token_events)}
+                                     dp_moe_lockstep, exact_scheduler, per_token_events)}
 
 
 def main() -> int:

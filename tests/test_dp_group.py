@@ -283,3 +283,33 @@ def test_the_router_sees_counts_published_every_100_ms_plus_its_own_assignments(
     assert times["a"][1] < 0.05              # "a" was done before "b" arrived ...
     # ... but the front end still counted it waiting on rank 0 until the 0.1 s publication
     assert group.rank_of == {"a": 0, "b": 1, "c": 0}
+
+
+def test_requests_submitted_straight_to_a_rank_step_as_routed_ones_and_until_bounds_an_idle_jump():
+    """The real-time server picks a rank itself and submits to its engine (a future arrival the engine holds): the
+    lockstep is the same as for requests the group routes, and an idle group never jumps past ``until_s``."""
+    _, routed = _moe_group()
+    _, direct = _moe_group()
+    prompt = list(range(1, 400))
+    routed.add_request("a", prompt, 6, arrival_s=0.25, rank=1)
+    direct.engines[1].add_request("a", prompt, 6, arrival_s=0.25)
+    assert direct.next_event_s() == 0.25
+    assert direct.step(until_s=0.2) is None and direct.now_s == 0.0      # not arrived by then: no clock jump
+    assert _drive_group(direct) == _drive_group(routed)
+    assert [(s.num_steps, s.num_dummy_steps) for s in direct.stats] == [(0, 6), (6, 0)]
+    direct.idle_until(5.0)
+    assert direct.now_s == 5.0 and all(e.now_s == 5.0 for e in direct.engines)
+
+
+def test_a_step_time_factor_slows_every_part_of_a_lockstep_step_alike():
+    _, base = _moe_group()
+    _, slow = _moe_group()
+    slow.step_time_factor = 3.0
+    for g in (base, slow):
+        g.add_request("a", list(range(1, 300)), 4, arrival_s=0.0, rank=0)
+    (_, r_base), = base.step()
+    (_, r_slow), = slow.step()
+    assert r_slow.end_s == pytest.approx(3 * r_base.end_s, rel=1e-12)
+    assert r_slow.breakdown_s == pytest.approx(3 * r_base.breakdown_s, rel=1e-12)
+    assert slow.stats[0].all2all_s == pytest.approx(3 * base.stats[0].all2all_s, rel=1e-12)
+    assert slow.stats[1].num_dummy_steps == 1

@@ -375,15 +375,22 @@ def test_replay_keeps_the_last_buffer_steps_batches():
         pub.shutdown()
 
 
-def test_data_parallel_ranks_publish_apart_in_the_array_encoding(monkeypatch):
+MOE_EP = ["--model", "Qwen/Qwen3-30B-A3B-Instruct-2507", "--hardware", "rtx-pro-6000", "--enable-expert-parallel"]
+
+
+@pytest.mark.parametrize("model_args", [[], MOE_EP], ids=["dense", "moe-lockstep"])
+def test_data_parallel_ranks_publish_apart_in_the_array_encoding(monkeypatch, model_args):
+    """Each rank publishes on its own ports: a dense model's independent ranks and a MoE model's lockstep group."""
     from kernelsight.server.runner import ServerThread
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     base, rbase = _free_pair(), _free_pair()          # rank 1 publishes on port + 1
     cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{rbase}"}
     argv = ["--num-gpu-blocks-override", "64", "--max-model-len", "256", "--time-scale", "50", "--data-parallel-size",
-            "2", "--served-model-name", "m", "--kv-events-array-like", "--kv-events-config", json.dumps(cfg)]
+            "2", "--served-model-name", "m", "--kv-events-array-like", "--kv-events-config", json.dumps(cfg),
+            *model_args]
     with ServerThread(argv) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        assert (srv.state.lockstep is not None) == bool(model_args)
         src = c.get("/kv_event_sources").json()
         assert [(s["data_parallel_rank"], s["endpoint"]) for s in src] == \
             [(0, f"tcp://127.0.0.1:{base}"), (1, f"tcp://127.0.0.1:{base + 1}")]

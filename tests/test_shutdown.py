@@ -90,11 +90,17 @@ async def sigterm_with_streams(proc: subprocess.Popen, port: int, n: int, max_to
     return bodies, elapsed
 
 
-def test_sigterm_aborts_open_streams_at_once():
+#: a MoE model's DP2+EP group (its ranks stepped by one lockstep loop), answering to MODEL's name
+MOE_LOCKSTEP = ["--model", "Qwen/Qwen3-30B-A3B-Instruct-2507", "--hardware", "rtx-pro-6000", "-dp", "2",
+                "--enable-expert-parallel", "--served-model-name", MODEL]
+
+
+@pytest.mark.parametrize("extra", [[], MOE_LOCKSTEP], ids=["one-engine", "moe-dp2-lockstep"])
+def test_sigterm_aborts_open_streams_at_once(extra):
     """Default --shutdown-timeout 0: streams of 3,000 tokens (~20 s of simulated H100 time) end within the bound,
     each with its tokens so far, a last chunk with finish_reason "abort", and [DONE]; the port is closed after."""
     port = free_port()
-    proc = start_server(port)
+    proc = start_server(port, *extra)
     try:
         bodies, elapsed = asyncio.run(sigterm_with_streams(proc, port, n=6, max_tokens=3000))
     finally:

@@ -182,7 +182,9 @@ def test_serve_dp2_ep_with_ngram_drafts_on_both_ranks():
     args = ["--model", model, "-dp", "2", "--enable-expert-parallel", "--max-model-len", "2048", "--time-scale", "20",
             "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
     with ServerThread(args) as srv:
-        assert all(type(b.engine.step_model) is GroupMoESpecStepModel for b in srv.state.bridges)
+        # one lockstep group: every rank's engine is the group's, its step model the lockstep one that drafts
+        assert srv.state.lockstep is not None
+        assert all(type(b.engine.step_model) is LockstepSpecStepModel for b in srv.state.bridges)
         with httpx.Client(base_url=srv.base_url, timeout=60) as c:
             for rank in ("0", "1"):
                 r = c.post("/v1/completions", json={"model": model, "prompt": "hello there", "max_tokens": 40,

@@ -68,6 +68,18 @@ class Seq:
     token_times_v: list[float] | None = None    # virtual release time of each token (when recording)
 
 
+class LockstepDriverLike(Protocol):
+    """What steps a bridge's engine together with other ranks' (``kernelsight.server.lockstep.LockstepDriver``)."""
+
+    is_running: bool
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def set_step_time_factor(self, factor: float) -> None: ...
+
+
 class StreamSink(Protocol):
     """A streaming response the engine loop writes directly (``kernelsight.server.fastpath.FastStream``)."""
 
@@ -143,12 +155,15 @@ class EngineBridge:
     def __init__(self, config: EngineConfig, tokenizer: ServerTokenizer, metrics: EngineMetrics | None = None,
                  time_scale: float = 1.0, record_timings: bool = False, spin_s: float = 0.0015, *,
                  lateness_warn_s: float = 0.05, engine_index: int = 0,
-                 kv_publisher: KVEventPublisher | None = None) -> None:
+                 kv_publisher: KVEventPublisher | None = None, engine: Engine | None = None) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.config = config
         self.tok = tokenizer
-        self.engine: Engine = build_engine(config, per_token_events=True)
+        # ``engine``: a rank of a lockstep data-parallel group (``server/lockstep.py``), built with its group
+        self.engine: Engine = engine if engine is not None else build_engine(config, per_token_events=True)
+        # the loop that steps this engine when it is not the bridge's own: a MoE group's lockstep driver
+        self.driver: LockstepDriverLike | None = None
         self.metrics = metrics
         self.time_scale = time_scale
         # wait out the last stretch before a deadline precisely: event-loop timers are ms-coarse (uvloop rounds
@@ -209,6 +224,9 @@ class EngineBridge:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.driver is not None:       # one loop steps every rank of the group (idempotent)
+            self.driver.start()
+            return
         if self._task is None:
             self._wake = asyncio.Event()
             self._wall0 = time.perf_counter() - self.engine.now_s / self.time_scale
@@ -216,8 +234,17 @@ class EngineBridge:
             if self.kv_publisher is not None:
                 self.kv_publisher.start()
 
+    def join_loop(self, wall0: float, wake: asyncio.Event) -> None:
+        """A lockstep driver steps this engine: its wall-clock origin and wake-up are the group's."""
+        self._wall0 = wall0
+        self._wake = wake
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
+
     async def stop(self) -> None:
         self._closing = True
+        if self.driver is not None:
+            await self.driver.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -249,6 +276,9 @@ class EngineBridge:
 
     def set_step_time_factor(self, factor: float) -> None:
         """Every step computed from now on takes ``factor`` times its simulated time (the "slow" fault)."""
+        if self.driver is not None:        # a lockstep group slows as a whole (its ranks' steps end together)
+            self.driver.set_step_time_factor(factor)
+            return
         eng = self.engine
         if not isinstance(eng.step_model, ScaledStepModel):
             if factor == 1.0:
@@ -258,6 +288,8 @@ class EngineBridge:
 
     @property
     def is_running(self) -> bool:
+        if self.driver is not None:
+            return self.driver.is_running
         return self._task is not None and not self._task.done()
 
     # -- requests -------------------------------------------------------------------------------
@@ -479,7 +511,7 @@ class EngineBridge:
         lag = now - self.wall_of(self.engine.now_s)
         return min(READ_WINDOW_SHARE * shortest, shortest - max(lag, 0.0) - READ_WINDOW_MARGIN_S) - self._busy_s
 
-    async def _read_window(self) -> None:
+    async def _read_window(self, has_work: bool | None = None) -> None:
         """Before computing the next step, keep the loop reading sockets for a moment when the step leaves room.
 
         Requests are stamped when their bytes are read, and the loop reads nothing while it computes and renders
@@ -488,7 +520,9 @@ class EngineBridge:
         is unaffected: its start is already fixed on the virtual clock, and requests arriving meanwhile are
         future arrivals it does not admit."""
         room = self.read_window_s(time.perf_counter())
-        if room <= 0.0002 or not self.engine.has_unfinished():
+        if has_work is None:
+            has_work = self.engine.has_unfinished()
+        if room <= 0.0002 or not has_work:
             return
         t0 = time.perf_counter()
         await asyncio.sleep(min(READ_WINDOW_S, room))
@@ -499,6 +533,11 @@ class EngineBridge:
             await asyncio.sleep(0)
 
     async def _sleep_until(self, deadline: float) -> None:
+        late_s, now = await self.wait_deadline(deadline)
+        self.observe_release(late_s, now)
+
+    async def wait_deadline(self, deadline: float) -> tuple[float, float]:
+        """Wait for the wall ``deadline``; (seconds late, perf_counter now) once it passed."""
         delay = deadline - time.perf_counter()
         if delay > self.spin_s:
             await asyncio.sleep(delay - self.spin_s)     # the loop's timers are only ~1 ms accurate
@@ -517,7 +556,7 @@ class EngineBridge:
         while time.perf_counter() < deadline:
             pass
         now = time.perf_counter()
-        self.observe_release(now - deadline, now)
+        return now - deadline, now
 
     def observe_release(self, late_s: float, now_s: float) -> None:
         """A step's tokens go out ``late_s`` wall seconds after their deadline, at ``now_s``: the worst lateness,

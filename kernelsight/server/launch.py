@@ -29,12 +29,6 @@ def resolve_serve_config(ns: argparse.Namespace) -> EngineConfig:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = create_engine_config(engine_args_from(ns))
     server_options_from(ns)            # its own checks (fault types, LoRA modules) before anything is built
-    if config.model.is_moe and config.args.data_parallel_size > 1:
-        # the bridges run one engine each against wall time; the lockstep group is fast-forward's (dp_group.py)
-        logging.getLogger("kernelsight.serve").warning(
-            "data-parallel MoE: serve steps the %d ranks independently, each rank's MoE layers priced as the group's "
-            "(all-to-all included, the other ranks assumed as busy); the lockstep's waits and dummy batches are "
-            "simulated by `kernelsight simulate` / `validate` only", config.args.data_parallel_size)
     return config
 
 

@@ -16,13 +16,14 @@ from kernelsight.server.errors import APIError, not_found
 from kernelsight.server.faults import BUSY_MESSAGE, FAULT_TYPES, TOKEN_BACKLOG_MESSAGE, FaultConfig, FaultInjector
 from kernelsight.server.kv_events.publisher import KVEventPublisher
 from kernelsight.server.kv_transfer import KVTransferAgent
+from kernelsight.server.lockstep import LockstepDriver
 from kernelsight.server.logprobs import LogprobSynth
 from kernelsight.server.metrics import ServerMetrics
 from kernelsight.server.options import ServerOptions
 from kernelsight.server.protocol.version import VLLM_VERSION
 from kernelsight.server.sleep_mode import SleepMode
 from kernelsight.server.tokenizer import ServerTokenizer
-from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, moe_group_timing
 from kernelsight.simcore.kv_transfer import kv_link
 
 
@@ -42,10 +43,14 @@ class ServerState:
                                      opts.max_loras, fault_types=FAULT_TYPES, first_engine=first,
                                      hidden_metrics_version=opts.show_hidden_metrics_for_version)
         self.kv_publishers = _kv_publishers(config, opts, replica_index, range(first, first + n))
+        # a MoE model's ranks served together step in lockstep (vLLM's DP engine core): one group, one loop
+        group = build_dp_group(config) if n > 1 and moe_group_timing(config) is not None else None
         self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
                                      opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
                                      engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers
-                                     else None) for i in range(n)]
+                                     else None, engine=group.engines[i] if group is not None else None)
+                        for i in range(n)]
+        self.lockstep = LockstepDriver(group, self.bridges) if group is not None else None
         self.kv_agents = _kv_transfer_agents(config, opts, self.bridges, first)
         if config.speculative is not None:
             self.metrics.bind_spec_decode([lambda b=b: b.engine.spec_decoder.stats for b in self.bridges],

@@ -17,7 +17,9 @@ How the ranks share time depends on the model (vLLM's ``DPEngineCoreProc``):
 A lockstep rank's engine is built with a :class:`LockstepStepModel`: the engine's own call only records the batch
 it scheduled (priced 0 s); the group then prices all ranks' batches together and moves every rank's clock, step
 end and statistics to the group's step end. The engine's hot loop is unchanged, and a group of one is never used
-(a single engine is driven directly).
+(a single engine is driven directly). The real-time server drives the same group (``server/lockstep.py``); it
+submits to the rank its front end picked, straight to that engine, and never lets an idle group's clock run ahead
+of wall time (``step(until_s=...)``).
 
 Speculative decoding (vLLM's DP attention + EP + MTP deployments): each rank drafts and verifies its own batch
 (its own acceptance draws), but every forward pass of the step is a group pass: the target's verify pass (each
@@ -148,7 +150,7 @@ class MoEGroupTiming:
 
 
 class GroupMoEStepModel(StepModel):
-    """A rank of a MoE data-parallel group stepped on its own clock (``serve``, ``--data-parallel-rank``): its MoE
+    """A rank of a MoE data-parallel group stepped on its own clock (``serve --data-parallel-rank``): its MoE
     layers are priced as the group's, every rank assumed to run as many rows as this one, dispatch/combine
     included; the lockstep's waits for a slower rank and dummy batches are not seen from one rank. With speculative
     decoding (:class:`GroupMoESpecStepModel`) the drafter's passes are group passes too (:func:`moe_passes`)."""
@@ -166,7 +168,7 @@ class GroupMoEStepModel(StepModel):
 
 
 class GroupMoESpecStepModel(GroupMoEStepModel, SpecStepModel):
-    """:class:`GroupMoEStepModel` of a rank that drafts and verifies (serve's per-rank engines): its
+    """:class:`GroupMoEStepModel` of a rank that drafts and verifies (``serve --data-parallel-rank``): its
     :class:`SpecStepModel` step, then every pass's MoE layers (target and drafter) priced as the group's."""
 
 
@@ -237,6 +239,7 @@ class DPGroup:
         self.now_s = 0.0               # the lockstep clock (independent ranks keep their own)
         self._lb_counts: list[list[int]] = [[0, 0] for _ in self.engines]   # the front end's (waiting, running)
         self._lb_next_s = 0.0          # when the coordinator publishes fresh counts next
+        self.step_time_factor = 1.0    # lockstep: every step lasts this many times its simulated time
 
     @property
     def size(self) -> int:
@@ -291,11 +294,12 @@ class DPGroup:
         return self._pending[0][0] if self._pending else None
 
     # -- stepping --------------------------------------------------------------------------------------
-    def step(self, max_steps: int = 1) -> list[tuple[int, StepResult]] | None:
+    def step(self, max_steps: int = 1, until_s: float | None = None) -> list[tuple[int, StepResult]] | None:
         """Advance the group by one step: of the rank furthest behind (independent), or of every rank
-        (lockstep). Returns (rank, result) pairs, or None when no work is left."""
+        (lockstep). Returns (rank, result) pairs, or None when no work is left. ``until_s`` (lockstep only; the
+        real-time server passes its wall-mapped now): an idle group does not jump its clock past it, None then."""
         if self.moe is not None:
-            return self._lockstep()
+            return self._lockstep(until_s)
         while True:
             nxt = self._pending[0][0] if self._pending else None
             busy = [(e.now_s, i) for i, e in enumerate(self.engines) if _has_work(e)]
@@ -317,27 +321,31 @@ class DPGroup:
         st.breakdown_s += res.breakdown_s
         st.sample(duration_s, res.num_waiting, res.num_running, res.kv_usage)
 
-    def _lockstep(self) -> list[tuple[int, StepResult]] | None:
+    def _lockstep(self, until_s: float | None = None) -> list[tuple[int, StepResult]] | None:
         moe = self.moe
         assert moe is not None
         engines = self.engines
         while True:
             self._route_until(self.now_s)
-            if any(_has_work(e) for e in engines):
-                break
-            if not self._pending:
+            start = self.now_s
+            if any(_ready(e, start) for e in engines):
+                results: list[tuple[int, StepResult]] = []
+                batches: list[BatchShape | None] = []
+                for i, e in enumerate(engines):
+                    res = e.step(1, until_s=start) if _ready(e, start) else None
+                    if res is not None:
+                        results.append((i, res))
+                    batches.append(e.step_model.last_batch if res is not None else None)  # type: ignore[attr-defined]
+                if results:
+                    break
+                # only requests that no longer need a step (aborted before they surfaced, a P/D pull started):
+                # nothing runs, no rank's clock moves
+            nxt = self.next_event_s()
+            if nxt is None or (until_s is not None and nxt > until_s):
                 return None
-            self.now_s = max(self.now_s, self._pending[0][0])
+            self.now_s = max(self.now_s, nxt)
             for e in engines:
-                e.now_s = self.now_s
-        start = self.now_s
-        results: list[tuple[int, StepResult]] = []
-        batches: list[BatchShape | None] = []
-        for i, e in enumerate(engines):
-            res = e.step(1, until_s=start) if _has_work(e) else None
-            if res is not None:
-                results.append((i, res))
-            batches.append(e.step_model.last_batch if res is not None else None)   # type: ignore[attr-defined]
+                e.now_s = max(e.now_s, self.now_s)
         models: list[LockstepStepModel] = [e.step_model for e in engines]         # type: ignore[misc]
         passes = _group_passes([moe_passes(sm, b if b is not None else DUMMY_BATCH)
                                 for sm, b in zip(models, batches, strict=True)])
@@ -353,6 +361,10 @@ class DPGroup:
             _regroup_spec_accounting(moe, models, passes)
         slowest = max(t for _, t in own)
         duration = slowest + comm_s
+        f = self.step_time_factor
+        if f != 1.0:        # a degraded group (the server's "slow" fault): every part of the step slows alike
+            slowest, comm_s, duration = slowest * f, comm_s * f, duration * f
+            own = [(bd * f, total * f) for bd, total in own]
         end = start + duration
         by_rank = dict(results)
         for i, e in enumerate(engines):
@@ -382,6 +394,23 @@ class DPGroup:
         self.now_s = end
         return results
 
+    def next_event_s(self) -> float | None:
+        """The earliest arrival still to come: one the group routes, or one a rank's engine holds itself (the
+        server submits straight to a rank; a P/D pull ends as its request's next arrival)."""
+        times = [t for t in (e.next_arrival_s for e in self.engines) if t is not None]
+        if self._pending:
+            times.append(self._pending[0][0])
+        return min(times, default=None)
+
+    def idle_until(self, t: float) -> None:
+        """Move an idle group's clock (and every rank's) on to ``t``: the real-time server's clock follows wall
+        time while nothing runs. A group with queued work keeps its clock."""
+        if any(_has_work(e) for e in self.engines) or t <= self.now_s:
+            return
+        self.now_s = t
+        for e in self.engines:
+            e.now_s = max(e.now_s, t)
+
 
 def _group_passes(per_rank: Sequence[Sequence[tuple[StepModel, int]]]) -> list[tuple[StepModel, int]]:
     """The group's passes of one lockstep step: pass i of every rank padded to the largest rank's rows (a rank
@@ -406,6 +435,14 @@ def _regroup_spec_accounting(moe: MoEGroupTiming, models: Sequence[StepModel],
 
 def _has_work(e: Engine) -> bool:
     return e.num_running > 0 or e.num_waiting > 0
+
+
+def _ready(e: Engine, t: float) -> bool:
+    """The rank has something for a step starting at ``t``: queued work, or an arrival it holds itself by then."""
+    if e.num_running > 0 or e.num_waiting > 0:
+        return True
+    nxt = e.next_arrival_s
+    return nxt is not None and nxt <= t
 
 
 __all__ = ["DUMMY_BATCH", "LB_STATS_INTERVAL_S", "WAITING_WEIGHT", "DPGroup", "GroupMoESpecStepModel",

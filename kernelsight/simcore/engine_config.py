@@ -375,7 +375,7 @@ def build_engine(cfg: EngineConfig, per_token_events: bool = True, link: KVLink 
     ``per_token_events``: report every decoded token (the server streams them); fast-forward needs only first
     tokens and finishes. ``link``: what a P/D decode side pulls prompt KV over (default: the GPU profile's, see
     ``simcore/kv_transfer.py``)."""
-    moe = moe_group_timing(cfg)    # one rank of a MoE group (serve's bridges): the group's MoE cost, no lockstep
+    moe = moe_group_timing(cfg)    # one rank of a MoE group alone (--data-parallel-rank): the group's MoE cost
     sm = build_step_model(cfg) if moe is None else build_step_model(cfg, GroupMoEStepModel, moe=moe)
     eng = Engine(cfg.scheduler, cfg.memory.num_gpu_blocks, sm, seed=cfg.args.seed,
                  per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),
@@ -394,4 +394,7 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
                       per_token_events=per_token_events, kv_cache=kv_cache_manager(cfg),
                       spec_decoder=spec_decoder(cfg))
                for _ in range(cfg.args.data_parallel_size)]
+    for eng in engines:     # what a P/D decode side pulls prompt KV over, as build_engine's
+        eng.kv_transfer = kv_transfer_model(cfg.model, cfg.precision, cfg.args.tensor_parallel_size,
+                                            cfg.scheduler.block_size, kv_link(cfg.hardware))
     return DPGroup(engines, moe)
