@@ -121,3 +121,32 @@ def test_keep_alive_is_vllms_variable_with_its_default(monkeypatch):
         monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", bad)
         with pytest.raises(ValueError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a whole number"):
             http_keep_alive_s()
+
+
+async def _closing_server_run() -> tuple:
+    """A server that reads each request's head and closes the connection without a byte of answer (as one that
+    crashed would): on a new connection, that is a failed request, not one to send again."""
+    heads = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    stats = ClientStats()
+    try:
+        async with bench_session(max_concurrency=1) as session:
+            rec = await send_streaming_request(session, _spec(f"http://127.0.0.1:{port}", 3),
+                                               bench_start_s=time.perf_counter(), queue_s=0.0, stats=stats)
+    finally:
+        server.close()
+        await server.wait_closed()
+    return rec, stats, heads
+
+
+def test_a_disconnect_on_a_new_connection_stays_a_failed_request():
+    rec, stats, heads = asyncio.run(asyncio.wait_for(_closing_server_run(), timeout=30))
+    assert not rec.success and rec.error.startswith("ServerDisconnectedError"), rec.error
+    assert stats.resent == 0
+    assert len(heads) == 1 and heads[0].startswith(b"POST /v1/completions ")      # sent once
