@@ -29,6 +29,7 @@ import numpy as np
 from kernelsight.loadgen.client import (
     ClientStats,
     RequestSpec,
+    bench_session,
     chat_payload,
     completions_payload,
     send_streaming_request,
@@ -69,7 +70,9 @@ class BenchRun:
                 "handle_us_per_sse_message": round(self.client.us_per_message, 2),
                 # all CPU of this process per message: the client's full cost when the server runs elsewhere
                 "process_cpu_us_per_sse_message": round(1e6 * self.cpu_s / max(self.client.num_messages, 1), 2),
-                "sse_messages": self.client.num_messages, "wall_s": round(self.wall_s, 3)}
+                "sse_messages": self.client.num_messages, "wall_s": round(self.wall_s, 3),
+                # sent again after meeting a pooled connection the server had closed idle (client.py's module doc)
+                "resent_on_stale_connection": self.client.resent}
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -249,8 +252,6 @@ async def run_bench(base_url: str, samples: Sequence[SampleRequest], arrivals_s:
                     request_id_prefix: str | None = None) -> BenchRun:
     """Send ``samples`` at ``arrivals_s`` (the server's seconds; divided by ``time_scale`` for the wall
     schedule) and measure every response."""
-    import aiohttp
-
     if endpoint not in ENDPOINTS:
         raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint}")
     chat = ENDPOINTS[endpoint] == "openai-chat"
@@ -277,8 +278,7 @@ async def run_bench(base_url: str, samples: Sequence[SampleRequest], arrivals_s:
     gc.collect()
     gc.freeze()
     try:
-        connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=6 * 3600)) as session:
+        async with bench_session(max_concurrency) as session:
             t0 = time.perf_counter()   # just before the first dispatch
             cpu0 = time.process_time()
             scraper = None

@@ -11,6 +11,14 @@ nothing about sockets, so every rule is unit-testable on recorded chunk sequence
 * Output tokens: ``usage.completion_tokens`` (fallback: a tokenizer count of the text, else the number of
   token-bearing chunks); the prompt length becomes ``usage.prompt_tokens`` when the server reports it.
 * An in-stream ``{"error": ...}`` event has neither ``choices`` nor ``usage``, so it is ignored.
+
+One departure from ``vllm bench serve``, which shares its pool and its 60 s idle lifetime: a request that meets a
+pooled connection the server has already closed is sent again (``MAX_RESENDS``). vLLM's API server closes a
+connection idle for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s); a client whose event loop is starved of CPU across that
+close has not yet read the FIN when it takes the connection from the pool, so the request goes out on a closed
+socket, the server never reads it, and the client sees a disconnect before any byte of a response. That is the
+one case re-sent (RFC 9112 §9.3.1: the request was never applied), counted in ``ClientStats.resent``; a disconnect
+on a new connection, or after any byte came back, stays a failed request.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ from typing import Any
 
 from kernelsight.loadgen.metrics import RequestRecord
 
-__all__ = ["StreamTimer", "SSEBuffer", "RequestSpec", "ClientStats", "send_streaming_request",
-           "completions_payload", "chat_payload", "NO_TOKEN_ERROR"]
+__all__ = ["StreamTimer", "SSEBuffer", "RequestSpec", "ClientStats", "send_streaming_request", "bench_session",
+           "completions_payload", "chat_payload", "NO_TOKEN_ERROR", "MAX_RESENDS"]
 
 NO_TOKEN_ERROR = "Never received a valid chunk to calculate TTFT.This response will be marked as failed!"
 _CHAT_TOKEN_KEYS = ("content", "reasoning", "reasoning_content", "tool_calls", "function_call")
@@ -124,20 +132,73 @@ class RequestSpec:
 
 @dataclass(slots=True)
 class ClientStats:
-    """The client's own cost: CPU seconds spent handling received bytes, and how many messages."""
+    """The client's own cost: CPU seconds spent handling received bytes, and how many messages; and how many
+    requests were sent again after meeting a pooled connection the server had closed (see the module doc)."""
 
     handle_s: float = 0.0
     num_messages: int = 0
+    resent: int = 0
 
     @property
     def us_per_message(self) -> float:
         return 1e6 * self.handle_s / self.num_messages if self.num_messages else 0.0
 
 
+#: re-sends of one request on stale pooled connections. Each failed try discards its dead connection, and by the
+#: second the event loop has read every FIN that arrived meanwhile, so one is all the race needs in practice
+MAX_RESENDS = 3
+
+
+class _Attempt:
+    """``trace_request_ctx`` of one try: whether aiohttp handed it a pooled (reused) connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_connection_reuse(_session: Any, ctx: Any, _params: Any) -> None:
+    attempt = getattr(ctx, "trace_request_ctx", None)
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+def bench_session(max_concurrency: int | None = None, total_timeout_s: float = 6 * 3600) -> Any:
+    """The benchmark's aiohttp session, as ``vllm bench serve`` builds it (one pool of ``max_concurrency``
+    connections, idle ones kept 60 s, a 6 h total timeout), plus the trace that tells ``send_streaming_request``
+    which tries went out on a reused connection."""
+    import aiohttp
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_on_connection_reuse)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=total_timeout_s),
+                                 trace_configs=[trace])
+
+
+async def _post(session: Any, spec: RequestSpec, stats: ClientStats | None) -> Any:
+    """POST ``spec`` and return the response once its headers are in; a try that died on a reused connection
+    before any byte came back is sent again (see the module doc)."""
+    import aiohttp
+
+    for k in range(MAX_RESENDS + 1):
+        attempt = _Attempt()
+        try:
+            return await session.post(spec.url, json=spec.payload, headers=spec.headers, trace_request_ctx=attempt)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            # a new connection's failure (refused, reset) is the server's answer; so is the last try's
+            if not attempt.reused or k == MAX_RESENDS:
+                raise
+        if stats is not None:
+            stats.resent += 1
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 async def send_streaming_request(session: Any, spec: RequestSpec, *, bench_start_s: float, queue_s: float,
                                  time_scale: float = 1.0, stats: ClientStats | None = None,
                                  count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
-    """POST one streaming request on ``session`` (an aiohttp ClientSession) and time it.
+    """POST one streaming request on ``session`` (an aiohttp ClientSession, best ``bench_session``'s) and time it.
 
     ``time_scale`` (the server's ``--time-scale``) converts the measured wall seconds into the server's
     virtual seconds, so a sped-up kernelsight server reports in simulated time.
@@ -149,7 +210,7 @@ async def send_streaming_request(session: Any, spec: RequestSpec, *, bench_start
     timer = StreamTimer(spec.chat, st, spec.prompt_len)
     error = ""
     try:
-        async with session.post(spec.url, json=spec.payload, headers=spec.headers) as resp:
+        async with await _post(session, spec, stats) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:300]
                 error = f"HTTP {resp.status} {resp.reason}: {body}"

@@ -56,6 +56,7 @@ def serve_replicas(ns: argparse.Namespace, indices: list[int], socks: list, anno
         ReplicaServer,
         build_server_apps,
         event_loop_runner,
+        http_keep_alive_s,
         serve_all,
         uvicorn_shutdown_bound_s,
     )
@@ -74,8 +75,8 @@ def serve_replicas(ns: argparse.Namespace, indices: list[int], socks: list, anno
     servers = []
     for i, app in zip(indices, apps, strict=True):
         port = ns.port + i
-        cfg = uvicorn.Config(app, host=host, port=port, log_level=ns.uvicorn_log_level, timeout_keep_alive=5,
-                             access_log=False, http=http_protocol(),
+        cfg = uvicorn.Config(app, host=host, port=port, log_level=ns.uvicorn_log_level,
+                             timeout_keep_alive=http_keep_alive_s(), access_log=False, http=http_protocol(),
                              timeout_graceful_shutdown=uvicorn_shutdown_bound_s(ns.shutdown_timeout))
         servers.append(ReplicaServer(cfg))
         print(f"Starting vLLM API server {i} on http://{host}:{port}", file=sys.stderr)

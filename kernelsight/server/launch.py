@@ -28,6 +28,7 @@ def resolve_serve_config(ns: argparse.Namespace) -> EngineConfig:
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:     # vLLM refuses to start the same way
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = create_engine_config(engine_args_from(ns))
+    http_keep_alive_s()                # a bad VLLM_HTTP_TIMEOUT_KEEP_ALIVE is one line at start, not per replica
     server_options_from(ns)            # its own checks (fault types, LoRA modules) before anything is built
     return config
 
@@ -59,6 +60,26 @@ def event_loop_runner() -> Any:
         except ImportError:  # pragma: no cover - optional
             pass
     return asyncio.run
+
+
+#: vLLM's default for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (uvicorn's timeout_keep_alive of its API server)
+HTTP_KEEP_ALIVE_S = 5
+
+
+def http_keep_alive_s() -> int:
+    """Seconds an idle keep-alive connection stays open: vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (an int, default
+    5), which it hands uvicorn as ``timeout_keep_alive``. A client that reuses a connection idle this long races
+    the server's close (``kernelsight bench`` re-sends such a request: ``loadgen/client.py``)."""
+    raw = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "").strip()
+    if not raw:
+        return HTTP_KEEP_ALIVE_S
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a whole number of seconds >= 0, got {raw!r}")
+    return value
 
 
 #: uvicorn's own bound on waiting for connections, beyond --shutdown-timeout: the engines' abort ends every stream

@@ -51,10 +51,10 @@ class ServerThread:
         import uvicorn
 
         from kernelsight.server.fastpath import http_protocol
-        from kernelsight.server.launch import ReplicaServer, uvicorn_shutdown_bound_s
+        from kernelsight.server.launch import ReplicaServer, http_keep_alive_s, uvicorn_shutdown_bound_s
 
         cfg = uvicorn.Config(self.app, host=self.host, port=self._port, log_level="warning", access_log=False,
-                             lifespan="on", timeout_keep_alive=5, http=http_protocol(),
+                             lifespan="on", timeout_keep_alive=http_keep_alive_s(), http=http_protocol(),
                              timeout_graceful_shutdown=uvicorn_shutdown_bound_s(self.state.opts.shutdown_timeout_s))
         self._server = ReplicaServer(cfg)
 
