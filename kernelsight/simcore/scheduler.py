@@ -138,6 +138,7 @@ class Scheduler:
         self._ctx_base = 0                        # Σ over members of (computed_at_join + 1 − join_step)
         self._finish_heap: list[tuple[int, int, int, Request]] = []
         self._block_heap: list[tuple[int, int, int, Request]] = []
+        self._members_with_ids = 0                # members whose generated ids are known (their blocks get cached)
         # multi-token chunks per request (threshold) break the "prefills are a suffix" ordering the
         # group relies on, so that configuration always runs the exact per-request loop
         self._group_allowed = use_decode_group and config.long_prefill_token_threshold == 0
@@ -197,6 +198,8 @@ class Scheduler:
     def _join_group(self, req: Request, join_step: int) -> None:
         req.decode_join_step = join_step
         self.members[req] = None
+        if req.output_token_ids is not None:
+            self._members_with_ids += 1
         self._ctx_base += req.num_computed_tokens + 1 - join_step
         if req.target_output_len > req.num_output_tokens:
             last = join_step + req.target_output_len - req.num_output_tokens - 1
@@ -213,6 +216,8 @@ class Scheduler:
         req.num_output_tokens += run
         req.decode_join_step = -1
         del self.members[req]
+        if req.output_token_ids is not None:
+            self._members_with_ids -= 1
         return run
 
     def group_runs_on_dissolve(self) -> list[tuple[Request, int, int]]:
@@ -234,6 +239,38 @@ class Scheduler:
         heap = self._block_heap
         if not heap or heap[0][0] > last_step:
             return last_step + 1           # most steps: nobody needs a block
+        kv = self.kv
+        pool = kv.pool
+        if pool.events is not None or (kv.enable_caching and self._members_with_ids):
+            return self._allocate_group_blocks_one_by_one(last_step)
+        # Nothing is registered between two allocations (no generated ids known) and no event records them, so the
+        # needs are taken in due order first and their blocks in one pool call: the pool hands out the same blocks,
+        # in the same order, as one call per need would.
+        heappop, heapreplace, running = heapq.heappop, heapq.heapreplace, RequestStatus.RUNNING
+        bs = kv.block_size
+        free = pool.num_free_blocks
+        takers: list[Request] = []
+        first_unmet = last_step + 1
+        while heap and heap[0][0] <= last_step:
+            due, seq, join, req = heap[0]
+            if req.decode_join_step != join or req.status is not running:
+                heappop(heap)              # stale: the request left the group
+                continue
+            if len(takers) == free:
+                first_unmet = due
+                break
+            heapreplace(heap, (due + bs, seq, join, req))
+            takers.append(req)
+        if takers:
+            for req, b in zip(takers, pool.allocate(len(takers)), strict=True):
+                req.block_ids.append(b)
+        return first_unmet
+
+    def _allocate_group_blocks_one_by_one(self, last_step: int) -> int:
+        """``_allocate_group_blocks`` when a need's new block registers the member's full blocks (generated ids
+        known) or events are recorded: each block is taken, and its member's blocks cached, in turn, so events
+        interleave as vLLM's would."""
+        heap = self._block_heap
         allocate_one = self.kv.pool.allocate_one
         heappop, heapreplace, running = heapq.heappop, heapq.heapreplace, RequestStatus.RUNNING
         bs = self.kv.block_size
