@@ -130,14 +130,20 @@ class BlockPool:
     def release(self, blocks_in_eviction_order: list[int]) -> None:
         arr = np.array(blocks_in_eviction_order, dtype=np.int64)
         ref = self.ref_cnt
-        ref[arr] -= 1
-        zeros = arr[ref[arr] == 0]
-        if zeros.size:
-            sid = self._next_segment
-            self._next_segment += 1
-            self._free_seg[zeros] = sid
-            self._segments.append([sid, zeros.tolist(), 0])
-            self.num_free_blocks += int(zeros.size)
+        left = ref[arr] - 1
+        ref[arr] = left
+        if left.any():                  # shared blocks stay held: only the last reference frees a block
+            zeros = arr[left == 0]
+            if not zeros.size:
+                return
+            freed = zeros.tolist()
+        else:                           # the common case: every block was the request's alone
+            zeros, freed = arr, list(blocks_in_eviction_order)
+        sid = self._next_segment
+        self._next_segment += 1
+        self._free_seg[zeros] = sid
+        self._segments.append([sid, freed, 0])
+        self.num_free_blocks += len(freed)
 
     def lookup(self, h: int) -> int | None:
         """The block holding content hash h, if any (stale map entries are dropped here)."""
