@@ -7,12 +7,16 @@ busy share (from /proc/stat) are printed beside wall seconds: on a shared machin
 With ``--against DIR`` (a directory holding another ``kernelsight`` package, e.g. ``git worktree add /tmp/main main``)
 it alternates this tree and that one, each round a fresh process per tree (warm-up run, then one measured run), so a
 before/after comparison shares one session's load; the table gives each tree's best and median CPU seconds.
-Usage: python benchmarks/sim_speed.py [--num-prompts N] [--repeat R] [--against DIR]
+With ``--in-process`` as well, both trees are imported side by side into this one process (each warmed once) and
+their runs alternate (ABBA...) in it: on a shared machine whose load swings CPU seconds by ±20% between processes,
+neighbouring runs share far more of it, and the paired ratio (each round's this/against) is the number to read.
+Usage: python benchmarks/sim_speed.py [--num-prompts N] [--repeat R] [--against DIR [--in-process]]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -52,8 +56,12 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--against", default=None, help="another tree's root (holding kernelsight/) to alternate with")
+    ap.add_argument("--in-process", action="store_true",
+                    help="with --against: load both trees into this process and alternate their runs in it")
     ap.add_argument("--child-root", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    if ns.against and ns.in_process:
+        return compare_in_process(ns)
     if ns.against:
         return compare(ns)
     if hasattr(os, "sched_setaffinity"):
@@ -111,6 +119,72 @@ def compare(ns: argparse.Namespace) -> int:
     print(f"fast-forward speed, {ns.num_prompts} requests, this tree vs {trees['against']} (machine: {machine()})")
     print(format_table(rows, list(rows[0])))
     path = write_result("sim_speed_compare", {"num_prompts": ns.num_prompts, "rows": rows, "runs": runs})
+    print(f"wrote {path}")
+    return 0
+
+
+def _package_modules() -> dict[str, object]:
+    return {m: mod for m, mod in sys.modules.items() if m == "kernelsight" or m.startswith("kernelsight.")}
+
+
+def _load_tree(root: str, num_prompts: int) -> dict:
+    """Import kernelsight from ``root`` (replacing any loaded copy), warm it with one run, and keep its modules (lazy
+    imports included) so that they can be put back in ``sys.modules`` before each of its runs."""
+    for m in _package_modules():
+        del sys.modules[m]
+    sys.path.insert(0, root)
+    try:
+        ea = importlib.import_module("kernelsight.engine_args")
+        ec = importlib.import_module("kernelsight.simcore.engine_config")
+        ds = importlib.import_module("kernelsight.loadgen.datasets")
+        ar = importlib.import_module("kernelsight.loadgen.arrivals")
+        ff = importlib.import_module("kernelsight.loadgen.fastforward")
+        if not os.path.realpath(ff.__file__).startswith(os.path.realpath(root)):
+            raise RuntimeError(f"imported {ff.__file__}, not the tree at {root}")
+        cfg = ea.create_engine_config(ec.EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", seed=0))
+        samples = ds.random_dataset(num_prompts, 1000, 200, 0.1, cfg.model.vocab_size, seed=0)
+        arrivals = ar.arrival_times_s(num_prompts, 20.0, 1.0, seed=0).tolist()
+        res = ff.run_fast_forward(cfg, samples, arrivals, ignore_eos=True)
+    finally:
+        sys.path.remove(root)
+    return {"root": root, "run": ff.run_fast_forward, "args": (cfg, samples, arrivals), "steps": res.num_steps,
+            "modules": _package_modules(), "cpu_s": [], "wall_s": []}
+
+
+def compare_in_process(ns: argparse.Namespace) -> int:
+    """``compare`` with both trees in this process: rounds alternate the order (ABBA), CPU seconds per run."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # pin to one core
+    # the editable install's finder would answer for the installed tree: import each tree from its root instead
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    trees = [_load_tree(str(ROOT), ns.num_prompts), _load_tree(os.path.abspath(ns.against), ns.num_prompts)]
+    if trees[0]["steps"] != trees[1]["steps"]:
+        print(f"note: the trees simulate different step counts ({trees[0]['steps']} vs {trees[1]['steps']})")
+    j0 = cpu_jiffies()
+    for i in range(ns.repeat):
+        for t in (trees if i % 2 == 0 else trees[::-1]):
+            for m in _package_modules():
+                del sys.modules[m]
+            sys.modules.update(t["modules"])
+            t0, c0 = time.perf_counter(), time.process_time()
+            t["run"](*t["args"], ignore_eos=True)
+            t["cpu_s"].append(time.process_time() - c0)
+            t["wall_s"].append(time.perf_counter() - t0)
+    j1 = cpu_jiffies()
+    d = [b - a for a, b in zip(j0, j1, strict=True)] if j0 and j1 else []
+    steal = 100.0 * d[7] / (sum(d) or 1) if d else float("nan")
+    rows = [{"tree": name, "runs": len(t["cpu_s"]), "cpu_best_s": min(t["cpu_s"]),
+             "cpu_median_s": statistics.median(t["cpu_s"]), "wall_best_s": min(t["wall_s"]), "package": t["root"]}
+            for name, t in zip(("this", "against"), trees, strict=True)]
+    ratio = statistics.median(a / b for a, b in zip(trees[0]["cpu_s"], trees[1]["cpu_s"], strict=True))
+    print(f"fast-forward speed, {ns.num_prompts} requests, in one process: this tree vs {trees[1]['root']} "
+          f"(machine: {machine()}, steal {steal:.1f}%)")
+    print(format_table(rows, list(rows[0])))
+    print(f"paired CPU ratio this/against (median over rounds): {ratio:.3f}")
+    path = write_result("sim_speed_compare", {"num_prompts": ns.num_prompts, "in_process": True, "rows": rows,
+                                              "paired_cpu_ratio": ratio, "steal_pct": steal,
+                                              "runs": {r["tree"]: {"cpu_s": t["cpu_s"], "wall_s": t["wall_s"]}
+                                                       for r, t in zip(rows, trees, strict=True)}})
     print(f"wrote {path}")
     return 0
 

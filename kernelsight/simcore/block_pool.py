@@ -12,6 +12,9 @@ import numpy as np
 
 from kernelsight.simcore.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
+#: allocations of at most this many blocks write their counts one by one (measured break-even with numpy: ~8-12)
+_SCALAR_MAX = 8
+
 
 class BlockPool:
     """KV blocks with reference counts, an LRU free queue and the prefix-cache map, in bulk form.
@@ -72,6 +75,14 @@ class BlockPool:
                 take = arr[(fs[arr] == sid) & (ref[arr] == 0)].tolist()
             # else no block of the segment was taken back by a cache hit: every entry is live (as in allocate_one)
             out += take
+        if n <= _SCALAR_MAX and self.events is None:
+            # a few blocks (the decode group's needs of a step): scalar writes cost less than building an index array
+            bh = self.block_hash
+            for b in out:
+                ref[b] = 1
+                bh[b] = 0
+            self.num_free_blocks -= n
+            return out
         arr = np.array(out, dtype=np.int64)
         ref[arr] = 1
         if self.events is not None:
@@ -130,14 +141,20 @@ class BlockPool:
     def release(self, blocks_in_eviction_order: list[int]) -> None:
         arr = np.array(blocks_in_eviction_order, dtype=np.int64)
         ref = self.ref_cnt
-        ref[arr] -= 1
-        zeros = arr[ref[arr] == 0]
-        if zeros.size:
-            sid = self._next_segment
-            self._next_segment += 1
-            self._free_seg[zeros] = sid
-            self._segments.append([sid, zeros.tolist(), 0])
-            self.num_free_blocks += int(zeros.size)
+        left = ref[arr] - 1
+        ref[arr] = left
+        if left.any():                  # shared blocks stay held: only the last reference frees a block
+            zeros = arr[left == 0]
+            if not zeros.size:
+                return
+            freed = zeros.tolist()
+        else:                           # the common case: every block was the request's alone
+            zeros, freed = arr, list(blocks_in_eviction_order)
+        sid = self._next_segment
+        self._next_segment += 1
+        self._free_seg[zeros] = sid
+        self._segments.append([sid, freed, 0])
+        self.num_free_blocks += len(freed)
 
     def lookup(self, h: int) -> int | None:
         """The block holding content hash h, if any (stale map entries are dropped here)."""

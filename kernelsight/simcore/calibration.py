@@ -53,6 +53,10 @@ class Calibration:
     _memo: dict[tuple[str, tuple[float, ...]], tuple[float, float | None]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # The step model's memo tables (token-parallel parts, attention times) per (model, GPU, precision, step config):
+    # they are pure functions of those and of this calibration, so every engine built on it shares them (a search's
+    # points, a benchmark's repeated runs) instead of re-pricing the same shapes (see StepModel.__init__).
+    step_memos: dict[tuple, tuple[dict, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def kernel_eta(self, family: str, features: tuple[float, ...]) -> float:
         """η of one kernel, clipped to [eta_floor, eta_max] (memoized: the step model asks repeatedly)."""

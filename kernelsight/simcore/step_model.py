@@ -9,6 +9,7 @@ evaluated for many steps at once.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -118,10 +119,13 @@ class StepModel:
                  config: StepConfig) -> None:
         self.model, self.hw, self.calib, self.precision, self.config = model, hw, calib, precision, config
         self._capture = tuple(sorted(config.cudagraph_capture_sizes))
-        self._row_cache: dict[int, tuple[np.ndarray, float]] = {}
-        self._decode_eta: dict[tuple[int, float], tuple[float, float]] = {}
+        self._row_cache: dict[int, tuple[np.ndarray, float]]
+        self._sampling_cache: dict[int, tuple[np.ndarray, float]]
+        self._decode_eta: dict[tuple[int, float], tuple[float, float]]
+        self._prefill_attn_memo: dict[tuple[tuple[int, int], ...], float]
+        (self._row_cache, self._sampling_cache, self._decode_eta,
+         self._prefill_attn_memo) = self._memo_tables(model, hw, calib, precision, config)
         self._attn_peak_flops_per_s = hw.peak_flops_per_s("bf16")   # attention kernels run in bf16
-        self._sampling_cache: dict[int, tuple[np.ndarray, float]] = {}
         self._n_families = len(FAMILIES)
         # Where the GPU has FP8 tensor cores but its calibration never timed (under CUDA graphs) the fp8 kernel vLLM
         # runs — every fp8 GEMM of a transferred table, block-scaled ones everywhere — an fp8 GEMM is priced no
@@ -135,12 +139,31 @@ class StepModel:
         self._decode_consts = (q_heads, kv_heads, m.head_dim, p.kv_bytes_per_element, p.act_bytes, m.sliding_window,
                                hw.num_sms, self._attn_peak_flops_per_s, hw.usable_mem_bytes_per_s,
                                q_heads == kv_heads, m.num_layers)
-        self._prefill_attn_memo: dict[tuple[tuple[int, int], ...], float] = {}
         # MLA and mixed sliding/full layers price attention as several kernels (kernels.attention_kernels): the
         # inline GQA decode path below is for one uniform attention kind
         self._generic_attention = model.has_mixed_attention
         # decode_window's first step: ((num_decodes, start context), (breakdown, seconds)) of the last call
         self._window_first: tuple[tuple[int, int] | None, tuple[np.ndarray, float] | None] = (None, None)
+
+    def _memo_tables(self, model: ModelSpec, hw: HardwareSpec, calib: Calibration, precision: Precision,
+                     config: StepConfig) -> tuple[dict, dict, dict, dict]:
+        """The four memo tables: a plain StepModel shares them with every other one on the same calibration, model,
+        GPU, precision and step config (their values depend on nothing else); subclasses, which price some kernels
+        their own way, keep private ones."""
+        if type(self) is not StepModel:
+            return {}, {}, {}, {}
+        # the GPU spec's ``sources`` (where each datasheet number came from) is a dict and prices nothing
+        hw_key = tuple(getattr(hw, f.name) for f in dataclasses.fields(hw) if f.name != "sources")
+        key = (model, hw_key, precision, config)
+        try:
+            tables = calib.step_memos.get(key)
+        except TypeError:                 # a spec holding an unhashable field: nothing to share by
+            return {}, {}, {}, {}
+        if tables is None:
+            if len(calib.step_memos) > 64:   # bounded: a long search over many configurations
+                calib.step_memos.clear()
+            tables = calib.step_memos[key] = ({}, {}, {}, {})
+        return tables
 
     # -- single kernels --------------------------------------------------------------------------
     def kernel_time_s(self, k: Kernel) -> float:
