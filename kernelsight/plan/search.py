@@ -367,9 +367,12 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
     best_usd_h = math.inf
     best: dict[str, Any] | None = None        # the passing point that sorts first (cost, goodput, label)
 
-    def hint_good(c_usd: float) -> int:
-        """Most requests a point no costlier than ``c_usd`` is known to serve within the goodput limits."""
-        return max((p["good_lo"] for p in evaluated.values() if p["usd_per_mtok"] <= c_usd), default=-1)
+    def hint_good(c_usd: float, label: str) -> int:
+        """Fewest requests a point of cost ``c_usd`` must be able to serve within the goodput limits to stay a
+        front candidate: more than any no-costlier point certainly serves, or as many when that point sorts first
+        on a tie (cheaper, or the same cost and an earlier label). -1: no such point yet."""
+        return max((p["good_lo"] + (p["usd_per_mtok"] < c_usd or p["label"] < label)
+                    for p in evaluated.values() if p["usd_per_mtok"] <= c_usd), default=-1)
 
     def tied_out(ln: _Line, c: tuple[int, ...]) -> bool:
         """Same cost as the best passing point, which serves every request well and sorts first by label: this
@@ -406,7 +409,7 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
             ln.simulated.add(c)
             rule = None
             if watch and not ln.pd and ln.choice.data_parallel_size == 1:
-                rule = StopRule(slo, hint_good(cost(ln, c)))
+                rule = StopRule(slo, hint_good(cost(ln, c), ln.deployment(c).label()))
             t = task(ln, c, rate, rule)
             tasks[t.key] = (ln, c, t)
         results = runner.run(t for _, _, t in tasks.values())
@@ -470,16 +473,23 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
                       timelines[chosen["key"]] if chosen else {}, stopped, rerun)
 
 
+
+
+
+
 def _order(p: dict[str, Any]) -> tuple:
     """The front's and the choice's order: cost, then goodput (higher first), then label."""
     return (p["usd_per_mtok"], -p["goodput_rps"], p["label"])
 
 
 def _off_front(p: dict[str, Any], points: Any) -> bool:
-    """Certainly not on the front: another point no costlier certainly serves more requests well than ``p`` can
-    (the front keeps a point only if its goodput beats every point before it in cost order, and a same-cost point
-    with more goodput comes first)."""
-    return any(q is not p and q["usd_per_mtok"] <= p["usd_per_mtok"] and q["good_lo"] > p["good_hi"] for q in points)
+    """Certainly not on the front: a point no costlier certainly serves more requests well than ``p`` can, or as
+    many and sorts before it (cheaper, or an earlier label at the same cost). The front keeps a point only if its
+    goodput beats every point before it in (cost, -goodput, label) order."""
+    return any(q is not p and q["usd_per_mtok"] <= p["usd_per_mtok"]
+               and (q["good_lo"] > p["good_hi"] or q["good_lo"] == p["good_hi"]
+                    and (q["usd_per_mtok"] < p["usd_per_mtok"] or q["label"] < p["label"]))
+               for q in points)
 
 
 def _curve_deployments(front: list[dict[str, Any]], chosen: dict[str, Any] | None, n: int) -> list[dict[str, Any]]:
@@ -507,3 +517,4 @@ def _canonical(name: str) -> str:
         return profiles.load_hardware(name).name
     except (ValueError, FileNotFoundError):
         return name
+

@@ -11,8 +11,9 @@ request does not finish the point fails anyway. So the verdict "fails" is exact.
 A point that fails may still be on the Pareto front (cost vs goodput), and a front point's numbers must be exact.
 Goodput has bounds too: requests finished within every goodput limit are certainly good, requests over a limit
 certainly bad, the rest undecided. The watch stops a run only when the verdict is "fails" *and* fewer requests can
-still be good than a cheaper-or-equal point is already known to serve well (``StopRule.hint_good``): such a point
-can never be on the front. The search re-runs in full any cut-short point that the final bounds leave a chance.
+still be good than a no-costlier point is already known to serve well (as many, when that point sorts first on a
+tie: ``StopRule.hint_good``): such a point can never be on the front. The search re-runs in full any cut-short
+point that the final bounds leave a chance.
 
 ITL statistics are pooled over every token and never decided early.
 """
@@ -39,8 +40,9 @@ _CHECKS_PER_SPAN = 256
 
 @dataclass(frozen=True, slots=True)
 class StopRule:
-    """What a point's watch judges against, sent with the task: the SLO, and how many requests a cheaper (or
-    equally costly) point already serves within the goodput limits (-1: none known, so never stop)."""
+    """What a point's watch judges against, sent with the task: the SLO, and how many requests the point must be
+    able to serve within the goodput limits to stay a front candidate, from the points no costlier already
+    simulated (search.py's hint; -1: none known, so never stop)."""
 
     slo: Slo
     hint_good: int = -1
