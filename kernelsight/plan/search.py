@@ -381,6 +381,7 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
                 and best["good_lo"] == best["num_requests"] and ln.deployment(c).label() > best["label"])
 
     runner.progress.set_total(sum(len(ln.candidates) for ln in lines))
+    led: set[float] = set()       # cost levels whose first label has been probed
     while True:
         probes = []
         marked = False
@@ -402,8 +403,16 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
             if marked:
                 continue
             break
-        probes.sort(key=lambda x: x[:5])
+        # each cost level leads with its first label (ties go by label: if it serves every request well, the
+        # rest of the level is tied out at once), then the likelier-to-serve-well engines (a good goodput known
+        # early lets the watch cut their failing peers short)
+        dep_label = {id(x): x[5].deployment(x[4]).label() for x in probes}
+        first_label: dict[float, str] = {}
+        for x in probes:
+            first_label[x[0]] = min(first_label.get(x[0], dep_label[id(x)]), dep_label[id(x)])
+        probes.sort(key=lambda x: (x[0], x[0] in led or dep_label[id(x)] != first_label[x[0]], *x[1:5]))
         wave = probes[:max(1, workers)]
+        led.update(x[0] for x in wave)
         tasks = {}
         for *_, c, ln in wave:
             ln.simulated.add(c)
