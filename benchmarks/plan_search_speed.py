@@ -67,6 +67,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=10_000)
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="keep each run's cache (fresh: DIR must not hold one) and JSON in DIR, to look at per point")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--no-early-stop", action="store_true", help="simulate every point to its end")
     mode.add_argument("--both", action="store_true", help="early stop and full, then check they agree")
@@ -75,6 +77,9 @@ def main() -> int:
             [("full", ["--no-early-stop"])] if ns.no_early_stop else [("early stop", [])])
     results = []
     with tempfile.TemporaryDirectory() as tmp:
+        if ns.keep:
+            tmp = ns.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for i, (name, extra) in enumerate(runs):
             out = Path(tmp) / f"plan{i}.json"
             argv = [sys.executable, "-m", "kernelsight.cli", "plan", "--model", "meta-llama/Llama-3.1-8B",
