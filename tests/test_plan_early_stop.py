@@ -115,3 +115,22 @@ def test_percentile_needs_matches_numpy():
                 vals = np.zeros(n)
                 vals[n - k + 1:] = 2.0
                 assert np.percentile(vals, p) <= 1.0 or (n - 1) * p / 100.0 % 1 > 0.5
+
+
+def test_a_cut_short_point_from_the_cache_that_may_be_on_the_front_is_simulated_in_full(tmp_path):
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    wide = [a for a in SPACE if a != "--no-cache"]
+    first = main([*wide, *cache, "--result-json", str(tmp_path / "wide.json")])
+    assert first == 0
+    cut = [p for p in json.loads((tmp_path / "wide.json").read_text())["points"]
+           if p["cut_short_at_s"] is not None and p["hardware"] == "a100-sxm"]
+    assert cut, "some A100 points were cut short against the cheaper L40S points"
+    # without the L40S points nothing cheaper bounds the A100 ones: the cached cut-short runs are front candidates
+    narrow = [*[a if a != "l40s,a100" else "a100" for a in wide], *cache]
+    out = tmp_path / "narrow.json"
+    assert main([*narrow, "--result-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["search"]["rerun_in_full"] >= 1
+    full = plan(tmp_path, "--gpus", "a100", "--no-early-stop", name="narrow_full.json")    # the last --gpus wins
+    assert res["chosen"] == full["chosen"] and res["front"] == full["front"]
+    assert all(p["cut_short_at_s"] is None for p in res["points"] if p["key"] in res["front"])

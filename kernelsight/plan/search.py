@@ -10,7 +10,8 @@ simulated; the rest are counted, with the reason.
 
 Each simulation is watched (plan/verdict.py): a run is cut short once the point provably fails and provably serves
 fewer requests well than a point no costlier already does, so it can be neither chosen nor on the front. At the
-end, a cut-short point that the bounds still leave a chance of being on the front is simulated in full, so the
+end, a cut-short point that the bounds still leave a chance of being on the front (one read from the cache, cut
+short against points this search does not hold) is simulated in full, so the
 chosen deployment and the front are exactly those of the search with every run simulated to its end
 (``early_stop=False``, ``--no-early-stop``); the probes never depend on a cut-short run's partial numbers, only on
 its verdict, so both searches simulate the same points.
@@ -203,8 +204,8 @@ def _evaluate_cut_short(entry: dict[str, Any], slo: Slo, usd_per_gpu_hour: float
     where = ", ".join(f"{v['slo']} ≥ {v['value_ms']:.0f} > {v['limit_ms']:g} ({v['over']} of {v['of']} requests "
                       f"already over)" if "over" in v else v["text"] for v in verdict["violations"])
     why = (f"{where}: decided at {verdict['at_s']:.1f} s simulated (engine {verdict['engine']}); run cut short at "
-           f"{stop['at_s']:.1f} s with at most {stop['good_hi']} of {n} requests still able to meet the goodput "
-           f"limits, fewer than a point no costlier serves ({stop['hint_good']})")
+           f"{stop['at_s']:.1f} s, where at most {stop['good_hi']} of {n} requests could still meet the goodput "
+           f"limits, below the {stop['hint_good']} a point no costlier leaves a front candidate")
     cfg = entry["config"]
     return {
         "label": entry["label"], "key": entry["point_key"], "replicas": entry["replicas"], "num_gpus": num_gpus,
@@ -450,6 +451,7 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
         if not maybe:
             break
         wave_pts = maybe[:max(1, workers)]
+        runner.progress.set_total(runner.done + len(maybe))
         tasks = {p["key"]: (owner[p["key"]], task(*owner[p["key"]], rate)) for p in wave_pts}
         results = runner.run(t for _, t in tasks.values())
         for key, ((ln, _c), _t) in tasks.items():
