@@ -70,7 +70,7 @@ class _Line:
     failed: list[tuple[int, ...]] = field(default_factory=list)
     passed: list[tuple[int, ...]] = field(default_factory=list)
     simulated: set[tuple[int, ...]] = field(default_factory=set)
-    speed: tuple = ()            # within a cost level, likelier-to-serve-well engines first (see run_plan)
+    speed: tuple = ()            # one engine's (token ceiling in req/s, KV blocks): see likelihood()
 
     def gpus(self, c: tuple[int, ...]) -> int:
         return self.choice.gpus_per_engine * sum(c)
@@ -87,6 +87,15 @@ class _Line:
 
     def usd_per_hour(self, c: tuple[int, ...]) -> float:
         return self.usd_per_gpu_hour * self.gpus(c)
+
+    def likelihood(self, c: tuple[int, ...]) -> tuple:
+        """Sort key among deployments of one cost, likelier to serve well first: the higher token ceiling (in
+        12%-wide bands, the roofline's own precision), then fewer GPUs per engine (no all-reduce to pay), then more
+        KV blocks. A good goodput known early lets the watch cut the level's failing points short."""
+        rate, blocks = self.speed
+        engines = c[1] if self.pd else c[0]
+        band = round(8 * math.log2(max(rate * engines, 1e-12)))
+        return (-band, self.choice.gpus_per_engine, -blocks * sum(c))
 
     def next_probe(self) -> tuple[int, ...] | None:
         u = self.undecided()
@@ -334,10 +343,8 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
             except ValueError as exc:      # e.g. --kv-transfer-link nvlink on a GPU without NVLink
                 prune(f"{REASON_INVALID}: {exc}", f"P/D splits of {choice.label()}", len(space.pd_splits()))
         for is_pd, sizes in kinds:
-            # among deployments of one cost, the engine with the higher token ceiling and more KV blocks first:
-            # it is likelier to serve well, and a good goodput known early lets the watch cut its peers short
             line = _Line(choice, args, price, [], is_pd,
-                         speed=(-bounds.max_rate_per_replica, -cfg.memory.num_gpu_blocks))
+                         speed=(bounds.max_rate_per_replica, cfg.memory.num_gpu_blocks))
             for c in sizes:
                 dep = line.deployment(c)
                 engines = c[1] if is_pd else c[0]       # the engines that make output tokens
@@ -399,7 +406,7 @@ def run_plan(space: SearchSpace, base: EngineArgs, slo: Slo, workload: PlanWorkl
                         ln.simulated.add(cc)
                         marked = True
                 continue
-            probes.append((ln.usd_per_hour(c), ln.speed, ln.choice.label(), ln.pd, c, ln))
+            probes.append((ln.usd_per_hour(c), ln.likelihood(c), ln.choice.label(), ln.pd, c, ln))
         if not probes:
             if marked:
                 continue
