@@ -34,8 +34,9 @@ __all__ = ["StopRule", "SloWatch", "percentile_needs"]
 #: Margin on every comparison with a limit (seconds): per-request numbers are stored rounded to 1 µs, and a bound
 #: this close to its limit is left undecided rather than decided by a rounding.
 _MARGIN_S = 2e-6
-#: Checks per run (spread over the arrivals' span): each check is a few numpy passes over the requests.
-_CHECKS_PER_SPAN = 256
+#: Checks per engine (spread over the arrivals' span): each is a few numpy passes over the requests, ~10% of a
+#: 10,000-request run's CPU at 256, ~4% at 128.
+_CHECKS_PER_SPAN = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,7 @@ class SloWatch:
         self.done = np.zeros(n, dtype=bool)
         self.failed = np.zeros(n, dtype=bool)
         self.engine = np.zeros(0, dtype=np.int64)       # indices of the engine running now
+        self.running = np.zeros(n, dtype=bool)          # the same as a mask
         self.engines_started = 0
         span = float(self.send.max() - self.send.min()) if n else 0.0
         self.every_s = max(span / _CHECKS_PER_SPAN, 0.05)
@@ -89,6 +91,8 @@ class SloWatch:
     # --- RunWatch ---
     def engine_start(self, indices: Sequence[int]) -> None:
         self.engine = np.fromiter(indices, dtype=np.int64)
+        self.running = np.zeros(self.n, dtype=bool)
+        self.running[self.engine] = True
         self.engines_started += 1
         self.next_check_s = -math.inf
 
@@ -107,6 +111,7 @@ class SloWatch:
         idx = self.engine
         self.failed[idx[~self.done[idx]]] = True       # the engine is idle: what did not finish never will
         self.engine = np.zeros(0, dtype=np.int64)
+        self.running = np.zeros(self.n, dtype=bool)
 
     def check(self, now_s: float) -> bool:
         if now_s < self.next_check_s:
@@ -132,8 +137,7 @@ class SloWatch:
         """Per-request lower bounds (seconds) on TTFT, TPOT, E2EL at engine time ``now_s``, and the failed ones."""
         send, first, last, done = self.send, self.first, self.last, self.done
         has_first = ~np.isnan(first)
-        running = np.zeros(self.n, dtype=bool)
-        running[self.engine] = True
+        running = self.running
         waited = np.maximum(now_s - send, 0.0)            # 0 for requests not yet sent
         finished = done & ~self.failed
         ttft = np.where(has_first, first - send, np.where(running, waited, 0.0))
@@ -161,14 +165,14 @@ class SloWatch:
             over = vals > limit_s * (1 + 1e-9) + _MARGIN_S
             if lim.stat == "mean":
                 decided = n > 0 and float(vals.sum()) / n > limit_s * (1 + 1e-9) + _MARGIN_S
-                value_ms = 1000.0 * float(vals.sum()) / max(n, 1)
             else:
                 p = 50.0 if lim.stat == "median" else float(lim.stat[1:])
-                decided = int(over.sum()) >= percentile_needs(n, p)
-                value_ms = 1000.0 * float(np.percentile(vals, p)) if vals.size else 0.0
-            if decided:
+                decided = int(np.count_nonzero(over)) >= percentile_needs(n, p)
+            if decided:     # the statistic of the bounds is a lower bound on the statistic
+                value_ms = 1000.0 * (float(vals.sum()) / max(n, 1) if lim.stat == "mean" else
+                                     float(np.percentile(vals, p)) if vals.size else 0.0)
                 out.append({"slo": lim.name, "value_ms": round(value_ms, 2), "limit_ms": lim.limit_ms,
-                            "over": int(over.sum()), "of": n})
+                            "over": int(np.count_nonzero(over)), "of": n})
         return out
 
     def _goodput_bounds(self, lb: dict[str, np.ndarray]) -> tuple[int, int]:
