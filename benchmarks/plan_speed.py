@@ -57,6 +57,7 @@ def main() -> int:
             wall, steal, idle = run(argv)
             plan = json.loads(out.read_text())
             rows.append({"run": name, "wall_s": round(wall, 1), "simulated": plan["search"]["simulated"],
+                         "cut_short": plan["search"].get("stopped_early", 0),
                          "cache_hits": plan["search"]["cache_hits"], "pruned": plan["search"]["pruned"],
                          "chosen": plan["chosen"]["label"] if plan["chosen"] else "-",
                          "steal_%": round(steal, 2), "idle_%": round(idle, 1)})

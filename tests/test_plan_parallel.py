@@ -50,12 +50,15 @@ def test_moe_dp2_ep_is_chosen_where_tp1_does_not_fit_and_tp2_misses_the_slo(tmp_
     assert tp_only["search"]["pruned_by_reason"] == {"does not fit in GPU memory": 1}     # TP1: weights > 48 GB
     assert [p["label"] for p in tp_only["points"]] == ["1× l40s TP2"]
 
-    # widened to DP 2 with expert parallelism: only the new points are simulated, TP2 comes from the cache
+    # widened to DP 2 with expert parallelism: only the new points are simulated. DP2+EP goes first (the higher
+    # token ceiling) and serves every request well; TP2 costs the same and sorts after it by label, so it can at
+    # best tie: dominated, not simulated again
     wide = plan(tmp_path, MOE, *cache, *loose, "--dp", "1,2", "--expert-parallel", "on", name="wide.json")
     by_label = {p["label"]: p for p in wide["points"]}
-    ep, tp2 = by_label["1× l40s TP1 DP2+EP"], by_label["1× l40s TP2"]
+    ep, tp2 = by_label["1× l40s TP1 DP2+EP"], tp_only["points"][0]
     assert wide["search"]["simulated"] == sum(p["data_parallel_size"] == 2 for p in wide["points"]) >= 1
-    assert wide["search"]["cache_hits"] >= 1
+    assert "1× l40s TP2" not in by_label and ep["goodput_rps"] == 20.0
+    assert wide["search"]["pruned_by_reason"]["dominated (costs more than a deployment that meets the SLO)"] >= 1
     assert ep["num_gpus"] == tp2["num_gpus"] == 2 and ep["enable_expert_parallel"]
     assert ep["key"] != tp2["key"]
     # the L40S has no NVLink: TP2 all-reduces every layer's activations over PCIe, the EP ranks run attention
@@ -74,7 +77,11 @@ def test_moe_dp2_ep_is_chosen_where_tp1_does_not_fit_and_tp2_misses_the_slo(tmp_
     assert tight["search"]["simulated"] == 0          # judged on the cached per-request numbers
     chosen = tight["chosen"]
     assert chosen["label"] == "1× l40s TP1 DP2+EP"
-    failing = {p["label"]: p for p in tight["points"]}["1× l40s TP2"]
+    tight_tp = plan(tmp_path, MOE, *cache, "--slo", f"ttft_p99_ms={limit:.3f},tpot_p99_ms=200", "--dp", "1",
+                    name="tight_tp.json")
+    assert tight_tp["search"]["simulated"] == 0 and tight_tp["chosen"] is None
+    failing = tight_tp["points"][0]
+    assert failing["label"] == "1× l40s TP2"
     assert not failing["meets_slo"] and failing["why"].startswith("ttft_p99_ms")
 
     cmd = tight["simulate_command"]

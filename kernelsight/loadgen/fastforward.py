@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,6 +31,23 @@ MAX_WINDOW_STEPS = 256
 TIMELINE_COLUMNS = ("time_s", "running", "waiting", "kv_cache_usage", "scheduled_tokens", "step_s")
 
 
+class RunWatch(Protocol):
+    """Follows a run as it goes and may end it early (``kernelsight plan``'s verdict watch, plan/verdict.py).
+
+    Request indices are the caller's (``run_replicas``' ``samples`` order). ``engine_start`` names the requests an
+    engine is about to serve; ``first_token`` and ``finished`` report each request's first-token and last-token
+    times on that engine's clock (``finished`` with 0 tokens: the request failed); ``check`` is called after every
+    engine window with the engine's clock and returns True to stop the whole run there; ``engine_end`` follows an
+    engine that ran to its end. A watch only reads: a run it never stops is the run without it, step for step.
+    """
+
+    def engine_start(self, indices: Sequence[int]) -> None: ...
+    def first_token(self, index: int, time_s: float) -> None: ...
+    def finished(self, index: int, last_token_s: float, num_tokens: int) -> None: ...
+    def check(self, now_s: float) -> bool: ...
+    def engine_end(self) -> None: ...
+
+
 @dataclass(slots=True)
 class _Tracker:
     sample: SampleRequest
@@ -42,6 +59,7 @@ class _Tracker:
     finish_reason: str = ""
     num_tokens: int = 0
     rank: int = 0                                              # data-parallel rank that served it
+    index: int = 0                                             # position in the run's samples
 
     def add_tokens(self, start: int, count: int) -> None:
         segs = self.segments
@@ -67,6 +85,7 @@ class FastForwardResult:
     pd: dict[str, Any] | None = None              # a P/D deployment (loadgen/pd_fastforward.py): link, instances
     spec_decode: dict[str, Any] | None = None     # speculative decoding: spec_decode_summary
     pd_stages: TTFTStages | None = None           # a P/D deployment: each request's TTFT by stage (per request)
+    stopped_at_s: float | None = None             # a watch ended the run here (records are partial then)
 
     def simulator_stats(self) -> dict[str, Any]:
         wall = max(self.wall_s, 1e-9)
@@ -88,10 +107,12 @@ class FastForwardResult:
 def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float], *,
                      max_concurrency: int | None = None, ignore_eos: bool = True,
                      record_timeline: bool = False,
-                     on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
+                     on_finished: Callable[[int], None] | None = None,
+                     watch: RunWatch | None = None) -> FastForwardResult:
     """Simulate ``samples`` sent at ``arrivals_s`` (seconds from the start) and measure every request.
 
     ``on_finished(n)`` is called after each engine window with the number of requests it finished (progress).
+    ``watch`` (one engine only, open loop: ``run_replicas`` calls its ``engine_start``) may stop the run early.
     """
     if len(samples) != len(arrivals_s):
         raise ValueError("one arrival time per sample is required")
@@ -105,8 +126,13 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
     try:
         # one rank of a group served on its own (--data-parallel-rank) is a single engine
         single = config.args.data_parallel_size == 1 or config.args.data_parallel_rank is not None
-        run = _run if single else _run_group
-        return run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0, on_finished)
+        if watch is not None and (not single or max_concurrency is not None):
+            raise ValueError("a run watch follows one engine in an open loop")
+        if not single:
+            return _run_group(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0,
+                              on_finished)
+        return _run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0, on_finished,
+                    watch)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -117,8 +143,9 @@ class _Sender:
     run loop as requests finish), each at its arrival or, held back by the limit, when a slot frees."""
 
     def __init__(self, samples: Sequence[SampleRequest], arrivals_s: Sequence[float], max_concurrency: int | None,
-                 add_request: Callable[..., Any], ignore_eos: bool) -> None:
+                 add_request: Callable[..., Any], ignore_eos: bool, watch: RunWatch | None = None) -> None:
         self.samples, self.arrivals_s, self.add_request, self.ignore_eos = samples, arrivals_s, add_request, ignore_eos
+        self.watch = watch
         self.pending = deque(sorted(range(len(samples)), key=lambda i: arrivals_s[i]))
         self.trackers: dict[str, _Tracker] = {}
         self.limit = max_concurrency if max_concurrency is not None else len(samples) + 1
@@ -131,14 +158,16 @@ class _Sender:
             s = samples[i]
             send_s = max(float(arrivals_s[i]), now_s)
             rid = f"ff-{i}"
-            self.trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]))
+            self.trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]), index=i)
             prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
             self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s)
             self.in_flight += 1
 
-    def take_events(self, events: Sequence[Any], rank: int | None = None) -> bool:
-        """Record an engine window's token and finish events (of DP rank ``rank``); True if a request finished."""
+    def take_events(self, events: Sequence[Any], rank: int | None = None, ends: list[float] | None = None) -> bool:
+        """Record an engine window's token and finish events (of DP rank ``rank``); True if a request finished.
+        ``ends`` (the engine's step end times so far) is needed only with a watch."""
         trackers = self.trackers
+        watch = self.watch
         freed = False
         for ev in events:
             tr = trackers[ev.request_id]
@@ -156,24 +185,30 @@ class _Sender:
             elif kind == FIRST_TOKEN:
                 tr.first_step = ev.step_index
                 tr.add_tokens(ev.step_index, 1)
+                if watch is not None:
+                    watch.first_token(tr.index, ends[ev.step_index])
             elif kind == FINISHED:
                 tr.finished = True
                 tr.finish_reason = ev.finish_reason or ""
                 self.in_flight -= 1
                 freed = True
+                if watch is not None:
+                    last = tr.segments[-1] if tr.segments else None
+                    watch.finished(tr.index, ends[last[0] + last[1] - 1] if last else 0.0, tr.num_tokens)
         return freed
 
 
 def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
          max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
-         on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
+         on_finished: Callable[[int], None] | None = None, watch: RunWatch | None = None) -> FastForwardResult:
     engine = build_engine(config, per_token_events=False)
-    sender = _Sender(samples, arrivals_s, max_concurrency, engine.add_request, ignore_eos)
+    sender = _Sender(samples, arrivals_s, max_concurrency, engine.add_request, ignore_eos, watch)
     pending, trackers, send = sender.pending, sender.trackers, sender.send
     send(0.0)
     ends: list[float] = []
     timeline: list[tuple] | None = [] if record_timeline else None
     window = MAX_WINDOW_STEPS
+    stopped_at_s = None
     while True:
         res: StepResult | None = engine.step(max_steps=window)
         if res is None:
@@ -183,11 +218,14 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             continue
         ends.extend(res.step_end_s)
         n_before = sender.in_flight
-        freed = sender.take_events(res.events)
+        freed = sender.take_events(res.events, ends=ends)
         if timeline is not None:
             _extend_timeline(timeline, res)
         if on_finished is not None and sender.in_flight < n_before:
             on_finished(n_before - sender.in_flight)
+        if watch is not None and watch.check(res.end_s):
+            stopped_at_s = res.end_s
+            break
         if freed and pending:
             send(res.end_s)
 
@@ -206,7 +244,8 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
         num_steps=engine.stats.num_steps,
         breakdown_s=dict(zip(FAMILIES, engine.stats.breakdown_s.tolist(), strict=True)),
         num_preemptions=engine.stats.num_preemptions, prefix_cache_hit_rate=hit_rate,
-        finish_reasons=reasons, timeline=timeline, spec_decode=spec_decode_summary([engine]))
+        finish_reasons=reasons, timeline=timeline, spec_decode=spec_decode_summary([engine]),
+        stopped_at_s=stopped_at_s)
 
 
 def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
@@ -316,7 +355,8 @@ def write_timeline(path: str | Path, rows: list[tuple]) -> None:
 def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
                  replicas: int = 1, *, max_concurrency: int | None = None, ignore_eos: bool = True,
                  record_timeline: bool = False,
-                 on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
+                 on_finished: Callable[[int], None] | None = None,
+                 watch: RunWatch | None = None) -> FastForwardResult:
     """``replicas`` independent engines of ``config`` behind a round-robin router: the i-th request in arrival
     order goes to engine ``i mod replicas``.
 
@@ -324,12 +364,20 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
     load-aware routing, no cross-replica prefix cache, ``max_concurrency`` split evenly between the engines.
     Records come back in the order of ``samples``; the duration is the longest engine's; the timeline, when
     recorded, is engine 0's (the engines see statistically identical streams).
+
+    ``watch`` (open loop, one-rank engines) sees the engines one after the other, in request indices of
+    ``samples``; when it stops one, the engines after it are not run and the result holds the records so far.
     """
     if replicas < 1:
         raise ValueError(f"replicas must be ≥ 1, got {replicas}")
     if replicas == 1:
-        return run_fast_forward(config, samples, arrivals_s, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
-                                record_timeline=record_timeline, on_finished=on_finished)
+        if watch is not None:
+            watch.engine_start(range(len(samples)))
+        res = run_fast_forward(config, samples, arrivals_s, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
+                               record_timeline=record_timeline, on_finished=on_finished, watch=watch)
+        if watch is not None and res.stopped_at_s is None:
+            watch.engine_end()
+        return res
     if len(samples) != len(arrivals_s):
         raise ValueError("one arrival time per sample is required")
     order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
@@ -338,15 +386,23 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
     records: list[RequestRecord | None] = [None] * len(samples)
     wall0 = time.perf_counter()
     results = []
+    stopped_at_s = None
     for r, idx in enumerate(parts):
         if not idx:
             continue
+        part_watch = None if watch is None else _IndexedWatch(watch, idx)
         res = run_fast_forward(config, [samples[i] for i in idx], [arrivals_s[i] for i in idx],
                                max_concurrency=conc, ignore_eos=ignore_eos,
-                               record_timeline=record_timeline and r == 0, on_finished=on_finished)
-        for i, rec in zip(idx, res.records, strict=True):
+                               record_timeline=record_timeline and r == 0, on_finished=on_finished,
+                               watch=part_watch)
+        for i, rec in zip(idx, res.records, strict=False):   # a stopped engine holds records of those sent
             records[i] = rec
         results.append((len(idx), res))
+        if res.stopped_at_s is not None:
+            stopped_at_s = res.stopped_at_s
+            break
+        if watch is not None:
+            watch.engine_end()
     n_total = sum(n for n, _ in results)
     reasons: dict[str, int] = {}
     breakdown = dict.fromkeys(FAMILIES, 0.0)
@@ -362,4 +418,30 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
         # weighted by requests: each engine's own hit rate is over its own token queries
         prefix_cache_hit_rate=sum(n * res.prefix_cache_hit_rate for n, res in results) / max(n_total, 1),
         finish_reasons=reasons, timeline=results[0][1].timeline,
-        spec_decode=results[0][1].spec_decode)   # engine 0's, as the timeline
+        spec_decode=results[0][1].spec_decode,   # engine 0's, as the timeline
+        stopped_at_s=stopped_at_s)
+
+
+class _IndexedWatch:
+    """One engine's view of a replicas run's watch: its local request indices mapped to the run's."""
+
+    __slots__ = ("_watch", "_idx")
+
+    def __init__(self, watch: RunWatch, idx: list[int]) -> None:
+        self._watch, self._idx = watch, idx
+        watch.engine_start(idx)
+
+    def engine_start(self, indices: Sequence[int]) -> None:
+        raise AssertionError("run_replicas starts each engine's watch itself")
+
+    def first_token(self, index: int, time_s: float) -> None:
+        self._watch.first_token(self._idx[index], time_s)
+
+    def finished(self, index: int, last_token_s: float, num_tokens: int) -> None:
+        self._watch.finished(self._idx[index], last_token_s, num_tokens)
+
+    def check(self, now_s: float) -> bool:
+        return self._watch.check(now_s)
+
+    def engine_end(self) -> None:
+        self._watch.engine_end()

@@ -162,6 +162,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--curve-loads", type=_csv_list(float), default=(0.5, 0.75, 1.25, 1.5),
                    help="load multiples for the latency-vs-load curves of the front (default: 0.5,0.75,1.25,1.5; "
                         "'1' for none)")
+    r.add_argument("--no-early-stop", dest="early_stop", action="store_false",
+                   help="simulate every point to its end (by default a run is cut short once the point provably "
+                        "fails and provably cannot be on the front; the answer is the same, see the README)")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     o = p.add_argument_group("output")
     o.add_argument("--report-html", default=None, metavar="FILE.html",
@@ -225,7 +228,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     runner = PointRunner(executor, cache, progress)
     try:
         result = run_plan(space, base, slo, workload, prices, runner, workers=workers,
-                          curve_loads=tuple(m for m in ns.curve_loads if m > 0))
+                          curve_loads=tuple(m for m in ns.curve_loads if m > 0), early_stop=ns.early_stop)
     finally:
         progress.close()
         executor.close()

@@ -25,6 +25,7 @@ from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_replicas
 from kernelsight.loadgen.metrics import PERCENTILE_METRICS, compute_bench_metrics
 from kernelsight.loadgen.pd_fastforward import run_pd
 from kernelsight.plan.prune import create_engine_config, pd_link
+from kernelsight.plan.verdict import SloWatch, StopRule
 from kernelsight.simcore.engine_config import EngineArgs
 
 __all__ = ["PlanWorkload", "PointTask", "simulate_point", "point_key", "kernelsight_version", "STORED_PERCENTILES"]
@@ -33,7 +34,7 @@ __all__ = ["PlanWorkload", "PointTask", "simulate_point", "point_key", "kernelsi
 #: numbers kept beside them; ITL only at these (its pooled samples are not kept).
 STORED_PERCENTILES = (50, 75, 90, 95, 99, 99.5, 99.9)
 #: Bumped when a cache entry's content changes shape, so entries of an older shape are not read.
-ENTRY_SCHEMA = 2
+ENTRY_SCHEMA = 3
 #: Timeline rows kept per point (evenly thinned): enough for a plot, small enough for the cache.
 MAX_TIMELINE_ROWS = 1500
 
@@ -71,6 +72,16 @@ class PointTask:
     label: str
     pd: tuple[int, int] | None = None      # (prefill, decode) engines of a P/D split (replicas is 1 then)
     kv_link: tuple[str | None, float | None, float | None] | None = None   # a split's link (None: the profile's)
+    #: the verdict watch (plan/verdict.py): may cut the run short once the point provably fails and provably
+    #: cannot be on the front. None: simulated to its end, unwatched (P/D, DP groups, closed loops, curves).
+    stop: StopRule | None = None
+
+    @property
+    def stop_key(self) -> str | None:
+        """Where a cut-short result of this task is cached: its facts hold for the SLO it was judged against."""
+        if self.stop is None:
+            return None
+        return hashlib.sha256(f"{self.key}|{self.stop.key_part()}".encode()).hexdigest()[:32]
 
 
 def kernelsight_version() -> str:
@@ -115,12 +126,19 @@ def simulate_point(task: PointTask, workload: PlanWorkload) -> dict[str, Any]:
     scale = (workload.request_rate / task.request_rate
              if np.isfinite(task.request_rate) and np.isfinite(workload.request_rate) else 1.0)
     arrivals = [a * scale for a in workload.arrivals_s]
+    watch = None
+    if task.stop is not None and task.pd is None and workload.max_concurrency is None \
+            and task.args.data_parallel_size == 1:
+        watch = SloWatch(task.stop, arrivals, [s.expected_output_len for s in workload.samples], workload.ignore_eos)
     if task.pd is not None:
         res = run_pd(cfg, workload.samples, arrivals, *task.pd, link=pd_link(cfg.hardware, task.kv_link),
                      max_concurrency=workload.max_concurrency, ignore_eos=workload.ignore_eos)
     else:
         res = run_replicas(cfg, workload.samples, arrivals, task.replicas, max_concurrency=workload.max_concurrency,
-                           ignore_eos=workload.ignore_eos, record_timeline=True)
+                           ignore_eos=workload.ignore_eos, record_timeline=True, watch=watch)
+    if res.stopped_at_s is not None:
+        assert watch is not None and watch.stop is not None and watch.verdict is not None
+        return _cut_short_entry(task, cfg, res, watch)
     metrics = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=PERCENTILE_METRICS[:4],
                                     percentiles=STORED_PERCENTILES)
     ok = [r for r in res.records if r.success]
@@ -149,6 +167,21 @@ def simulate_point(task: PointTask, workload: PlanWorkload) -> dict[str, Any]:
         "queue": queue, "timeline": cols,
         "sim": {"wall_s": round(res.wall_s, 3), "duration_s": round(res.duration_s, 4), "num_steps": res.num_steps,
                 "num_preemptions": res.num_preemptions},
+    }
+
+
+def _cut_short_entry(task: PointTask, cfg: Any, res: Any, watch: SloWatch) -> dict[str, Any]:
+    """A run the watch stopped: the verdict (fails, with the statistics it provably breaks and lower bounds on
+    them), the goodput's bounds, where and when it stopped; no per-request numbers (they would be partial)."""
+    assert watch.stop is not None and watch.verdict is not None
+    return {
+        "key": task.stop_key, "point_key": task.key, "label": task.label, "replicas": task.replicas,
+        "request_rate": task.request_rate, "pd": None,
+        "engine_args": dataclasses.asdict(task.args), "config": cfg.summary(),
+        "cut_short": {"slo": task.stop.slo.text(), "num_requests": watch.n, "verdict": watch.verdict,
+                      "stop": watch.stop},
+        "sim": {"wall_s": round(res.wall_s, 3), "stopped_at_s": round(res.stopped_at_s, 4),
+                "num_steps": res.num_steps, "num_preemptions": res.num_preemptions},
     }
 
 

@@ -18,7 +18,7 @@ CSV_COLUMNS = ("label", "hardware", "tensor_parallel_size", "data_parallel_size"
                "replicas", "pd", "num_gpus", "quantization", "kv_cache_dtype", "speculative_config",
                "max_num_seqs", "max_num_batched_tokens", "request_rate", "meets_slo", "goodput_rps",
                "throughput_rps", "usd_per_hour", "gpu_hours_per_mtok", "usd_per_mtok", "p50_ttft_ms", "p99_ttft_ms",
-               "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "failed_requests", "why")
+               "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "failed_requests", "cut_short_at_s", "why")
 
 
 def _row(p: dict[str, Any]) -> dict[str, Any]:
@@ -37,6 +37,9 @@ def format_plan(r: PlanResult, *, model: str, simulate_command: str) -> str:
     s = r.summary()
     lines.append(f"  search space {s['space_points']} points: simulated {s['simulated']}, from cache "
                  f"{s['cache_hits']}, pruned {s['pruned']} ({s['wall_s']:.1f} s)")
+    if s["stopped_early"] or s["rerun_in_full"]:
+        lines.append(f"    cut short {s['stopped_early']:3d}  failing for certain and below a no-costlier point's "
+                     f"goodput (re-run in full: {s['rerun_in_full']})")
     for reason, n in sorted(r.pruned.items(), key=lambda kv: -kv[1]):
         lines.append(f"    pruned {n:5d}  {reason}")
     lines.append("")

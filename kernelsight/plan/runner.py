@@ -113,13 +113,18 @@ def make_progress(enabled: bool) -> Progress:
 
 
 class PointRunner:
-    """Runs tasks through the cache: cached keys come back at once, the rest from the executor (and are stored)."""
+    """Runs tasks through the cache: cached keys come back at once, the rest from the executor (and are stored).
+
+    A watched task (``PointTask.stop``) is answered by its full result when one is cached, else by a cut-short
+    result for the same SLO; a run the watch cut short is stored under the task's ``stop_key``, a full one under
+    its key. Results come back under the task's key either way."""
 
     def __init__(self, executor: LocalExecutor | RayExecutor, cache: ResultCache, progress: Progress) -> None:
         self.executor = executor
         self.cache = cache
         self.progress = progress
         self.simulated = 0
+        self.cut_short = 0
         self.done = 0
         self.sim_wall_s = 0.0
 
@@ -130,6 +135,8 @@ class PointRunner:
             if t.key in out:
                 continue
             hit = self.cache.get(t.key)
+            if hit is None and t.stop_key is not None:
+                hit = self.cache.get(t.stop_key)
             if hit is not None:
                 out[t.key] = hit
                 self.done += 1
@@ -137,9 +144,10 @@ class PointRunner:
             else:
                 todo.append(t)
         for t, res in self.executor.run(todo):
-            self.cache.put(t.key, res)
+            self.cache.put(res["key"], res)
             out[t.key] = res
             self.simulated += 1
+            self.cut_short += "cut_short" in res
             self.sim_wall_s += res["sim"]["wall_s"]
             self.done += 1
             self.progress.update(1)
