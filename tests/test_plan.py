@@ -164,7 +164,7 @@ def test_speculation_lowers_the_tpot_floor_pruning_by_one_plus_k(tmp_path):
 
 def test_a_bad_speculative_config_stops_plan_at_start(capsys):
     for bad, says in (('none;{"method":"foo","num_speculative_tokens":3}', "Unsupported speculative method: 'foo'"),
-                      ("none;[1]", "not a JSON object")):
+                      ("none;[1]", "expected a JSON object")):
         try:
             rc = main([*SPEC, "--speculative-config", bad])
         except SystemExit as exc:     # argparse refuses the list itself

@@ -8,7 +8,7 @@ import math
 import shlex
 from pathlib import Path
 
-from kernelsight.argtypes import fraction, positive_int
+from kernelsight.argtypes import fraction, json_object, positive_int
 from kernelsight.simcore.expert_parallel import ALL2ALL_BACKENDS, DEFAULT_ALL2ALL_BACKEND
 
 __all__ = ["add_plan_parser"]
@@ -71,12 +71,9 @@ def _spec_configs(text: str) -> tuple[str | None, ...]:
             value = None
         else:
             try:
-                obj = json.loads(item)
-            except json.JSONDecodeError as exc:
+                value = canonical_spec(json_object(item))
+            except argparse.ArgumentTypeError as exc:
                 raise argparse.ArgumentTypeError(f"bad item {item!r}: {exc}") from None
-            if not isinstance(obj, dict):
-                raise argparse.ArgumentTypeError(f"bad item {item!r}: not a JSON object")
-            value = canonical_spec(obj)
         if value not in out:
             out.append(value)
     if not out:
