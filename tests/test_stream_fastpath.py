@@ -306,7 +306,7 @@ def test_admission_count_returns_to_zero(fast):
     """Every request that enters the app leaves the admission count exactly once: submitted, rejected, another
     route, or a client gone mid-stream. (The engine loop lets pending admissions through before computing a
     step; a leaked count would make it wait its whole room every step, a miscount below zero never.)"""
-    from kernelsight.server.bridge import admissions_pending
+    from kernelsight.server.admissions import admissions_pending
 
     async def main():
         async with httpx.AsyncClient(base_url=fast.base_url, timeout=60) as c:

@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kernelsight.server.admissions import admissions_pending
 from kernelsight.server.gc_policy import collect_in_slack, collect_when_idle, gc_owner
 from kernelsight.server.kv_events.publisher import KVEventPublisher
 from kernelsight.server.kv_transfer import KVTransferAgent
@@ -104,32 +105,6 @@ class Submission:
     @property
     def done(self) -> bool:
         return all(s.finished for s in self.seqs)
-
-
-class _Admissions:
-    pending = 0      # requests that reached the app and were neither submitted to an engine nor turned away
-
-
-_ADMITTING_KEY = "kernelsight.admitting"
-
-
-def admission_started(scope: dict) -> None:
-    """A request entered the app (outermost ASGI layer): the engine loops wait for it before a step (see
-    ``EngineBridge._read_window``)."""
-    scope[_ADMITTING_KEY] = [True]     # a shared token: middlewares may pass copies of the scope down
-    _Admissions.pending += 1
-
-
-def admission_done(scope: dict) -> None:
-    """The request was submitted to an engine, or is done without one (an error, another route); idempotent."""
-    token = scope.get(_ADMITTING_KEY)
-    if token and token[0]:
-        token[0] = False
-        _Admissions.pending -= 1
-
-
-def admissions_pending() -> int:
-    return _Admissions.pending
 
 
 #: The read window before computing a step: at most this long, and only while the window plus the step's

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kernelsight.server.bridge import admission_done, admission_started
+from kernelsight.server.admissions import admission_done, admission_started
 from kernelsight.server.turns import turn_gate
 from kernelsight.server.wire import dumps as _dumps
 

@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kernelsight.server.bridge import EngineBridge, Seq, Submission, admission_done
+from kernelsight.server.admissions import admission_done
+from kernelsight.server.bridge import EngineBridge, Seq, Submission
 from kernelsight.server.errors import APIError, bad_request, sse_error_event
 from kernelsight.server.fastpath import RAW_SEND_KEY, RECV_KEY, FastStream
 from kernelsight.server.faults import (

@@ -17,8 +17,8 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kernelsight.server.admissions import admission_done
 from kernelsight.server.body import parse_body
-from kernelsight.server.bridge import admission_done
 from kernelsight.server.embeddings import cosine, embed, encode_vector, pack_bits
 from kernelsight.server.errors import APIError, bad_request
 from kernelsight.server.fastpath import RECV_KEY
