@@ -17,7 +17,8 @@ What a run records is coarse, so the work of a tick is reconstructed, and the ap
 * a tick's prompt tokens run as chunks of the mean prompt length of the requests whose first token falls in the
   tick (vLLM schedules a waiting prompt whole when the token budget allows), at most the budget the decodes leave,
   each chunk priced as its marginal cost beside the tick's decode batch (nothing cached: prefix hits are ignored);
-* a tick counts as busy when decoding requests cover all of it (with async scheduling the GPU then never idles).
+* a tick counts as busy when decoding requests cover all of it (with async scheduling the GPU then never idles);
+* the longest contexts a step model asks for (``decode_top_k``) are those of the requests decoding at mid-tick.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from kernelsight.simcore.step_model import StepModel
 __all__ = ["TickWork", "tick_work", "price_ticks", "summarize_pricing", "price_run_work"]
 
 #: Batch-size groups as fractions of ``max_num_seqs``: (label, lower bound inclusive, upper bound exclusive).
+#: How many of the longest contexts a tick keeps (the step model takes the first ``decode_top_k``).
+TOP_CONTEXTS = 128
+
 BATCH_GROUPS = (("batch < 25% of max_num_seqs", 0.0, 0.25), ("batch 25-75%", 0.25, 0.75),
                 ("batch >= 75%", 0.75, float("inf")))
 
@@ -49,6 +53,7 @@ class TickWork:
     prompt_tokens: float
     chunk_tokens: int           # prefill chunk size the prompt tokens are priced at
     busy: bool                  # decoding requests cover the whole tick
+    top_contexts: tuple[int, ...] = ()   # the longest contexts of the requests decoding at mid-tick, longest first
 
 
 def _covered(intervals: list[tuple[float, float]], a: float, b: float) -> bool:
@@ -94,8 +99,13 @@ def tick_work(requests: Sequence[Any], timeseries: Mapping[str, np.ndarray], tic
         room = max(1, max_num_batched_tokens - round(decoding))
         chunk_tokens = int(min(max(chunk, 1.0), room))
         busy = _covered(list(zip(first[sel].tolist(), last[sel].tolist(), strict=True)), a, b)
+        mid = 0.5 * (a + b)
+        alive = (first <= mid) & (last > mid)
+        ctx_mid = inp[alive] + np.clip((mid - first[alive]) / np.maximum(last[alive] - first[alive], 1e-12),
+                                       0.0, 1.0) * out[alive]
+        top = tuple(int(round(c)) for c in np.sort(ctx_mid)[::-1][:TOP_CONTEXTS])
         ticks.append(TickWork(float(t_end), tick_s, decoding, mean_ctx, float(gen[i]) * tick_s, p_tokens,
-                              chunk_tokens, busy))
+                              chunk_tokens, busy, top))
     return ticks
 
 
@@ -106,15 +116,16 @@ def price_ticks(ticks: Sequence[TickWork], step_model: StepModel) -> list[dict[s
         n = round(w.decoding)
         decode_s = prefill_s = 0.0
         steps = 0.0
+        top = w.top_contexts[:getattr(step_model, "decode_top_k", 0)]
         if n >= 1 and w.gen_tokens > 0:
             steps = w.gen_tokens / w.decoding
             ctx_total = int(round(n * w.mean_context_tokens))
-            t_dec = step_model.step_time_s(BatchShape((), n, ctx_total))
+            t_dec = step_model.step_time_s(BatchShape((), n, ctx_total, decode_context_top=top))
             decode_s = steps * t_dec
         else:
             t_dec, ctx_total = 0.0, 0
         if w.prompt_tokens > 0:
-            mixed = BatchShape((PrefillChunk(w.chunk_tokens, 0, True),), n, ctx_total)
+            mixed = BatchShape((PrefillChunk(w.chunk_tokens, 0, True),), n, ctx_total, decode_context_top=top)
             prefill_s = w.prompt_tokens / w.chunk_tokens * (step_model.step_time_s(mixed) - t_dec)
         rows.append({"t_end_s": w.t_end_s, "busy": w.busy, "decoding": round(w.decoding, 2),
                      "mean_context_tokens": round(w.mean_context_tokens, 1), "gen_tokens": w.gen_tokens,

@@ -21,8 +21,9 @@ class ScaledStepModel:
         f = self.factor
         return (breakdown, total_s) if f == 1.0 else (breakdown * f, total_s * f)
 
-    def decode_window(self, num_decodes: int, context_tokens_start: int, num_steps: int) -> tuple[list[float], Any]:
-        durations, breakdown = self.inner.decode_window(num_decodes, context_tokens_start, num_steps)
+    def decode_window(self, num_decodes: int, context_tokens_start: int, num_steps: int,
+                      top: tuple[int, ...] = ()) -> tuple[list[float], Any]:
+        durations, breakdown = self.inner.decode_window(num_decodes, context_tokens_start, num_steps, top)
         f = self.factor
         if f == 1.0:
             return durations, breakdown

@@ -107,6 +107,8 @@ class Engine:
         if spec_decoder is not None:
             self.scheduler.enable_spec_decode(spec_decoder)
         self.step_model = step_model
+        # the longest decode contexts of each step, when the step model prices their imbalance
+        self.scheduler.decode_top_k = int(getattr(step_model, "decode_top_k", 0) or 0)
         # True: a TOKENS event per sequence per step (the real-time server streams them). False: one
         # TOKENS event per run of consecutive steps, emitted when the run ends (fast-forward).
         self.per_token_events = per_token_events
@@ -430,8 +432,8 @@ class Engine:
     def _window(self, out, start: float, k: int, until_s: float | None) -> tuple[list[float], np.ndarray]:
         """Durations of a window of up to k pure-decode steps, cut at the step during which the next
         arrival (or until_s) falls and where the KV cache can no longer feed the group."""
-        b, ctx0 = out.batch.num_decodes, out.batch.decode_context_tokens
-        durations, breakdown = self.step_model.decode_window(b, ctx0, k)
+        b, ctx0, top = out.batch.num_decodes, out.batch.decode_context_tokens, out.batch.decode_context_top
+        durations, breakdown = self.step_model.decode_window(b, ctx0, k, top)
         limit = self.next_arrival_s
         if until_s is not None and (limit is None or until_s < limit):
             limit = until_s
@@ -441,7 +443,7 @@ class Engine:
             k_cut = min(k, bisect.bisect_left(ends, limit, 1))   # the step whose end reaches the limit
         k_cut = self.scheduler.extend_window(k_cut)
         if k_cut != k:
-            durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut)
+            durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut, top)
         return durations, breakdown
 
     def _forget(self, req: Request) -> None:

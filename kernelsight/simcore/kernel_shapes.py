@@ -83,6 +83,9 @@ class BatchShape:
     # speculative decoding: Σ over decodes of the draft tokens each verifies besides its bonus token (every verified
     # position computes a row and its logits)
     num_spec_tokens: int = 0
+    # the longest decode contexts (tokens attended, incl. the new one), longest first, as many as the step model's
+    # ``decode_top_k`` asks for; empty: not known (decode attention priced as equal contexts)
+    decode_context_top: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ preempted by recompute: its blocks are freed and it returns to the front of the 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
@@ -142,6 +143,10 @@ class Scheduler:
         self._dues: dict[int, list[tuple[int, int, Request]]] = {}
         self._due_steps: list[int] = []
         self._members_with_ids = 0                # members whose generated ids are known (their blocks get cached)
+        # members' (context − step index), sorted: their longest contexts at any step (see decode_top_k)
+        self._ctx_offsets: list[int] = []
+        # how many of the longest decode contexts each step's BatchShape carries (the step model's decode_top_k)
+        self.decode_top_k = 0
         # multi-token chunks per request (threshold) break the "prefills are a suffix" ordering the
         # group relies on, so that configuration always runs the exact per-request loop
         self._group_allowed = use_decode_group and config.long_prefill_token_threshold == 0
@@ -204,6 +209,7 @@ class Scheduler:
         if req.output_token_ids is not None:
             self._members_with_ids += 1
         self._ctx_base += req.num_computed_tokens + 1 - join_step
+        bisect.insort(self._ctx_offsets, req.num_computed_tokens + 1 - join_step)
         if req.target_output_len > req.num_output_tokens:
             last = join_step + req.target_output_len - req.num_output_tokens - 1
             heapq.heappush(self._finish_heap, (last, req.seq_no, join_step, req))
@@ -223,6 +229,8 @@ class Scheduler:
         join = req.decode_join_step
         run = self.step_index - join
         self._ctx_base -= req.num_computed_tokens + 1 - join
+        offsets = self._ctx_offsets
+        del offsets[bisect.bisect_left(offsets, req.num_computed_tokens + 1 - join)]
         req.num_computed_tokens += run
         req.num_output_tokens += run
         req.decode_join_step = -1
@@ -421,14 +429,25 @@ class Scheduler:
         decode_ctx = self._ctx_base + num_decodes * S
         if drafts_of:
             return self._spec_output(scheduled, counts, preempted, admitted, budget, dissolved, drafts_of)
+        top_k = self.decode_top_k
+        others = [] if top_k else None      # individuals' decode contexts, when the step model wants the longest
         for req, n in zip(scheduled, counts, strict=True):
             if n == 1 and req.num_output_tokens > 0:
                 num_decodes += 1
                 decode_ctx += req.num_computed_tokens + 1
+                if others is not None:
+                    others.append(req.num_computed_tokens + 1)
             else:
                 prefills.append(PrefillChunk(n, req.num_computed_tokens,
                                              req.num_computed_tokens + n >= req.num_tokens))
-        batch = BatchShape(tuple(prefills), num_decodes, decode_ctx)
+        top: tuple[int, ...] = ()
+        if top_k and num_decodes:
+            longest = [o + S for o in self._ctx_offsets[-top_k:]]
+            if others:
+                longest += others
+            longest.sort(reverse=True)
+            top = tuple(longest[:top_k])
+        batch = BatchShape(tuple(prefills), num_decodes, decode_ctx, decode_context_top=top)
         return SchedulerOutput(scheduled, counts, preempted, admitted, batch,
                                cfg.max_num_batched_tokens - budget, len(self.members), dissolved)
 

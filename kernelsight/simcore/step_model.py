@@ -86,6 +86,10 @@ class StepConfig:
 
 _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
 
+#: FlashAttention-2 splits a decode batch's KV cache only while its (sequence, KV head) CTAs are fewer than 80% of
+#: two per SM (``num_splits_heuristic(..., num_SMs * 2, ...)``: 128-thread CTAs, two resident per SM).
+_FA2_UNSPLIT_CTAS_PER_SM = 0.8 * 2
+
 
 def _snap_log(x: float) -> float:
     """Nearest point of a geometric grid with 64 points per octave (η varies smoothly in log-space)."""
@@ -142,8 +146,21 @@ class StepModel:
         # MLA and mixed sliding/full layers price attention as several kernels (kernels.attention_kernels): the
         # inline GQA decode path below is for one uniform attention kind
         self._generic_attention = model.has_mixed_attention
-        # decode_window's first step: ((num_decodes, start context), (breakdown, seconds)) of the last call
-        self._window_first: tuple[tuple[int, int] | None, tuple[np.ndarray, float] | None] = (None, None)
+        # decode attention as a serving step streams it (see _decode_stream_s): the kernel's DRAM-side bandwidth, and
+        # on FlashAttention-2's unsplit GQA path the bandwidth one CTA streams at and the longest contexts it needs
+        self._decode_cold_bw = 0.0
+        self._decode_cta_bw = 0.0
+        self.decode_top_k = 0
+        if not self._generic_attention and not m.sliding_window:
+            self._decode_cold_bw = self._cold_decode_bytes_per_s()
+            cta_bw = calib.decode_cta_bytes_per_s.get(switch_key(p.kv_bytes_per_element), 0.0)
+            if cta_bw > 0 and self._decode_cold_bw > 0 and q_heads != kv_heads:
+                self._decode_cta_bw = cta_bw
+                # contexts beyond the top k never stream alone: k·kv_heads CTAs already draw the whole bandwidth
+                self.decode_top_k = math.ceil(self._decode_cold_bw / cta_bw / kv_heads) + 1
+        # decode_window's first step: ((num_decodes, start context, top), (breakdown, seconds)) of the last call
+        self._window_first: tuple[tuple[int, int, tuple[int, ...]] | None,
+                                  tuple[np.ndarray, float] | None] = (None, None)
 
     def _memo_tables(self, model: ModelSpec, hw: HardwareSpec, calib: Calibration, precision: Precision,
                      config: StepConfig) -> tuple[dict, dict, dict, dict]:
@@ -327,7 +344,8 @@ class StepModel:
             out[_I_ATTN_PREFILL] += t
             attn_s += t
         if num_decodes:
-            t = self._decode_attention_s(num_decodes, batch.decode_context_tokens)
+            t = self._decode_attention_s(num_decodes, batch.decode_context_tokens, batch.decode_context_top,
+                                         bool(prefills))
             out[_I_ATTN_DECODE] += t
             attn_s += t
         return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens)
@@ -365,16 +383,26 @@ class StepModel:
                                           m.head_dim, p.act_bytes, p.kv_bytes_per_element, m.sliding_window,
                                           m.num_layers)
 
-    def _decode_attention_s(self, num_decodes: int, context_tokens: int) -> float:
-        """Decode attention of one step: ``kernel_time_s`` of ``attention_decode_kernel``, specialised.
+    def _decode_attention_s(self, num_decodes: int, context_tokens: int, top: tuple[int, ...] = (),
+                            mixed: bool = False) -> float:
+        """Decode attention of one step, all layers: the calibrated kernel (``_decode_eta_s``), no faster than a
+        serving step streams the KV cache (``_decode_stream_s``; ``top``: the longest contexts, longest first;
+        ``mixed``: the step also prefills)."""
+        if self._generic_attention:
+            return sum(self.kernel_time_s(k) for k in K.attention_kernels(
+                self.model, BatchShape((), num_decodes, context_tokens), self.config.tp, self.precision))
+        t = self._decode_eta_s(num_decodes, context_tokens)
+        if self._decode_cold_bw:
+            t = max(t, self._decode_stream_s(num_decodes, context_tokens, top, mixed))
+        return t * self._decode_consts[10]
+
+    def _decode_eta_s(self, num_decodes: int, context_tokens: int) -> float:
+        """One layer's decode attention as calibrated: ``kernel_time_s`` of ``attention_decode_kernel``, specialised.
 
         It runs for every step and twice per decode window, so η is memoized per (batch, snapped mean
         context) and the roofline is evaluated inline (the same expressions, constants read once in
         ``_decode_consts``); the result equals the generic path's.
         """
-        if self._generic_attention:
-            return sum(self.kernel_time_s(k) for k in K.attention_kernels(
-                self.model, BatchShape((), num_decodes, context_tokens), self.config.tp, self.precision))
         key = (num_decodes, _snap_log(context_tokens / max(num_decodes, 1)))
         hit = self._decode_eta.get(key)
         if hit is None:
@@ -399,7 +427,58 @@ class StepModel:
         if mha and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
             t = max(t, self.calib.decode_floor_s(
                 (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, kv_bytes, window or 0), n_sm))
-        return t * layers
+        return t
+
+    def _cold_decode_bytes_per_s(self) -> float:
+        """KV bytes per second the calibrated decode kernel streams from DRAM: its model at 256 sequences whose KV
+        cache is 8x the L2 (the tables time one layer's KV cache again and again, L2-warm up to the L2 size)."""
+        q_heads, kv_heads, d, kv_bytes = self._decode_consts[:4]
+        per_token = 2.0 * kv_heads * d * kv_bytes
+        b = 256
+        ctx_per_seq = max(2048, math.ceil(8.0 * max(self.hw.l2_bytes, 1) / (b * per_token)))
+        t = self._decode_eta_s(b, b * ctx_per_seq)
+        return b * ctx_per_seq * per_token / t if t > 0 else 0.0
+
+    def _decode_stream_s(self, num_decodes: int, context_tokens: int, top: tuple[int, ...], mixed: bool) -> float:
+        """Least time of one layer's decode attention in a serving step: the KV cache read from DRAM, and on the
+        unsplit path the longest contexts streamed by lone CTAs.
+
+        A step streams every layer's weights and KV cache between two reads of one layer's KV cache, so it comes
+        from DRAM, at the bandwidth the kernel reaches beyond the L2 (``_cold_decode_bytes_per_s``): the tables are
+        L2-warm below the L2 size (e.g. 2.2-2.7 TB/s on the RTX PRO 6000's 1.79 TB/s GDDR7).
+
+        FlashAttention-2 (vLLM on Ampere, Ada, sm_12x) packs a GQA group's queries and splits the KV cache only
+        while the batch's (sequence, KV head) CTAs fill less than 80% of two per SM (its ``num_splits_heuristic``);
+        beyond, each CTA streams one sequence's context for one KV head alone, at no more than one CTA's bandwidth
+        (``decode_cta_bytes_per_s``, measured on the tables' unsplit rows). The tables time equal contexts; a
+        serving batch's differ, and once fewer CTAs than bandwidth / CTA bandwidth are left, the longest contexts
+        stream at that rate. With every CTA advancing at min(c, B/n) (n CTAs left), the kernel takes
+        Σbytes/B + p·Σ_j (s_j − s_j+1)·max(0, 1/c − j·h/B) over the contexts s_1 ≥ s_2 ≥ ... (p bytes per token and
+        KV heads): only the longest ``decode_top_k`` contexts matter. A step that also prefills runs its decodes in
+        the prefill's varlen kernel: query length > 1, so never split (nor packed: one CTA per query head, a group's
+        query heads reading their KV head's context through the L2, so a sequence draws the same DRAM bandwidth and
+        each CTA streams a whole context, as packed).
+        """
+        kv_heads, d, kv_bytes = self._decode_consts[1:4]
+        bw = self._decode_cold_bw
+        per_token = 2.0 * d * kv_bytes
+        t = context_tokens * per_token * kv_heads / bw
+        cta_bw = self._decode_cta_bw
+        if cta_bw and top and (mixed or num_decodes * kv_heads >= _FA2_UNSPLIT_CTAS_PER_SM * self.hw.num_sms):
+            inv_c = 1.0 / cta_bw
+            n = len(top)
+            for j in range(1, n + 1):
+                gap = inv_c - j * kv_heads / bw
+                if gap <= 0.0:
+                    break
+                if j < n:
+                    nxt = top[j]
+                elif n >= num_decodes:
+                    nxt = 0
+                else:
+                    break             # the next context is not known (a shorter list than decode_top_k)
+                t += (top[j - 1] - nxt) * per_token * gap
+        return t
 
     def step_time_s(self, batch: BatchShape) -> float:
         return self.step(batch)[1]
@@ -407,28 +486,30 @@ class StepModel:
     def breakdown_dict(self, batch: BatchShape) -> dict[str, float]:
         return dict(zip(FAMILIES, self.breakdown_s(batch).tolist(), strict=True))
 
-    def decode_window(self, num_decodes: int, context_tokens_start: int, num_steps: int
-                      ) -> tuple[list[float], np.ndarray]:
+    def decode_window(self, num_decodes: int, context_tokens_start: int, num_steps: int,
+                      top: tuple[int, ...] = ()) -> tuple[list[float], np.ndarray]:
         """Durations of ``num_steps`` consecutive decode-only steps of the same ``num_decodes`` requests.
 
         Each step every request's context grows by one token. Attention time is exact at the first and
         last step and linear in between (it is linear in context bytes; η varies slowly over a window).
+        ``top``: the longest contexts at the first step (``BatchShape.decode_context_top``).
         Returns (per-step seconds, summed breakdown per family).
         """
         # The engine often asks again for a shorter window from the same start (cut at an arrival or by the KV
         # cache): the first step is then the same computation, kept from the last call.
-        key = (num_decodes, context_tokens_start)
+        key = (num_decodes, context_tokens_start, top)
         if self._window_first[0] == key:
             b0, t0 = self._window_first[1]
         else:
-            b0, t0 = self.step(BatchShape((), num_decodes, context_tokens_start))
+            b0, t0 = self.step(BatchShape((), num_decodes, context_tokens_start, decode_context_top=top))
             self._window_first = (key, (b0, t0))
         if num_steps == 1:
             return [t0], b0.copy()
         # only attention (and with it the exposed launch/host time) changes along the window
         ctx_last = context_tokens_start + (num_steps - 1) * num_decodes
         attn0 = b0[_I_ATTN_DECODE]
-        attn1 = self._decode_attention_s(num_decodes, ctx_last)
+        top_last = tuple(c + num_steps - 1 for c in top) if top else top
+        attn1 = self._decode_attention_s(num_decodes, ctx_last, top_last)
         kernels1 = t0 - b0[_I_LAUNCH] - b0[_I_HOST] - attn0 + attn1
         b1, t1 = self._finish(b0.copy(), kernels1, self._graph_mode(num_decodes, True)[0], num_decodes, num_decodes)
         b1[_I_ATTN_DECODE] = attn1
