@@ -11,7 +11,7 @@ import pytest
 
 from kernelsight.simcore.engine import Engine
 from kernelsight.simcore.engine_config import build_step_model
-from kernelsight.simcore.kernels import BatchShape, PrefillChunk, attention_decode_kernel
+from kernelsight.simcore.kernels import BatchShape, attention_decode_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
 from kernelsight.simcore.step_model import StepModel
 from tests.conftest import make_config

@@ -148,3 +148,54 @@ def test_closed_loop_concurrency_is_respected():
     assert all(r.output_len == 64 for r in res.records)
     # closed loop: each client sends its next request when the previous finishes
     assert sum(1 for s, _ in intervals if s == 0.0) == 4
+
+
+def _scheduled_step(engine, rid: str) -> int:
+    """Step (global index) at which ``rid`` is first scheduled, running the engine one step at a time."""
+    while (res := engine.step()) is not None:
+        for e in res.events:
+            if e.kind == SCHEDULED and e.request_id == rid:
+                return e.step_index
+    raise AssertionError(f"{rid} never scheduled")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_takes_a_request_arriving_mid_step_a_step_later(async_scheduling):
+    # vLLM's engine core schedules step k+1 as step k starts on the GPU: a request that comes in while step k runs
+    # misses k+1 (a synchronous engine's next step) and starts in k+2
+    engine = make_engine(async_scheduling=async_scheduling)
+    engine.add_request("a", list(range(200)), 50, ignore_eos=True)
+    for _ in range(5):
+        res = engine.step()
+    k, end_k = res.first_step_index, res.end_s
+    engine.add_request("b", list(range(1000, 1300)), 5, ignore_eos=True, arrival_s=end_k - 1e-4)   # during step k
+    assert _scheduled_step(engine, "b") == k + (2 if async_scheduling else 1)
+
+
+def test_async_scheduling_starts_at_once_on_an_idle_engine():
+    engine = make_engine(async_scheduling=True)
+    engine.add_request("a", list(range(200)), 3, ignore_eos=True)
+    while engine.step() is not None:
+        pass
+    engine.add_request("b", list(range(1000, 1300)), 3, ignore_eos=True, arrival_s=engine.now_s + 0.5)
+    res = engine.step()
+    assert res.start_s == pytest.approx(engine.get_request("b").arrival_s)
+    assert [e.request_id for e in res.events if e.kind == SCHEDULED] == ["b"]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_frees_a_finished_requests_seat_a_step_later(async_scheduling):
+    # max_num_seqs 2: "c" waits for a seat; "b" takes its last token in step f. vLLM frees b's seat when it processes
+    # step f's output, after step f+1 was scheduled: c starts in f+2 (f+1 synchronously)
+    engine = make_engine(max_num_seqs=2, async_scheduling=async_scheduling)
+    engine.add_request("a", list(range(100)), 40, ignore_eos=True)
+    engine.add_request("b", list(range(500, 600)), 4, ignore_eos=True)
+    engine.add_request("c", list(range(900, 1000)), 4, ignore_eos=True)
+    finished = scheduled = None
+    while (res := engine.step()) is not None and scheduled is None:
+        for e in res.events:
+            if e.kind == FINISHED and e.request_id == "b":
+                finished = e.step_index
+            if e.kind == SCHEDULED and e.request_id == "c":
+                scheduled = e.step_index
+    assert finished is not None and scheduled == finished + (2 if async_scheduling else 1)

@@ -135,13 +135,14 @@ def test_under_poisson_load_the_prefill_side_queues_as_a_prefill_only_engine_and
     assert [r.ttft_s for r in res.records] == pytest.approx(st.total_s().tolist(), rel=1e-9)
     assert (sec["prefill_queue"] > 0).sum() > 20              # the load queued some (the test means something)
     assert (sec["prefill_queue"] == 0).sum() > 20             # and an idle prefill engine started others at once
-    # the decode side: one pull per request, and at most a decode step's wait on either side of it
+    # the decode side: one pull per request; before it and after it, the step in flight and (async scheduling: it
+    # was scheduled before the request, or the pull's end, was in) the next one
     p0, d0 = res.pd["instances"]
     pull_s = d0["kv_transfer_s"] / d0["pulls"]
     step_bound_s = max(sec["first_decode_step"])
     assert min(sec["kv_ready"]) >= pull_s - 1e-6
-    assert max(sec["kv_ready"]) <= pull_s + step_bound_s + 1e-6
-    assert max(sec["step_after_pull"]) <= step_bound_s
+    assert max(sec["kv_ready"]) <= pull_s + 2 * step_bound_s + 1e-6
+    assert max(sec["step_after_pull"]) <= 2 * step_bound_s
     summary = res.pd["ttft_stages"]
     assert summary["requests"] == 120 and [r["stage"] for r in summary["stages"]][-1] == "ttft"
     assert summary["stages"][-1]["mean_ms"] == pytest.approx(1e3 * st.total_s().mean(), abs=1e-3)
@@ -160,7 +161,8 @@ def test_an_idle_prefill_engine_starts_a_request_at_its_arrival_while_the_decode
     pull_s = ref.kv_transfer.time_s(math.ceil(plen / 16))
     assert sec["prefill_queue"][1] == 0.0
     assert sec["prefill"][1] == pytest.approx(prefill_s, rel=1e-9)
-    # the decode engine's window was cut at B's hand-off: B waits for at most the step in flight, not the window
-    assert pull_s <= sec["kv_ready"][1] <= pull_s + 1.01 * decode_step_s
-    assert sec["step_after_pull"][1] <= 1.01 * decode_step_s
+    # the decode engine's window was cut at B's hand-off: B waits for at most the step in flight and the one
+    # scheduled behind it (async scheduling), not the window
+    assert pull_s <= sec["kv_ready"][1] <= pull_s + 2.01 * decode_step_s
+    assert sec["step_after_pull"][1] <= 2.01 * decode_step_s
     assert res.records[1].ttft_s == pytest.approx(sum(sec[s][1] for s in sec), rel=1e-9)

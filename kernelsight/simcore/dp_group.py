@@ -434,7 +434,11 @@ def _regroup_spec_accounting(moe: MoEGroupTiming, models: Sequence[StepModel],
 
 
 def _has_work(e: Engine) -> bool:
-    return e.num_running > 0 or e.num_waiting > 0
+    """Queued work, or an arrival the rank holds that is due (async scheduling defers one that came in mid-step)."""
+    if e.num_running > 0 or e.num_waiting > 0:
+        return True
+    nxt = e.next_arrival_s
+    return nxt is not None and nxt <= e.now_s
 
 
 def _ready(e: Engine, t: float) -> bool:

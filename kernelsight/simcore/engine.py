@@ -109,6 +109,9 @@ class Engine:
         self.step_model = step_model
         # the longest decode contexts of each step, when the step model prices their imbalance
         self.scheduler.decode_top_k = int(getattr(step_model, "decode_top_k", 0) or 0)
+        # vLLM's async scheduling schedules step k while step k-1 runs (see _admit_cutoff_s)
+        self.async_scheduling = bool(getattr(getattr(step_model, "config", None), "async_scheduling", False))
+        self._last_step_start_s: float | None = None
         # True: a TOKENS event per sequence per step (the real-time server streams them). False: one
         # TOKENS event per run of consecutive steps, emitted when the run ends (fast-forward).
         self.per_token_events = per_token_events
@@ -159,6 +162,7 @@ class Engine:
         if plen >= max_len:
             raise ValueError(f"prompt of {plen} tokens does not fit max_model_len={max_len}")
         t = self.now_s if arrival_s is None else arrival_s
+        cutoff = self._admit_cutoff_s()
         # immutable: block hashes are taken over it (an int array is kept as is: hashing reads it directly)
         prompt = prompt_token_ids if hasattr(prompt_token_ids, "dtype") else tuple(prompt_token_ids)
         ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
@@ -173,7 +177,7 @@ class Engine:
                           request_id if n > 1 else None, i, extra_keys, output_token_ids, hold_kv, remote_prefill)
             self._requests[sid] = req
             self.kv.hash_prompt(req)
-            if t <= self.now_s and not remote_prefill:     # a pull starts at the next step (_admit_arrivals)
+            if t <= cutoff and not remote_prefill:     # a pull starts at the next step (_admit_arrivals)
                 self.scheduler.add(req)
             else:
                 heapq.heappush(self._arrivals, (t, req.seq_no, req))
@@ -227,13 +231,26 @@ class Engine:
         return (bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or bool(self._arrivals)
                 or bool(self._pull_blocked))
 
+    def _admit_cutoff_s(self) -> float:
+        """Latest arrival the next step can take in.
+
+        With async scheduling vLLM's engine core schedules step k as soon as step k-2's output is in, i.e. when step
+        k-1 starts on the GPU, and only then waits for k-1: a request that arrives while k-1 runs misses step k and
+        starts in k+1, a step later than a synchronous engine would start it. An engine with nothing running
+        schedules an arrival at once."""
+        start = self._last_step_start_s
+        if start is None or not self.async_scheduling or not self.scheduler.running:
+            return self.now_s
+        return start
+
     def _admit_arrivals(self) -> None:
         if self._releases and self._releases[0][0] <= self.now_s:
             self._free_released()
         if self._pull_blocked:
             self._retry_pulls()
         arrivals = self._arrivals
-        while arrivals and arrivals[0][0] <= self.now_s:
+        cutoff = self._admit_cutoff_s()
+        while arrivals and arrivals[0][0] <= cutoff:
             _, _, req = heapq.heappop(arrivals)
             if req.is_finished:
                 continue
@@ -345,6 +362,8 @@ class Engine:
         no work at all (or the next arrival is after ``until_s``).
         """
         sched = self.scheduler
+        if not sched.running:
+            sched.seats_held = 0        # an engine with nothing running schedules after the last output is in
         self._admit_arrivals()
         while not sched.running and not len(sched.waiting):
             nxt = self.next_arrival_s      # idle: jump to the next arrival (aborted ones are skipped)
@@ -397,6 +416,9 @@ class Engine:
         ends = list(accumulate(durations, initial=start))[1:] if k > 1 else [start + durations[0]]
         snapshot = list(sched.members) if per_token else ()
         upd = sched.update(out, k)
+        # async scheduling: the next step was scheduled before this one's output was in, so the seats of the requests
+        # that finish in it were still taken then (vLLM frees them when it processes the output)
+        sched.seats_held = len(upd.finished) if self.async_scheduling else 0
         for req in upd.first_tokens:
             req.first_token_s = ends[0]
             events.append(RequestEvent(FIRST_TOKEN, req.request_id, first_index, 1, None, req.parent_id,
@@ -456,6 +478,7 @@ class Engine:
     def _commit(self, start: float, ends: list[float], first_index: int, events: list[RequestEvent],
                 tokens: int, breakdown: np.ndarray) -> StepResult:
         self.now_s = ends[-1]
+        self._last_step_start_s = ends[-2] if len(ends) > 1 else start
         st = self.stats
         st.num_steps += len(ends)
         st.busy_s += ends[-1] - start

@@ -147,6 +147,8 @@ class Scheduler:
         self._ctx_offsets: list[int] = []
         # how many of the longest decode contexts each step's BatchShape carries (the step model's decode_top_k)
         self.decode_top_k = 0
+        # seats of requests that finished in the step before, not yet free to an async-scheduled engine (Engine.step)
+        self.seats_held = 0
         # multi-token chunks per request (threshold) break the "prefills are a suffix" ordering the
         # group relies on, so that configuration always runs the exact per-request loop
         self._group_allowed = use_decode_group and config.long_prefill_token_threshold == 0
@@ -391,7 +393,7 @@ class Scheduler:
 
         if not preempted:
             waiting = self.waiting
-            while len(waiting) and budget > 0 and len(running) < cfg.max_num_seqs:
+            while len(waiting) and budget > 0 and len(running) + self.seats_held < cfg.max_num_seqs:
                 req = waiting.peek()
                 if req.remote_prefill and req.block_ids:
                     # its prompt's KV was pulled from the prefill instance: only the last token is computed here
