@@ -63,6 +63,11 @@ def test_a_run_the_step_model_produced_is_priced_at_one(simulated_run):
     assert abs(out["split"]["decode_scale"] - 1.0) < 0.05 and abs(out["split"]["prefill_scale"] - 1.0) < 0.15
     # ticks before the first decode and after the last are not busy: they are left out of the groups
     assert not out["ticks"][0]["busy"] and not out["ticks"][-1]["busy"]
+    # decode-only ticks, one step each: the model's own steps, sorted by batch
+    steps = out["decode_steps"]
+    assert len(steps) == groups["busy, decode only"]["count"]
+    assert [r["batch"] for r in steps] == sorted(r["batch"] for r in steps)
+    assert abs(np.median([r["priced_over_measured"] for r in steps]) - 1.0) < 0.03
 
 
 def test_a_run_ten_percent_slower_than_the_model_is_priced_at_one_over_one_point_one(simulated_run):
@@ -72,6 +77,7 @@ def test_a_run_ten_percent_slower_than_the_model_is_priced_at_one_over_one_point
     busy = next(g for g in out["groups"] if g["ticks"] == "busy, all")
     assert busy["median"] == pytest.approx(1 / 1.1, abs=0.03)
     assert out["split"]["decode_scale"] == pytest.approx(1.1, abs=0.06)
+    assert np.median([r["priced_over_measured"] for r in out["decode_steps"]]) == pytest.approx(1 / 1.1, abs=0.03)
 
 
 def test_tick_work_reads_batch_context_and_chunk_from_the_requests():

@@ -32,7 +32,7 @@ import numpy as np
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
 from kernelsight.simcore.step_model import StepModel
 
-__all__ = ["TickWork", "tick_work", "price_ticks", "summarize_pricing", "price_run_work"]
+__all__ = ["TickWork", "decode_step_rows", "tick_work", "price_ticks", "summarize_pricing", "price_run_work"]
 
 #: Batch-size groups as fractions of ``max_num_seqs``: (label, lower bound inclusive, upper bound exclusive).
 #: How many of the longest contexts a tick keeps (the step model takes the first ``decode_top_k``).
@@ -162,8 +162,26 @@ def summarize_pricing(rows: Sequence[dict[str, Any]], max_num_seqs: int, tick_s:
     return {"groups": groups, "split": split}
 
 
+def decode_step_rows(rows: Sequence[dict[str, Any]], tick_s: float) -> list[dict[str, Any]]:
+    """Busy decode-only ticks as one decode step each: measured vs priced step time by batch size and context.
+
+    A tick without prompt tokens ran ``decode_steps`` steps of its batch, so its step took tick ÷ steps; laid out
+    by batch size this shows how the step grows with the batch (weights read once, KV cache per sequence), which
+    a single ratio hides."""
+    out = []
+    for r in rows:
+        if r["busy"] and r["prompt_tokens"] == 0 and r["decode_steps"] > 0:
+            measured = tick_s / r["decode_steps"]
+            priced = r["decode_priced_s"] / r["decode_steps"]
+            out.append({"t_end_s": r["t_end_s"], "batch": r["decoding"], "mean_context": r["mean_context_tokens"],
+                        "measured_step_ms": round(1e3 * measured, 3), "priced_step_ms": round(1e3 * priced, 3),
+                        "priced_over_measured": round(priced / measured, 4)})
+    return sorted(out, key=lambda x: x["batch"])
+
+
 def price_run_work(requests: Sequence[Any], timeseries: Mapping[str, np.ndarray], tick_s: float,
                    step_model: StepModel, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
-    """The whole analysis: per-tick rows, their summary, JSON-ready."""
+    """The whole analysis: per-tick rows, their summary, the decode-only steps by batch, JSON-ready."""
     rows = price_ticks(tick_work(requests, timeseries, tick_s, max_num_batched_tokens), step_model)
-    return {"ticks": rows, **summarize_pricing(rows, max_num_seqs, tick_s)}
+    return {"ticks": rows, **summarize_pricing(rows, max_num_seqs, tick_s),
+            "decode_steps": decode_step_rows(rows, tick_s)}
