@@ -456,13 +456,17 @@ class Engine:
         arrival (or until_s) falls and where the KV cache can no longer feed the group."""
         b, ctx0, top = out.batch.num_decodes, out.batch.decode_context_tokens, out.batch.decode_context_top
         durations, breakdown = self.step_model.decode_window(b, ctx0, k, top)
-        limit = self.next_arrival_s
-        if until_s is not None and (limit is None or until_s < limit):
-            limit = until_s
+        arrival = self.next_arrival_s
         k_cut = k
-        if limit is not None:
+        if arrival is not None or until_s is not None:
             ends = list(accumulate(durations, initial=start))
-            k_cut = min(k, bisect.bisect_left(ends, limit, 1))   # the step whose end reaches the limit
+            if arrival is not None:
+                k_cut = min(k, bisect.bisect_left(ends, arrival, 1))   # the step whose end reaches it
+                if self.async_scheduling and arrival > start:
+                    # it can start only after the step behind that one (_admit_cutoff_s): that step is the window's
+                    k_cut = min(k, k_cut + 1)
+            if until_s is not None:
+                k_cut = min(k_cut, bisect.bisect_left(ends, until_s, 1))
         k_cut = self.scheduler.extend_window(k_cut)
         if k_cut != k:
             durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut, top)
