@@ -199,3 +199,16 @@ def test_async_scheduling_frees_a_finished_requests_seat_a_step_later(async_sche
             if e.kind == SCHEDULED and e.request_id == "c":
                 scheduled = e.step_index
     assert finished is not None and scheduled == finished + (2 if async_scheduling else 1)
+
+
+def test_a_request_held_back_by_async_scheduling_and_aborted_leaves_nothing_behind():
+    engine = make_engine(async_scheduling=True)
+    engine.add_request("a", list(range(200)), 2, ignore_eos=True)
+    engine.step()                                       # a's prefill: its first token
+    engine.add_request("b", list(range(1000, 1300)), 5, ignore_eos=True)      # mid-run: held back a step
+    res = engine.step()                                 # a's last token; b not taken in yet
+    assert [e.request_id for e in res.events if e.kind == FINISHED] == ["a"] and engine.num_waiting == 0
+    free = engine.kv.num_free_blocks
+    assert engine.abort("b")
+    assert not engine.has_unfinished() and engine.step() is None   # a server would stop stepping here
+    assert engine.kv.num_free_blocks == free

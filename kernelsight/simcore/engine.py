@@ -198,8 +198,10 @@ class Engine:
                 ready = req.kv_ready_s
                 self._pulled.append((sid, self.now_s if ready is None else min(ready, self.now_s)))
             join = req.decode_join_step
-            if req.status is RequestStatus.WAITING and req.arrival_s > self.now_s and req.block_ids == []:
-                # still in the future-arrivals heap: mark finished; it is skipped when it surfaces
+            if req.status is RequestStatus.WAITING and req.block_ids == [] and (
+                    req.arrival_s > self.now_s or not self.scheduler.waiting.remove(req)):
+                # still in the arrivals heap (to come, or held back a step by async scheduling): mark finished; it is
+                # skipped when it surfaces
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = FinishReason.ABORT
             else:
@@ -228,6 +230,9 @@ class Engine:
         return self._arrivals[0][0] if self._arrivals else None
 
     def has_unfinished(self) -> bool:
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][2].is_finished:     # aborted before it surfaced
+            heapq.heappop(arrivals)
         return (bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or bool(self._arrivals)
                 or bool(self._pull_blocked))
 
