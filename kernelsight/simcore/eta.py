@@ -157,7 +157,8 @@ class LogPolyEta:
     def from_basis(self, z: np.ndarray, features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(η, overhead_s) at basis rows ``z``; ``features`` (the same rows) is needed by a raw-coordinate grid."""
         eta = self.smooth_eta(z)
-        if "l2_bw_ratio_target" in self.device or "fallback_peak_ratio" in self.device:  # cross-generation
+        dev = self.device
+        if "l2_bw_ratio_target" in dev or "fallback_peak_ratio" in dev or "clock_sustain_target" in dev:  # transferred
             eta = eta * transfer_eta_factor(self.basis, z, self.device)
         ovh = np.full(len(z), self.overhead_s or 0.0)
         if self.grid is not None or self.trees is not None:
@@ -193,7 +194,8 @@ class LogPolyEta:
             k += 1
         s = min(max(s, -40.0), 40.0)
         eta = self.lo + (self.hi - self.lo) / (1.0 + math.exp(-s))
-        if "l2_bw_ratio_target" in self.device or "fallback_peak_ratio" in self.device:
+        dev = self.device
+        if "l2_bw_ratio_target" in dev or "fallback_peak_ratio" in dev or "clock_sustain_target" in dev:
             eta *= float(transfer_eta_factor(self.basis, np.asarray([z], dtype=float), self.device)[0])
         ovh = self.overhead_s or 0.0
         if self.grid is not None or self.trees is not None:

@@ -182,13 +182,21 @@ def transfer_eta_factor(basis: str, z: np.ndarray, device: dict[str, float]) -> 
     Besides :func:`cache_gain_ratio`: ``device["fallback_peak_ratio"]`` = R marks a GEMM format this source
     never measured, stood in for by a format with R× less peak (bf16 for fp8). Its compute roof is taken at the
     measured format's peak — no speed-up from a format nobody measured — while the memory roof (fewer bytes)
-    stays: η × max(u, 1) / max(u·R, 1).
+    stays: η × max(u, 1) / max(u·R, 1). ``device["clock_sustain_source"]`` / ``"..._target"``: the share of its
+    boost clock each GPU holds under a dense tensor load (``hardware.sustained_clock_share``): a source's
+    compute-bound η carries its own power limit, which is divided out and the target's put in.
     """
     out = cache_gain_ratio(basis, z, device)
     ratio = device.get("fallback_peak_ratio")
     if ratio is not None and basis in _CACHE_COLUMNS:
         u = _compute_over_memory(basis, z)
         out = out * np.maximum(u, 1.0) / np.maximum(u * ratio, 1.0)
+    cs, ct = device.get("clock_sustain_source"), device.get("clock_sustain_target")
+    if cs is not None and ct is not None and cs != ct and basis in _CACHE_COLUMNS:
+        # a compute roof reached at the sustained clock share c (memory-bound work is not slowed):
+        # time ∝ max(u / c, 1), so η moves by max(u / c_src, 1) / max(u / c_tgt, 1)
+        u = _compute_over_memory(basis, z)
+        out = out * np.maximum(u / cs, 1.0) / np.maximum(u / ct, 1.0)
     return out
 
 

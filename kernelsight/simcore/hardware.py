@@ -37,6 +37,9 @@ class HardwareSpec:
     # Whether GPUs of a node can read each other's memory over PCIe/NVLink (CUDA P2P): vLLM's custom all-reduce
     # needs it. NVIDIA disables it on GeForce cards (RTX 4090), where vLLM's P2P check fails and NCCL runs.
     peer_to_peer: bool = True
+    # Board power limit (W): with SMs × boost clock it bounds the clock a dense tensor load holds
+    # (sustained_clock_share); None: assumed to hold its boost clock
+    tdp_w: float | None = None
 
     def peak_flops_per_s(self, dtype: str) -> float:
         """Tensor-core peak for a compute dtype; fp8/int8/fp4 fall back to bf16 when absent."""
@@ -72,7 +75,22 @@ _FLOAT_FIELDS: tuple[str, ...] = (
 )
 _INT_FIELDS: tuple[str, ...] = ("mem_capacity_bytes", "num_sms", "l2_bytes", "gpus_per_node")
 _ALLOWED_KEYS = frozenset(
-    _REQUIRED_FIELDS + _OPTIONAL_PEAKS + ("aliases", "sources", "ecc_dram_fraction", "peer_to_peer"))
+    _REQUIRED_FIELDS + _OPTIONAL_PEAKS + ("aliases", "sources", "ecc_dram_fraction", "peer_to_peer", "tdp_w"))
+
+#: Board watts a dense bf16 tensor-core load draws per SM per GHz of clock. A GPU whose power limit is below
+#: SMs × boost GHz × this cannot hold its boost clock on such a load. From the shared tables' best bf16 GEMMs: the
+#: L40S (350 W, 142 SMs, 2.52 GHz: 0.98 W per SM-GHz) reaches 285 of its 362 TFLOP/s (79%), where the A100 (2.63),
+#: H100 SXM (2.68) and RTX PRO 6000 (1.31) reach 95-98% — so the L40S holds ~0.82 of its clock (79% ÷ the others'
+#: ~96%), which puts the constant at 0.98 / 0.82 = 1.19; the PRO 6000 bounds it from above (≤ 1.31).
+DENSE_TENSOR_W_PER_SM_GHZ = 1.19
+
+
+def sustained_clock_share(hw: HardwareSpec) -> float:
+    """Share of its boost clock ``hw`` holds under a dense tensor-core load: 1 unless its power limit is below what
+    its SMs draw at the boost clock (power taken as linear in clock: a floor on the share, not a fit)."""
+    if not hw.tdp_w or hw.vendor != "nvidia":     # the constant is an NVIDIA SM's; a CU is another unit
+        return 1.0
+    return min(1.0, hw.tdp_w / (hw.num_sms * hw.boost_clock_hz * 1e-9 * DENSE_TENSOR_W_PER_SM_GHZ))
 
 
 def _positive_number(d: dict, key: str) -> float:
@@ -111,6 +129,9 @@ def hardware_spec_from_dict(d: dict) -> HardwareSpec:
     if isinstance(ecc, bool) or not isinstance(ecc, int | float) or not 0.0 <= ecc < 0.5:
         raise ValueError(f"hardware spec {d['name']!r}: 'ecc_dram_fraction' must be in [0, 0.5), got {ecc!r}")
     kwargs["ecc_dram_fraction"] = float(ecc)
+
+    tdp = d.get("tdp_w")
+    kwargs["tdp_w"] = float(_positive_number(d, "tdp_w")) if tdp is not None else None
 
     p2p = d.get("peer_to_peer", True)
     if not isinstance(p2p, bool):

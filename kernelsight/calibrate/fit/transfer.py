@@ -57,6 +57,18 @@ Transfer rule (documented contract):
    measures the rule's self-consistency instead (the PRO 6000's bf16 / fp8 η moved the same way, single-source, to
    the A100 / H100 / L40S against their tables).
 
+10. **Power-limited clocks are the board's.** A GPU whose power limit is below what its SMs draw at the boost
+   clock under a dense tensor load (:func:`~kernelsight.simcore.hardware.sustained_clock_share`: the L40S, 350 W for
+   142 SMs at 2.52 GHz, holds ~0.82 of it; the L4 ~0.51) reaches a lower share of its datasheet compute peak, and
+   its fitted η carries that. A source's compute-bound η is divided by its share and multiplied by the target's
+   (``clock_sustain_source`` / ``_target`` in the device constants; memory-bound work keeps its η:
+   η × max(u/c_src, 1) / max(u/c_tgt, 1)). GEMMs only: the shared tables show it there (the L40S's large bf16
+   GEMMs, left out and transferred from A100/H100, were priced 0.85× their time at the median, 0.93× with the
+   rule) and not in attention (its large prefill attention was already priced 1.22× its time; 1.36× with the rule):
+   attention's softmax and memory traffic draw less than a dense GEMM's tensor cores. Without it the L40S's
+   throttled 79% of peak went to the RTX 4090 (450 W for 128 SMs: unthrottled), whose replay prefilled ~20% slower
+   than the GPU did.
+
 Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in eta_basis.py)
 are global: chosen by leave-one-GPU-out over the three measured GPUs (A100 / H100 / L40S) *jointly*, on the
 mean and the worst per-family MAPE of all folds, never per fold or per target. Tried and not kept: one model
@@ -76,7 +88,7 @@ from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration, default_calibration
 from kernelsight.simcore.comm import CommModel
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, EtaModel, LogPolyEta, SwitchEta, switch_key
-from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.hardware import HardwareSpec, sustained_clock_share
 
 #: Temperature of the similarity weights (units of the log-spec distance).
 SIMILARITY_TAU = 1.0
@@ -149,6 +161,9 @@ def retarget(
         if source is not None:
             dev.update(l2_bw_ratio_source=l2_bw_ratio(source), l2_bw_ratio_target=l2_bw_ratio(target))
             ovh = None if ovh is None else ovh * overhead_scale(source, target)
+            cs, ct = sustained_clock_share(source), sustained_clock_share(target)
+            if cs != ct and fam == "gemm":   # rule 10: a power-limited clock is the board's, not the architecture's
+                dev.update(clock_sustain_source=cs, clock_sustain_target=ct)
         return replace(model, device=dev, grid=None, trees=None, overhead_s=ovh)
     if isinstance(model, DispatchEta):
         # The target has no kernel measurements: transfer the variant's pooled smooth model (all kernels' rows,
