@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,29 @@ def cli_one_line_error(capsys, argv: list[str]) -> str:
     last = err.splitlines()[-1]
     assert last.startswith("kernelsight serve: error: ") or last.startswith("kernelsight: error: ")
     return last
+
+
+def free_port_run(n: int) -> int:
+    """A base port p with p .. p + n - 1 all free on every interface at the time of asking.
+
+    Tests that derive ports from a base (rank r publishes on base + r) need the whole run free: one free port
+    says nothing about its neighbours, which another xdist worker's sockets may hold."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {n} free ports")

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ pytest.importorskip("fastapi")
 
 from kernelsight.cli import build_parser  # noqa: E402
 from kernelsight.engine_args import create_engine_config, engine_args_from  # noqa: E402
+from tests.conftest import free_port_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -621,29 +621,6 @@ def test_readme_section_commands_parse(parser):
 
 
 # == a fleet on one machine ================================================================================
-def _free_port_run(n: int) -> int:
-    """A base port with n consecutive free ports on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
 def _wait_healthy(proc: subprocess.Popen, urls: list[str], log: Path, deadline_s: float) -> None:
     t_end = time.monotonic() + deadline_s
     pending = list(urls)
@@ -667,7 +644,7 @@ def fleet(tmp_path_factory):
     """`kernelsight serve --replicas 3` as the CLI runs it (one process, consecutive ports on 127.0.0.1)."""
     log = tmp_path_factory.mktemp("fleet") / "serve.log"
     for _attempt in range(3):
-        base = _free_port_run(3)
+        base = free_port_run(3)
         argv = [sys.executable, "-m", "kernelsight.cli", "serve", "--replicas", "3", "--host", "127.0.0.1",
                 "--port", str(base), "--time-scale", "20", "--max-model-len", "2048", "--deadline-spin-us", "0",
                 "--uvicorn-log-level", "warning"]
@@ -795,6 +772,6 @@ def test_fleet_serves_what_the_manifests_probe_and_scrape(fleet, adapter_rules, 
         series = re.match(r"([\w:]+)\{", rule["seriesQuery"]).group(1)
         assert series in names, f"the adapter reads {series}, which /metrics does not export"
     assert healthcheck.main([u + "/health" for u in fleet]) == 0
-    assert healthcheck.main([f"http://127.0.0.1:{_free_port_run(1)}/health"]) == 1
+    assert healthcheck.main([f"http://127.0.0.1:{free_port_run(1)}/health"]) == 1
     pod = _one(k8s, "Deployment")["spec"]["template"]
     assert httpx.get(fleet[1] + pod["metadata"]["annotations"]["prometheus.io/path"], timeout=5).status_code == 200

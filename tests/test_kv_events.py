@@ -12,7 +12,7 @@ import socket
 import httpx
 import pytest
 
-from tests.conftest import cli_one_line_error
+from tests.conftest import cli_one_line_error, free_port_run
 
 pytest.importorskip("fastapi")
 zmq = pytest.importorskip("zmq")
@@ -217,18 +217,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _free_pair() -> int:
-    """A port p with p + 1 free too (at the time of asking)."""
-    while True:
-        p = _free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("", p + 1))
-                return p
-            except OSError:
-                continue
-
-
 class Subscriber:
     """What a router does: SUB to the stream, and fill gaps (and the start) from the replay socket."""
 
@@ -328,7 +316,7 @@ def test_publishers_per_rank_and_replica_offsets():
     from kernelsight.simcore.engine_config import EngineArgs
 
     config = create_engine_config(EngineArgs(num_gpu_blocks_override=64, max_model_len=512))
-    base = _free_port()
+    base = free_port_run(4)                                 # replica 1's ranks publish on base + 2, base + 3
     cfg = parse_kv_events_config(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base}"}))
     opts = ServerOptions(["m"], "m", data_parallel_size=2, kv_events=cfg)
     pubs = _kv_publishers(config, opts, replica_index=1)
@@ -384,7 +372,7 @@ def test_data_parallel_ranks_publish_apart_in_the_array_encoding(monkeypatch, mo
     from kernelsight.server.runner import ServerThread
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    base, rbase = _free_pair(), _free_pair()          # rank 1 publishes on port + 1
+    base, rbase = free_port_run(2), free_port_run(2)          # rank 1 publishes on port + 1
     cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{rbase}"}
     argv = ["--num-gpu-blocks-override", "64", "--max-model-len", "256", "--time-scale", "50", "--data-parallel-size",
             "2", "--served-model-name", "m", "--kv-events-array-like", "--kv-events-config", json.dumps(cfg),

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from kernelsight.server.replica_processes import replica_groups  # noqa: E402
+from tests.conftest import free_port_run  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B"
 
@@ -33,24 +34,6 @@ def test_replica_groups_cover_every_replica_once_in_contiguous_even_groups():
         assert sorted(i for g in groups for i in g) == list(range(n))
         assert len(groups) == min(n, len(os.sched_getaffinity(0)))
         assert max(map(len, groups)) - min(map(len, groups)) <= 1
-
-
-def _port_run(n: int) -> int:
-    """A base port with n consecutive ports free on 127.0.0.1 (at the time of asking)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no run of free ports")
 
 
 def _serve(*args: str) -> subprocess.Popen:
@@ -70,7 +53,7 @@ def _one_line_error(proc: subprocess.Popen, timeout_s: float = 120) -> str:
 
 
 def test_http_port_in_use_stops_the_start_with_one_line_and_binds_nothing():
-    base = _port_run(3)
+    base = free_port_run(3)
     taken = socket.socket()
     taken.bind(("127.0.0.1", base + 1))          # the second replica's port
     taken.listen()
@@ -86,7 +69,7 @@ def test_http_port_in_use_stops_the_start_with_one_line_and_binds_nothing():
 
 
 def test_a_bad_flag_with_replica_processes_is_one_line_not_one_per_worker():
-    base = _port_run(2)
+    base = free_port_run(2)
     proc = _serve("--port", str(base), "--replicas", "2", "--replica-processes", "2", "--time-scale", "0")
     assert _one_line_error(proc) == "kernelsight serve: error: --time-scale must be > 0, got 0.0"
 
@@ -123,7 +106,7 @@ def _served_by(url: str) -> int:
 
 @pytest.fixture(scope="module")
 def two_process_fleet():
-    base = _port_run(3)
+    base = free_port_run(3)
     proc = _serve("--port", str(base), "--replicas", "3", "--replica-processes", "2")
     urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
     try:
@@ -163,7 +146,7 @@ def test_sigterm_to_the_parent_stops_every_worker_and_exits_0(two_process_fleet)
 
 @pytest.mark.slow      # a fleet of its own to kill (~30 s to start on a loaded 2-core machine)
 def test_a_dead_worker_stops_the_fleet_with_its_exit_code():
-    base = _port_run(2)
+    base = free_port_run(2)
     proc = _serve("--port", str(base), "--replicas", "2", "--replica-processes", "2")
     try:
         _wait_healthy(proc, [f"http://127.0.0.1:{base + i}" for i in range(2)])
@@ -180,8 +163,8 @@ def test_a_dead_worker_stops_the_fleet_with_its_exit_code():
 
 @pytest.mark.slow      # builds a worker's engine before the port fails (~30 s on a loaded 2-core machine)
 def test_a_workers_kv_event_port_in_use_stops_the_start_with_one_line():
-    base = _port_run(2)
-    kv = _port_run(2)
+    base = free_port_run(2)
+    kv = free_port_run(2)
     taken = socket.socket()
     taken.bind(("", kv + 1))                      # replica 1's KV-event port (replica i: endpoint port + i)
     taken.listen()
