@@ -112,6 +112,9 @@ def test_timeseries_bins_hold_time_averages_of_both_sides():
     ("requests.jsonl", '{"input_toks": 5}\n', r"requests.jsonl line 1: 'output_toks' must be a number"),
     ("requests.jsonl", '{"input_toks": 5, "output_toks": 2, "queued_ts": 2, "first_token_ts": 1, '
                        '"last_token_ts": 3}\n', r"requests.jsonl line 1: timestamps out of order"),
+    ("requests.jsonl", '{"input_toks": 5, "output_toks": 2, "queued_ts": 1, "scheduled_ts": 2.5, '
+                       '"first_token_ts": 2, "last_token_ts": 3}\n',
+     r"requests.jsonl line 1: 'scheduled_ts' must be a number between queued_ts and first_token_ts, got 2.5"),
     ("requests.jsonl", "{}\n[\n", r"requests.jsonl line 1: 'input_toks' must be a number"),
     ("timeseries.csv", None, r"timeseries.csv: not found"),
     ("timeseries.csv", "x,running\n1,2\n", r"timeseries.csv: no 't' column"),

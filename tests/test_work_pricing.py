@@ -9,7 +9,7 @@ from kernelsight.engine_args import create_engine_config
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.fastforward import run_fast_forward
 from kernelsight.loadgen.validate import MeasuredRequest
-from kernelsight.loadgen.work_pricing import price_run_work, tick_work
+from kernelsight.loadgen.work_pricing import clock_offset_s, price_run_work, tick_work
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model
 
 MAX_SEQS, BUDGET, TICK_S = 32, 1024, 0.25
@@ -35,17 +35,23 @@ def simulated_run():
     return cfg, requests, token_times
 
 
-def recorded(requests, token_times, stretch: float = 1.0):
-    """The run as recorded, every time stretched by ``stretch`` (a GPU that slow)."""
+def recorded(requests, token_times, stretch: float = 1.0, shift_s: float = 0.0):
+    """The run as recorded, every time stretched by ``stretch`` (a GPU that slow), by a scraper that reads each tick
+    ``shift_s`` after its label: counters over (label − tick, label] + shift_s, gauges at label + shift_s."""
     reqs = [MeasuredRequest(r.request_id, r.input_toks, r.output_toks, stretch * r.queued_s, stretch * r.first_token_s,
                             stretch * r.last_token_s) for r in requests]
     t0 = min(r.queued_s for r in reqs)
     tokens = stretch * np.concatenate(token_times) - t0
-    edges = np.arange(TICK_S, tokens.max() + TICK_S, TICK_S)
-    bins = np.r_[0.0, edges]
+    edges = np.arange(TICK_S, tokens.max() + 2 * TICK_S, TICK_S)
+    bins = np.r_[0.0, edges] + shift_s
     firsts = np.array([r.first_token_s - t0 for r in reqs])
+    lasts = np.array([r.last_token_s - t0 for r in reqs])
+    queued = np.array([r.queued_s - t0 for r in reqs])
+    at = edges + shift_s
     ts = {"t": edges, "gen_throughput": np.histogram(tokens, bins=bins)[0] / TICK_S,
-          "prompt_throughput": np.histogram(firsts, bins=bins, weights=[r.input_toks for r in reqs])[0] / TICK_S}
+          "prompt_throughput": np.histogram(firsts, bins=bins, weights=[r.input_toks for r in reqs])[0] / TICK_S,
+          "running": np.array([((firsts <= x) & (lasts > x)).sum() for x in at], dtype=float),
+          "waiting": np.array([((queued <= x) & (firsts > x)).sum() for x in at], dtype=float)}
     return reqs, ts
 
 
@@ -78,6 +84,27 @@ def test_a_run_ten_percent_slower_than_the_model_is_priced_at_one_over_one_point
     assert busy["median"] == pytest.approx(1 / 1.1, abs=0.03)
     assert out["split"]["decode_scale"] == pytest.approx(1.1, abs=0.06)
     assert np.median([r["priced_over_measured"] for r in out["decode_steps"]]) == pytest.approx(1 / 1.1, abs=0.03)
+
+
+@pytest.mark.parametrize("shift_s", [-0.1, 0.06])
+def test_ticks_read_off_their_labels_are_placed_where_the_counts_match(simulated_run, shift_s):
+    cfg, requests, token_times = simulated_run
+    reqs, ts = recorded(requests, token_times, shift_s=shift_s)
+    assert clock_offset_s(reqs, ts, TICK_S) == pytest.approx(shift_s, abs=0.01 * TICK_S + 1e-9)
+    out = price_run_work(reqs, ts, TICK_S, build_step_model(cfg), MAX_SEQS, BUDGET)
+    assert out["clock_offset_s"] == pytest.approx(shift_s, abs=0.01 * TICK_S + 1e-9)
+    steps = [r["priced_over_measured"] for r in out["decode_steps"]]
+    assert abs(np.median(steps) - 1.0) < 0.03
+    # read at the labels instead, the draining ticks' batches are off and so are their steps
+    off = price_run_work(reqs, {**ts, "running": None}, TICK_S, build_step_model(cfg), MAX_SEQS, BUDGET)
+    assert off["clock_offset_s"] == 0.0
+    spread = lambda rows: float(np.mean([abs(r["priced_over_measured"] - 1.0) for r in rows]))  # noqa: E731
+    assert spread(off["decode_steps"]) > spread(out["decode_steps"])
+
+
+def test_without_gauges_the_ticks_stay_on_their_labels():
+    reqs = [MeasuredRequest("a", 100, 10, 0.0, 0.5, 2.5)]
+    assert clock_offset_s(reqs, {"t": np.array([1.0, 2.0]), "gen_throughput": np.array([2.0, 5.0])}, 1.0) == 0.0
 
 
 def test_tick_work_reads_batch_context_and_chunk_from_the_requests():

@@ -64,6 +64,7 @@ class MeasuredRequest:
     queued_s: float
     first_token_s: float
     last_token_s: float
+    scheduled_s: float | None = None    # first scheduled (``scheduled_ts``), when the run records it
 
 
 @dataclass(slots=True)
@@ -120,8 +121,13 @@ def read_requests(path: str | Path) -> list[MeasuredRequest]:
             raise ValueError(f"{path} line {lineno}: input_toks and output_toks must be positive integers")
         if not queued <= first <= last:
             raise ValueError(f"{path} line {lineno}: timestamps out of order (queued ≤ first token ≤ last token)")
+        sched = obj.get("scheduled_ts")
+        if sched is not None and (isinstance(sched, bool) or not isinstance(sched, int | float)
+                                  or not math.isfinite(sched) or not queued <= sched <= first):
+            raise ValueError(f"{path} line {lineno}: 'scheduled_ts' must be a number between queued_ts and "
+                             f"first_token_ts, got {sched!r}")
         out.append(MeasuredRequest(str(obj.get("request_id", lineno)), int(n_in), int(n_out), float(queued),
-                                   float(first), float(last)))
+                                   float(first), float(last), None if sched is None else float(sched)))
     if not out:
         raise ValueError(f"{path}: no requests")
     return out
@@ -458,7 +464,9 @@ def format_validation(result: Mapping[str, Any]) -> str:
     wp = result.get("work_pricing")
     if wp and wp["groups"][0]["count"]:
         parts += ["", "the measured work priced by the step model (simulated GPU seconds per measured second, on "
-                      "ticks the GPU was busy throughout; < 1: the step is priced too fast for that work):",
+                      "ticks the GPU was busy throughout; < 1: the step is priced too fast for that work; ticks "
+                      f"placed {wp.get('clock_offset_s', 0.0):+.2f} s from their labels, where the running and "
+                      "waiting counts match the requests'):",
                   format_table(wp["groups"], ["ticks", "count", "mean", "median", "std"], float_fmt=".3f")]
         if wp["split"]:
             sp = wp["split"]

@@ -10,7 +10,10 @@ per-decode cost from a missing per-prefill-token one, on any run in the shared e
 
 What a run records is coarse, so the work of a tick is reconstructed, and the approximations are:
 
-* the requests' clock and the timeseries' clock share their origin at the first request's queue time;
+* the requests' clock and the timeseries' clock share their origin at the first request's queue time, up to an
+  offset (``clock_offset_s``) found by matching the timeseries' running and waiting counts with the requests' own:
+  a scraper reads the counters a fraction of a tick off the tick's label (0.1 s early on the shared PRO 6000 run),
+  and where the batch drains fast, at a run's end, that fraction decides how many requests a tick's tokens came from;
 * a request decodes from its first to its last token, and its context grows linearly in between;
 * decode steps in a tick = generated tokens ÷ time-averaged decoding requests (every step yields one token per
   decoding request);
@@ -23,6 +26,7 @@ What a run records is coarse, so the work of a tick is reconstructed, and the ap
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +36,8 @@ import numpy as np
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
 from kernelsight.simcore.step_model import StepModel
 
-__all__ = ["TickWork", "decode_step_rows", "tick_work", "price_ticks", "summarize_pricing", "price_run_work"]
+__all__ = ["TickWork", "clock_offset_s", "decode_step_rows", "tick_work", "price_ticks", "summarize_pricing",
+           "price_run_work"]
 
 #: Batch-size groups as fractions of ``max_num_seqs``: (label, lower bound inclusive, upper bound exclusive).
 #: How many of the longest contexts a tick keeps (the step model takes the first ``decode_top_k``).
@@ -68,12 +73,46 @@ def _covered(intervals: list[tuple[float, float]], a: float, b: float) -> bool:
     return reach >= b
 
 
+#: Offsets tried, as fractions of a tick on either side of zero.
+OFFSET_STEPS = 100
+
+
+def clock_offset_s(requests: Sequence[Any], timeseries: Mapping[str, np.ndarray], tick_s: float) -> float:
+    """Seconds to add to a tick's label to put it on the requests' clock (origin: the first queue time).
+
+    The offset within one tick either way that best matches the timeseries' ``running`` (and ``waiting``) gauges
+    with the requests' own counts at that instant: running from (first) scheduling to the last token, waiting from
+    queueing to scheduling (a request without ``scheduled_s`` counts as running from its first token). Preempted
+    requests make neither count exact; the best match still places the ticks. 0 without a ``running`` column."""
+    running = timeseries.get("running")
+    if not requests or running is None or not len(running):
+        return 0.0
+    t0 = min(r.queued_s for r in requests)
+    sched = np.sort([(r.scheduled_s if r.scheduled_s is not None else r.first_token_s) - t0 for r in requests])
+    last = np.sort([r.last_token_s - t0 for r in requests])
+    queued = np.sort([r.queued_s - t0 for r in requests])
+    waiting = timeseries.get("waiting")
+    t = np.asarray(timeseries["t"], dtype=float)
+    best, best_err = 0.0, math.inf
+    for i in range(-OFFSET_STEPS, OFFSET_STEPS + 1):
+        delta = tick_s * i / OFFSET_STEPS
+        x = t + delta
+        n_sched = np.searchsorted(sched, x, side="right")
+        err = float(np.abs(n_sched - np.searchsorted(last, x, side="right") - running).sum())
+        if waiting is not None:
+            err += float(np.abs(np.searchsorted(queued, x, side="right") - n_sched - waiting).sum())
+        if err < best_err - 1e-9 or (abs(err - best_err) <= 1e-9 and abs(delta) < abs(best)):
+            best, best_err = delta, err
+    return best
+
+
 def tick_work(requests: Sequence[Any], timeseries: Mapping[str, np.ndarray], tick_s: float,
-              max_num_batched_tokens: int) -> list[TickWork]:
-    """Each tick's decode batch, contexts, generated and prompt tokens (``requests``: ``validate.MeasuredRequest``)."""
+              max_num_batched_tokens: int, offset_s: float = 0.0) -> list[TickWork]:
+    """Each tick's decode batch, contexts, generated and prompt tokens (``requests``: ``validate.MeasuredRequest``;
+    ``offset_s``: :func:`clock_offset_s`)."""
     if not requests:
         return []
-    t0 = min(r.queued_s for r in requests)
+    t0 = min(r.queued_s for r in requests) + offset_s
     first = np.array([r.first_token_s for r in requests])
     last = np.array([r.last_token_s for r in requests])
     inp = np.array([r.input_toks for r in requests], dtype=float)
@@ -182,6 +221,7 @@ def decode_step_rows(rows: Sequence[dict[str, Any]], tick_s: float) -> list[dict
 def price_run_work(requests: Sequence[Any], timeseries: Mapping[str, np.ndarray], tick_s: float,
                    step_model: StepModel, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
     """The whole analysis: per-tick rows, their summary, the decode-only steps by batch, JSON-ready."""
-    rows = price_ticks(tick_work(requests, timeseries, tick_s, max_num_batched_tokens), step_model)
-    return {"ticks": rows, **summarize_pricing(rows, max_num_seqs, tick_s),
+    offset_s = clock_offset_s(requests, timeseries, tick_s)
+    rows = price_ticks(tick_work(requests, timeseries, tick_s, max_num_batched_tokens, offset_s), step_model)
+    return {"clock_offset_s": round(offset_s, 4), "ticks": rows, **summarize_pricing(rows, max_num_seqs, tick_s),
             "decode_steps": decode_step_rows(rows, tick_s)}
