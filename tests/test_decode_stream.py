@@ -13,7 +13,7 @@ from kernelsight.simcore.engine import Engine
 from kernelsight.simcore.engine_config import build_step_model
 from kernelsight.simcore.kernels import BatchShape, attention_decode_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
-from kernelsight.simcore.step_model import StepModel
+from kernelsight.simcore.step_model import StepModel, fa2_num_splits
 from tests.conftest import make_config
 
 PER_TOKEN = 2 * 128 * 2          # K and V of one KV head, head_dim 128, bf16
@@ -22,13 +22,16 @@ LAYERS = 32
 
 @pytest.fixture(scope="module")
 def pro6000():
-    cfg = make_config(hardware="rtx-pro-6000")
+    cfg = make_config(hardware="rtx-pro-6000", max_model_len=32768)
     return cfg, build_step_model(cfg)
 
 
-def fluid_s(contexts: list[int], ctas_per_seq: int, bw: float, cta_bw: float) -> float:
-    """Brute force of the model: every CTA advances at min(c, B / CTAs left) until it has read its context."""
-    left = sorted(c * PER_TOKEN for c in contexts for _ in range(ctas_per_seq))
+def fluid_s(contexts: list[int], ctas_per_seq: int, bw: float, cta_bw: float, split: int | None = None) -> float:
+    """Brute force of the model: every CTA advances at min(c, B / CTAs left) until it has read its share of a
+    context (the whole context, or each ``split`` tokens of it)."""
+    shares = [c for c in contexts] if split is None else [
+        min(split, c - i) for c in contexts for i in range(0, c, split)]
+    left = sorted(c * PER_TOKEN for c in shares for _ in range(ctas_per_seq))
     t = done = 0.0
     i = 0
     while i < len(left):
@@ -86,13 +89,51 @@ def test_the_longest_contexts_stream_alone_as_the_brute_force_fluid_says(pro6000
         fluid_s(contexts, 8, bw, cta_bw), rel=1e-9)
 
 
-def test_a_small_decode_batch_splits_and_has_no_tail(pro6000):
-    _, sm = pro6000
+def test_fa2_split_heuristic_matches_flash_api():
+    # enough CTAs to fill 80% of the slots: no split
+    assert fa2_num_splits(320, 376, 1024) == 1
+    # batch 1, 8 KV heads, 1024 blocks on 188 SMs: 40 splits is the first to reach 85% of the best wave efficiency
+    assert fa2_num_splits(8, 376, 1024) == 40
+    # 64 blocks: 12 splits would be 11 (6 blocks each), so ineligible counts are skipped
+    assert fa2_num_splits(128, 376, 64) == 5
+    assert fa2_num_splits(8, 376, 1) == 1          # one block: nothing to split
+
+
+def test_an_eager_small_decode_batch_splits_and_has_no_tail():
+    sm = build_step_model(make_config(hardware="rtx-pro-6000", max_model_len=32768, enforce_eager=True))
     contexts = [500] * 15 + [8000]          # 16 x 8 = 128 CTAs < 300: FlashAttention-2 splits the KV cache
     top = tuple(sorted(contexts, reverse=True))
     total = sum(contexts)
     assert sm._decode_stream_s(16, total, top, False) == pytest.approx(total * 8 * PER_TOKEN / sm._decode_cold_bw)
     assert sm._decode_stream_s(16, total, top, True) > sm._decode_stream_s(16, total, top, False)
+
+
+def test_a_graph_replay_keeps_the_split_size_it_was_captured_with(pro6000):
+    cfg, sm = pro6000
+    bw, cta_bw = sm._decode_cold_bw, sm._decode_cta_bw
+    # vLLM captures at max_model_len (32,768 = 256 blocks of 128): batch 16 (128 CTAs) takes 5 splits of 52 blocks
+    assert fa2_num_splits(16 * 8, 2 * cfg.hardware.num_sms, 256) == 5
+    assert sm._graph_split_tokens(16) == 52 * 128 == 6656
+    assert sm._graph_split_tokens(12) == sm._graph_split_tokens(16)        # padded to the captured 16
+    contexts = [500] * 15 + [8000]          # the long one: a 6,656-token split and a 1,344-token one
+    top = tuple(sorted(contexts, reverse=True))
+    got = sm._decode_stream_s(16, sum(contexts), top, False)
+    assert got == pytest.approx(fluid_s(contexts, 8, bw, cta_bw, split=6656), rel=1e-9)
+    assert got > sum(contexts) * 8 * PER_TOKEN / bw * 1.5
+    # batch 1: 37 splits of 7 blocks (43 would be more efficient, but 37 is the first within 85% of it), so 1,500
+    # tokens are two shares per KV head, 896 and 604 tokens, each streamed by one CTA
+    assert sm._graph_split_tokens(1) == 7 * 128
+    one = sm._decode_stream_s(1, 1500, (1500,), False)
+    assert one == pytest.approx(fluid_s([1500], 8, bw, cta_bw, split=896), rel=1e-9)
+    assert one == pytest.approx(896 * PER_TOKEN / cta_bw, rel=1e-9)     # 16 CTAs never fill the bandwidth
+    assert one > 3 * 1500 * 8 * PER_TOKEN / bw
+    # a shorter max_model_len captures smaller splits: 4,096 tokens (32 blocks) at batch 1 take 32 splits of one block
+    short = build_step_model(make_config(hardware="rtx-pro-6000", max_model_len=4096))
+    assert short._graph_split_tokens(1) == 128
+    assert short._decode_stream_s(1, 1500, (1500,), False) < one / 3
+    # beyond the largest captured batch the step runs eagerly: the eager rule again
+    eager = sm._graph_split_tokens(sm._capture[-1] + 1)
+    assert eager is None
 
 
 def test_step_prices_the_tail_only_from_the_batchs_own_contexts(pro6000):

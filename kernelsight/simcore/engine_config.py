@@ -326,11 +326,13 @@ def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwar
         baseline = StepModel(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                              StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=plain,
                                         enforce_eager=cfg.args.enforce_eager,
-                                        async_scheduling=cfg.args.async_scheduling))
+                                        async_scheduling=cfg.args.async_scheduling,
+                                        max_model_len=cfg.scheduler.max_model_len))
         kwargs.update(spec=cfg.speculative, drafter=_drafter(cfg), baseline=baseline)
     return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-                          enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling),
+                          enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling,
+                          max_model_len=cfg.scheduler.max_model_len),
                **kwargs)
 
 
@@ -343,7 +345,8 @@ def _drafter(cfg: EngineConfig) -> StepModel | None:
     return cls(cfg.draft_model, cfg.hardware, cfg.calibration, cfg.precision,
                      StepConfig(tp=cfg.speculative.draft_tensor_parallel_size,
                                 cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-                                enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling))
+                                enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling,
+                                max_model_len=cfg.scheduler.max_model_len))
 
 
 def spec_decoder(cfg: EngineConfig) -> SpecDecoder | None:

@@ -106,6 +106,7 @@ class StepConfig:
     cudagraph_capture_sizes: tuple[int, ...] = ()
     enforce_eager: bool = False
     async_scheduling: bool = True     # vLLM 0.33's default: host work overlaps the GPU
+    max_model_len: int = 0            # 0: the model's max_position_embeddings (vLLM's default)
 
 
 _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
@@ -113,6 +114,30 @@ _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
 #: FlashAttention-2 splits a decode batch's KV cache only while its (sequence, KV head) CTAs are fewer than 80% of
 #: two per SM (``num_splits_heuristic(..., num_SMs * 2, ...)``: 128-thread CTAs, two resident per SM).
 _FA2_UNSPLIT_CTAS_PER_SM = 0.8 * 2
+#: The most splits FlashAttention-2's heuristic picks (``set_params_splitkv``'s ``max_splits``).
+_FA2_MAX_SPLITS = 128
+
+
+def fa2_num_splits(batch_nheads_mblocks: int, num_sms_x2: int, num_n_blocks: int,
+                   max_splits: int = _FA2_MAX_SPLITS) -> int:
+    """FlashAttention-2's ``num_splits_heuristic`` (flash_api.cpp): 1 once the CTAs fill 80% of the slots; else the
+    fewest splits whose wave efficiency reaches 85% of the best, skipping counts that give the same split size."""
+    if batch_nheads_mblocks >= 0.8 * num_sms_x2:
+        return 1
+    max_splits = min(max_splits, num_sms_x2, num_n_blocks)
+
+    def eligible(s: int) -> bool:
+        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
+
+    eff = []
+    for s in range(1, max_splits + 1):
+        waves = np.float32(batch_nheads_mblocks * s) / np.float32(num_sms_x2)    # the kernel's host code: float
+        eff.append(float(waves / np.float32(math.ceil(waves))) if eligible(s) else 0.0)
+    best = max(eff, default=0.0)
+    for s in range(1, max_splits + 1):
+        if eligible(s) and eff[s - 1] >= 0.85 * best:
+            return s
+    return 1
 
 
 def _snap_log(x: float) -> float:
@@ -176,6 +201,10 @@ class StepModel:
         self._decode_cold_bw = 0.0
         self._decode_cta_bw = 0.0
         self.decode_top_k = 0
+        # FlashAttention-2's split-KV unit for hdim (its kBlockN), and per padded decode batch the split size a full
+        # CUDA graph replays (see _graph_split_tokens)
+        self._fa2_block_n = 256 if m.head_dim <= 64 else (128 if m.head_dim <= 128 else 64)
+        self._graph_split: dict[int, int | None] = {}
         if not self._generic_attention and not m.sliding_window:
             self._decode_cold_bw = self._cold_decode_bytes_per_s()
             cta_bw = calib.decode_cta_bytes_per_s.get(switch_key(p.kv_bytes_per_element), 0.0)
@@ -470,6 +499,25 @@ class StepModel:
         t = self._decode_eta_s(b, b * ctx_per_seq)
         return b * ctx_per_seq * per_token / t if t > 0 else 0.0
 
+    def _graph_split_tokens(self, num_decodes: int) -> int | None:
+        """Tokens each split-KV CTA covers when a decode-only batch replays a full CUDA graph, or None (eager).
+
+        vLLM captures its decode graphs with every sequence at max_model_len, and FlashAttention-2 fixes the split
+        count (``num_splits_heuristic`` at the padded batch) and the split size (max_seqlen_k / splits) on the host
+        at capture: a replay keeps both, so a context shorter than one split is streamed by one CTA per KV head,
+        whatever the batch (the tables time eager calls, split by the row's own length)."""
+        if num_decodes in self._graph_split:
+            return self._graph_split[num_decodes]
+        mode, padded = self._graph_mode(num_decodes, True)
+        out = None
+        if mode == FULL_GRAPH:
+            max_len = self.config.max_model_len or self.model.max_position_embeddings
+            n_blocks = -(-max_len // self._fa2_block_n)
+            splits = fa2_num_splits(padded * self._decode_consts[1], 2 * self.hw.num_sms, n_blocks)
+            out = -(-n_blocks // splits) * self._fa2_block_n
+        self._graph_split[num_decodes] = out
+        return out
+
     def _decode_stream_s(self, num_decodes: int, context_tokens: int, top: tuple[int, ...], mixed: bool) -> float:
         """Least time of one layer's decode attention in a serving step: the KV cache read from DRAM, and on the
         unsplit path the longest contexts streamed by lone CTAs.
@@ -478,37 +526,57 @@ class StepModel:
         from DRAM, at the bandwidth the kernel reaches beyond the L2 (``_cold_decode_bytes_per_s``): the tables are
         L2-warm below the L2 size (e.g. 2.2-2.7 TB/s on the RTX PRO 6000's 1.79 TB/s GDDR7).
 
-        FlashAttention-2 (vLLM on Ampere, Ada, sm_12x) packs a GQA group's queries and splits the KV cache only
-        while the batch's (sequence, KV head) CTAs fill less than 80% of two per SM (its ``num_splits_heuristic``);
-        beyond, each CTA streams one sequence's context for one KV head alone, at no more than one CTA's bandwidth
-        (``decode_cta_bytes_per_s``, measured on the tables' unsplit rows). The tables time equal contexts; a
-        serving batch's differ, and once fewer CTAs than bandwidth / CTA bandwidth are left, the longest contexts
-        stream at that rate. With every CTA advancing at min(c, B/n) (n CTAs left), the kernel takes
-        Σbytes/B + p·Σ_j (s_j − s_j+1)·max(0, 1/c − j·h/B) over the contexts s_1 ≥ s_2 ≥ ... (p bytes per token and
-        KV heads): only the longest ``decode_top_k`` contexts matter. A step that also prefills runs its decodes in
-        the prefill's varlen kernel: query length > 1, so never split (nor packed: one CTA per query head, a group's
-        query heads reading their KV head's context through the L2, so a sequence draws the same DRAM bandwidth and
-        each CTA streams a whole context, as packed).
+        FlashAttention-2 (vLLM on Ampere, Ada, sm_12x) packs a GQA group's queries into one CTA per (sequence, KV
+        head) and splits the KV cache by its ``num_splits_heuristic``; each CTA streams its share at no more than
+        one CTA's bandwidth (``decode_cta_bytes_per_s``, measured on the tables' unsplit rows). How the cache is
+        split depends on how the kernel runs:
+
+        * a decode-only batch in a full CUDA graph replays the split size fixed at capture, from max_model_len
+          (``_graph_split_tokens``): shorter contexts are not split at all;
+        * eager (or beyond the captured sizes), the kernel splits by the batch's own longest context while its CTAs
+          fill less than 80% of two per SM, and never beyond: the tables' case; a split batch is taken as balanced;
+        * a step that also prefills runs its decodes in the prefill's varlen kernel: query length > 1, so never
+          split (nor packed: one CTA per query head, a group's query heads reading their KV head's context through
+          the L2, so a sequence draws the same DRAM bandwidth and each CTA streams a whole context, as packed).
+
+        The tables time equal contexts; a serving batch's differ, and once fewer CTAs than bandwidth / CTA bandwidth
+        are left, the longest stream at that rate. With every CTA advancing at min(c, B/n) (n CTAs left), the
+        kernel takes Σbytes/B + p·Σ_j (s_j − s_j+1)·max(0, 1/c − j·h/B) over the streams s_1 ≥ s_2 ≥ ... (each split
+        of a context a stream; p bytes per token and KV head, h KV heads): only the longest ``decode_top_k``
+        contexts matter.
         """
         kv_heads, d, kv_bytes = self._decode_consts[1:4]
         bw = self._decode_cold_bw
         per_token = 2.0 * d * kv_bytes
         t = context_tokens * per_token * kv_heads / bw
         cta_bw = self._decode_cta_bw
-        if cta_bw and top and (mixed or num_decodes * kv_heads >= _FA2_UNSPLIT_CTAS_PER_SM * self.hw.num_sms):
-            inv_c = 1.0 / cta_bw
-            n = len(top)
-            for j in range(1, n + 1):
-                gap = inv_c - j * kv_heads / bw
-                if gap <= 0.0:
-                    break
-                if j < n:
-                    nxt = top[j]
-                elif n >= num_decodes:
-                    nxt = 0
-                else:
-                    break             # the next context is not known (a shorter list than decode_top_k)
-                t += (top[j - 1] - nxt) * per_token * gap
+        if not (cta_bw and top):
+            return t
+        if mixed:
+            split = None
+        else:
+            split = self._graph_split_tokens(num_decodes)
+            if split is None and num_decodes * kv_heads < _FA2_UNSPLIT_CTAS_PER_SM * self.hw.num_sms:
+                return t              # eager and split: balanced, as the tables time it
+        complete = len(top) >= num_decodes
+        if split is not None and top[0] > split:
+            # each context's splits are streams of their own: whole splits first, then the remainders
+            whole = sum(c // split for c in top)
+            rest = sorted((c % split for c in top if c % split), reverse=True)
+            top = (split,) * whole + tuple(rest)
+        inv_c = 1.0 / cta_bw
+        n = len(top)
+        for j in range(1, n + 1):
+            gap = inv_c - j * kv_heads / bw
+            if gap <= 0.0:
+                break
+            if j < n:
+                nxt = top[j]
+            elif complete:
+                nxt = 0
+            else:
+                break             # the next context is not known (a shorter list than decode_top_k)
+            t += (top[j - 1] - nxt) * per_token * gap
         return t
 
     def step_time_s(self, batch: BatchShape) -> float:
