@@ -93,6 +93,9 @@ def test_transfer_gives_the_floor_to_fa2_gpus_only():
         l40s.boost_clock_hz / a100.boost_clock_hz) ** DECODE_FLOOR_CLOCK_EXPONENT
     assert to_l40s.decode_cta_bytes_per_s == {"2": pytest.approx(expect)}     # Ada runs FA2; H100 has no floor
     assert cross_generation_calibration(load_hardware("h200-sxm"), sources).decode_cta_bytes_per_s == {}
+    # sm_120 runs FA2 too (its own tables time vllm_flash_attn_fa2); datacenter Blackwell prefers FlashInfer
+    assert set(cross_generation_calibration(load_hardware("rtx-pro-6000"), sources).decode_cta_bytes_per_s) == {"2"}
+    assert cross_generation_calibration(load_hardware("b200-sxm"), sources).decode_cta_bytes_per_s == {}
 
 
 def test_step_model_applies_the_floor_to_mha_decode_above_the_roofline():

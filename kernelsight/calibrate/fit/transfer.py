@@ -274,10 +274,15 @@ def transfer_comm(
     return out
 
 
+#: Compute capability majors on which vLLM's FlashAttention backend runs FA2: Ampere and Ada (8.x) and consumer /
+#: workstation Blackwell (12.x: the RTX PRO 6000's tables time ``vllm_flash_attn_fa2``). Hopper runs FA3; datacenter
+#: Blackwell (10.x) prefers FlashInfer.
+FA2_DECODE_MAJORS = ("8", "12")
+
+
 def runs_fa2_decode(hw: HardwareSpec) -> bool:
-    """Whether vLLM's FlashAttention backend runs FA2 on this GPU (Ampere and Ada, compute capability 8.x; FA3
-    on Hopper)."""
-    return hw.vendor == "nvidia" and hw.compute_capability.split(".")[0] == "8"
+    """Whether vLLM's FlashAttention backend runs FA2 on this GPU (see :data:`FA2_DECODE_MAJORS`)."""
+    return hw.vendor == "nvidia" and hw.compute_capability.split(".")[0] in FA2_DECODE_MAJORS
 
 
 def transfer_decode_floor(sources: Sequence[tuple[Calibration, HardwareSpec]],
