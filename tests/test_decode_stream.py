@@ -47,6 +47,10 @@ def test_cold_bandwidth_is_the_kernels_own_beyond_the_l2_and_below_dram(pro6000)
     cfg, sm = pro6000
     bw = sm._decode_cold_bw
     assert 0.6 * cfg.hardware.usable_mem_bytes_per_s < bw <= cfg.hardware.usable_mem_bytes_per_s
+    # read off the model at 128 sequences x 2,048 tokens (1.07 GB per layer, 8x the L2): a shape the tables measure,
+    # where 256 x 2,048 would be an extrapolation beyond their batches of 256 (which stop at 1,024 tokens)
+    assert bw == pytest.approx(128 * 2048 * 8 * PER_TOKEN / sm._decode_eta_s(128, 128 * 2048), rel=1e-12)
+    assert bw < 256 * 2048 * 8 * PER_TOKEN / sm._decode_eta_s(256, 256 * 2048)
     # far beyond the L2 the calibrated kernel is already at that bandwidth: the floor does not bind
     b, ctx = 128, 128 * 8192
     assert sm._decode_attention_s(b, ctx) == pytest.approx(sm._decode_eta_s(b, ctx) * LAYERS, rel=1e-12)

@@ -114,6 +114,8 @@ _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
 #: FlashAttention-2 splits a decode batch's KV cache only while its (sequence, KV head) CTAs are fewer than 80% of
 #: two per SM (``num_splits_heuristic(..., num_SMs * 2, ...)``: 128-thread CTAs, two resident per SM).
 _FA2_UNSPLIT_CTAS_PER_SM = 0.8 * 2
+#: Batch at which the decode kernel's DRAM bandwidth is read off its model (``_cold_decode_bytes_per_s``).
+_COLD_DECODE_BATCH = 128
 #: The most splits FlashAttention-2's heuristic picks (``set_params_splitkv``'s ``max_splits``).
 _FA2_MAX_SPLITS = 128
 
@@ -199,6 +201,7 @@ class StepModel:
         # decode attention as a serving step streams it (see _decode_stream_s): the kernel's DRAM-side bandwidth, and
         # on FlashAttention-2's unsplit GQA path the bandwidth one CTA streams at and the longest contexts it needs
         self._decode_cold_bw = 0.0
+        self._decode_cold_ref_bytes = 0.0
         self._decode_cta_bw = 0.0
         self.decode_top_k = 0
         # FlashAttention-2's split-KV unit for hdim (its kBlockN), and per padded decode batch the split size a full
@@ -490,14 +493,18 @@ class StepModel:
         return t
 
     def _cold_decode_bytes_per_s(self) -> float:
-        """KV bytes per second the calibrated decode kernel streams from DRAM: its model at 256 sequences whose KV
-        cache is 8x the L2 (the tables time one layer's KV cache again and again, L2-warm up to the L2 size)."""
+        """KV bytes per second the calibrated decode kernel streams from DRAM: its model at 128 sequences of at
+        least 2,048 tokens whose KV cache is at least 8x the L2 (the tables time one layer's KV cache again and
+        again, L2-warm up to the L2 size). 128 sequences: a batch the tables measure at such lengths (their batches
+        of 256 stop at 1,024 tokens; the model extrapolated to 256 x 2,048 read 6% faster than any measured row of
+        that size, RTX PRO 6000: 1.56 TB/s against 1.47-1.51)."""
         q_heads, kv_heads, d, kv_bytes = self._decode_consts[:4]
         per_token = 2.0 * kv_heads * d * kv_bytes
-        b = 256
+        b = _COLD_DECODE_BATCH
         ctx_per_seq = max(2048, math.ceil(8.0 * max(self.hw.l2_bytes, 1) / (b * per_token)))
+        self._decode_cold_ref_bytes = b * ctx_per_seq * per_token
         t = self._decode_eta_s(b, b * ctx_per_seq)
-        return b * ctx_per_seq * per_token / t if t > 0 else 0.0
+        return self._decode_cold_ref_bytes / t if t > 0 else 0.0
 
     def _graph_split_tokens(self, num_decodes: int) -> int | None:
         """Tokens each split-KV CTA covers when a decode-only batch replays a full CUDA graph, or None (eager).
@@ -548,7 +555,13 @@ class StepModel:
         kv_heads, d, kv_bytes = self._decode_consts[1:4]
         bw = self._decode_cold_bw
         per_token = 2.0 * d * kv_bytes
-        t = context_tokens * per_token * kv_heads / bw
+        layer_bytes = context_tokens * per_token * kv_heads
+        if layer_bytes > self._decode_cold_ref_bytes:
+            # a cache larger than the reference: the kernel's model is cold there too, and its fixed time weighs less
+            b = _COLD_DECODE_BATCH
+            t_ref = self._decode_eta_s(b, b * math.ceil(context_tokens / b))
+            bw = max(bw, layer_bytes / t_ref) if t_ref > 0 else bw
+        t = layer_bytes / bw
         cta_bw = self._decode_cta_bw
         if not (cta_bw and top):
             return t
