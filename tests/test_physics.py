@@ -210,3 +210,28 @@ def test_moe_weight_traffic_counts_the_experts_a_batch_can_hit():
     expert_bytes = model.hidden_size * 2 * model.moe_intermediate_size * prec.weight_bytes_per_param
     # a single token reads its 8 experts' weights (plus its own activations), not ~52 experts'
     assert 8 * expert_bytes <= gate_up.bytes_moved < 8.01 * expert_bytes
+
+
+@pytest.mark.parametrize("hw_name", ["rtx-pro-6000", "h100-sxm", "a100-sxm", "l40s"])
+def test_no_kernel_reads_more_than_the_l2_holds_faster_than_dram(hw_name):
+    """η may exceed 1 where the tables time L2-warm kernels, but at most the L2's bytes can come from the L2: the
+    A100's decode model extrapolated to 2.1 GB of KV per layer (its rows stop at 1.07 GB) read it at 2.1 TB/s on
+    2.04 TB/s of HBM; every tier is floored at the bytes beyond the L2 over DRAM bandwidth."""
+    from kernelsight.calibrate.evaluate import cross_generation_for
+    from kernelsight.simcore.calibration import Calibration
+    from kernelsight.simcore.step_model import StepConfig, StepModel
+
+    hw = profiles.load_hardware(hw_name)
+    cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware=hw_name, max_model_len=8192))
+    for calib in (profiles.load_calibration(hw_name), cross_generation_for(hw)):
+        assert isinstance(calib, Calibration)
+        sm = StepModel(cfg.model, hw, calib, cfg.precision, StepConfig(cudagraph_capture_sizes=(1, 8, 64)))
+        for m, n, k in ((1, 128256, 4096), (8, 128256, 4096), (1, 65536, 16384), (1, 28672, 4096)):
+            kern = K.gemm_kernel("lm_head", m, n, k, "bf16", 2.0, 2.0)
+            floor = (kern.bytes_moved - hw.l2_bytes) / hw.usable_mem_bytes_per_s
+            assert sm.kernel_time_s(kern) >= floor * (1 - 1e-12), (calib.tier, m, n, k)
+        b, ctx = 64, 64 * 8192                       # 2.1 GB of KV per layer
+        kern = K.attention_decode_kernel(b, ctx, 32, 8, 128, 2.0, 2.0, 1)
+        floor = (kern.bytes_moved - hw.l2_bytes) / hw.usable_mem_bytes_per_s
+        assert sm._decode_eta_s(b, ctx) >= floor * (1 - 1e-12)
+        assert sm.kernel_time_s(kern) >= floor * (1 - 1e-12)

@@ -181,6 +181,7 @@ class StepModel:
         (self._row_cache, self._sampling_cache, self._decode_eta,
          self._prefill_attn_memo) = self._memo_tables(model, hw, calib, precision, config)
         self._attn_peak_flops_per_s = hw.peak_flops_per_s("bf16")   # attention kernels run in bf16
+        self._l2_bytes, self._dram_bytes_per_s = float(hw.l2_bytes), hw.usable_mem_bytes_per_s
         self._gemm_n_max, self._gemm_k_max = _gemm_measured_nk(calib)
         self._n_families = len(FAMILIES)
         # Where the GPU has FP8 tensor cores but its calibration never timed (under CUDA graphs) the fp8 kernel vLLM
@@ -256,7 +257,9 @@ class StepModel:
             features = (features[0], min(features[1], self._gemm_n_max), min(features[2], self._gemm_k_max)
                         ) + features[3:]
         eta, overhead_s = self.calib.kernel_eta_overhead_s(k.family, features)
-        t = roof / eta + overhead_s
+        # η may exceed 1 (the tables time L2-warm kernels faster than DRAM), but no more than the L2 holds can come
+        # from it: a model extrapolated beyond its rows must not read the rest faster than DRAM delivers
+        t = max(roof / eta + overhead_s, (k.bytes_moved - self._l2_bytes) / self._dram_bytes_per_s)
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
         if k.impl and k.dtype == "fp8":
@@ -486,7 +489,7 @@ class StepModel:
         tiles = float(max(num_decodes * q_heads, 1))
         wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
         roof = max(flops * wave_u / peak, bytes_moved / mem_bw)
-        t = roof / eta + overhead_s
+        t = max(roof / eta + overhead_s, (bytes_moved - self._l2_bytes) / mem_bw)     # as kernel_time_s
         if mha and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
             t = max(t, self.calib.decode_floor_s(
                 (num_decodes, context_tokens / max(num_decodes, 1), q_heads, kv_heads, d, kv_bytes, window or 0), n_sm))
