@@ -576,9 +576,12 @@ class StepModel:
                 return t              # eager and split: balanced, as the tables time it
         complete = len(top) >= num_decodes
         if split is not None and top[0] > split:
-            # each context's splits are streams of their own: whole splits first, then the remainders
+            # each context's splits are streams of their own: whole splits first, then the remainders; without
+            # every context, a remainder shorter than the shortest one known may rank below an unknown context
             whole = sum(c // split for c in top)
             rest = sorted((c % split for c in top if c % split), reverse=True)
+            if not complete:
+                rest = [r for r in rest if r >= top[-1]]
             top = (split,) * whole + tuple(rest)
         inv_c = 1.0 / cta_bw
         n = len(top)
