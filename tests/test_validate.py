@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 
 from kernelsight.cli import main
+from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.loadgen.validate import (
+    MeasuredRequest,
     latency_rows,
     measured_latency_stats_ms,
+    phase_rows,
     read_run,
     replay_workload,
     timeseries_rows,
@@ -177,3 +180,26 @@ def test_validate_run_takes_the_gpu_from_the_flag_when_meta_has_none(shared_data
     run = shared_data / "e2e" / "llmservingsim_rtxpro6000_llama31_8b"
     with pytest.raises(ValueError, match="meta.json: records no GPU"):
         validate_run(run)
+
+
+def test_requests_are_compared_with_their_own_replays_grouped_by_when_their_first_token_came():
+    # queued in index order; request 1 waits long, so its first token comes after requests 2 and 3's
+    first = [0.1, 3.0, 1.0, 2.0]
+    measured = [MeasuredRequest(f"r{i}", 100, 11, queued_s=0.01 * i, first_token_s=f, last_token_s=f + 0.5)
+                for i, f in enumerate(first)]
+    # the replay, in queue order: TTFT 20 ms longer each, TPOT 10% longer for requests 1 and 3 (the late pair)
+    scale = [1.0, 1.1, 1.0, 1.1]
+    records = [RequestRecord(True, 100, 11, ttft_s=m.first_token_s - m.queued_s + 0.02, itl_s=[],
+                             latency_s=m.first_token_s - m.queued_s + 0.02 + 0.5 * k)
+               for m, k in zip(measured, scale, strict=True)]
+    rows = phase_rows(list(reversed(measured)), records, num_groups=2)     # the file order does not matter
+    assert [r["requests"] for r in rows] == [2, 2] and [r["first_token_s"] for r in rows] == ["0.1-1.0", "2.0-3.0"]
+    assert [r["tpot_measured_ms"] for r in rows] == pytest.approx([50, 50])
+    assert [r["tpot_error_pct"] for r in rows] == pytest.approx([0, 10])
+    early_ttft_ms = np.mean([100, 1000 - 20])
+    assert rows[0]["ttft_measured_ms"] == pytest.approx(early_ttft_ms)
+    assert rows[0]["ttft_simulated_ms"] == pytest.approx(early_ttft_ms + 20)
+    # a request the replay did not finish, or of one token, is left out; a replay of other requests gives nothing
+    records[0] = RequestRecord(False, 100, 0, 0.0, [], 0.0, error="request did not finish")
+    assert sum(r["requests"] for r in phase_rows(measured, records, num_groups=2)) == 3
+    assert phase_rows(measured, records[:3]) == []

@@ -39,7 +39,8 @@ from kernelsight.simcore.engine_config import EngineConfig, build_step_model
 __all__ = [
     "MeasuredRequest", "Run", "read_meta", "read_requests", "read_timeseries", "read_run", "run_hardware",
     "run_workload_path", "replay_workload", "run_engine_config", "replay", "measured_latency_stats_ms",
-    "simulated_latency_stats_ms", "latency_rows", "timeseries_rows", "breakdown_rows", "pct_error", "validate_run",
+    "simulated_latency_stats_ms", "latency_rows", "phase_rows", "timeseries_rows", "breakdown_rows", "pct_error",
+    "validate_run",
     "LATENCY_METRICS", "STATS", "TIMESERIES_COLUMNS", "Validation", "token_times_s", "run_summary_rows",
     "header_line", "format_validation", "plot_html",
 ]
@@ -359,6 +360,37 @@ def breakdown_rows(breakdown_s: Mapping[str, float]) -> list[dict[str, Any]]:
             for f, s in breakdown_s.items() if s > 0]
 
 
+def phase_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRecord],
+               num_groups: int = 4) -> list[dict[str, Any]]:
+    """Each request against its own replay, in ``num_groups`` groups of equal count by when its first token came
+    (measured, seconds from the first arrival): mean TTFT and TPOT of each side and their error.
+
+    A step priced uniformly too fast or too slow shows the same TPOT error in every group; a regime the simulator
+    gets wrong (a queue that builds, preemption, the drain at the end) shows in its own group. ``records`` are in the
+    replay's order, which is the requests' arrival (queue) order."""
+    measured = sorted(requests, key=lambda r: r.queued_s)
+    if len(measured) != len(records) or not measured:
+        return []
+    t0 = measured[0].queued_s
+    pairs = [(m, r) for m, r in zip(measured, records, strict=True)
+             if r.success and m.output_toks >= 2 and r.output_len >= 2]
+    pairs.sort(key=lambda p: p[0].first_token_s)
+    rows = []
+    for chunk in np.array_split(np.arange(len(pairs)), min(num_groups, len(pairs))):
+        grp = [pairs[i] for i in chunk]
+        ttft_m = float(np.mean([m.first_token_s - m.queued_s for m, _ in grp]))
+        ttft_s = float(np.mean([r.ttft_s for _, r in grp]))
+        tpot_m = float(np.mean([(m.last_token_s - m.first_token_s) / (m.output_toks - 1) for m, _ in grp]))
+        tpot_s = float(np.mean([(r.latency_s - r.ttft_s) / (r.output_len - 1) for _, r in grp]))
+        rows.append({"first_token_s": f"{grp[0][0].first_token_s - t0:.1f}-{grp[-1][0].first_token_s - t0:.1f}",
+                     "requests": len(grp),
+                     "ttft_measured_ms": 1e3 * ttft_m, "ttft_simulated_ms": 1e3 * ttft_s,
+                     "ttft_error_pct": pct_error(ttft_s, ttft_m),
+                     "tpot_measured_ms": 1e3 * tpot_m, "tpot_simulated_ms": 1e3 * tpot_s,
+                     "tpot_error_pct": pct_error(tpot_s, tpot_m)})
+    return rows
+
+
 def run_summary_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     """Whole-run duration (first arrival to last token) and output token throughput, measured vs simulated."""
     m_dur = max(r.last_token_s for r in requests) - min(r.queued_s for r in requests)
@@ -405,6 +437,7 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
         "measured_num_gpu_blocks": (run.meta.get("kv_cache") or {}).get("num_gpu_blocks"),
         "latency": latency_rows(measured_latency_stats_ms(run.requests), simulated_latency_stats_ms(res.records)),
         "run_summary": run_summary_rows(run.requests, res.records),
+        "by_phase": phase_rows(run.requests, res.records),
         "timeseries": {"bin_s": bin_s, "rows": ts_rows},
         "breakdown": breakdown_rows(res.breakdown_s),
         "expected_error_pct": expected_error(config.summary()["calibration_tier"]),
@@ -438,6 +471,18 @@ def header_line(result: Mapping[str, Any]) -> str:
             f"calibration: {c['calibration_tier']}; {result['num_requests']} requests from {result['workload']}")
 
 
+_PHASE_COLUMNS = ["first_token_s", "requests", "ttft_measured_ms", "ttft_simulated_ms", "ttft_error_pct",
+                  "tpot_measured_ms", "tpot_simulated_ms", "tpot_error_pct"]
+
+
+def _phase_part(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    return ["each request against its replay, grouped by when its first token came (measured, s from the first "
+            "arrival; means, ms): the same TPOT error in every group is the step's price, one group's own is its "
+            "regime's", format_table(rows, _PHASE_COLUMNS, float_fmt=".1f"), ""]
+
+
 def format_validation(result: Mapping[str, Any]) -> str:
     """The printed report: header, latency table, run summary, binned timeseries, kernel-family breakdown."""
     ts = result["timeseries"]
@@ -451,6 +496,7 @@ def format_validation(result: Mapping[str, Any]) -> str:
              "of ITL only the mean is measured):",
              format_table(result["latency"], ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]), "",
              format_table(result["run_summary"], ["what", "measured", "simulated", "error_pct"]), "",
+             *_phase_part(result.get("by_phase") or []),
              f"timeseries ({ts['bin_s']:g} s bins from the start; time averages):",
              format_table(ts_rows, ts_cols, float_fmt=".1f"), "",
              "simulated step time by kernel family:",
