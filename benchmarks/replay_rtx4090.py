@@ -2,7 +2,7 @@
 
 Measured (vLLM 0.19, Llama-3.1-8B bf16, one RTX 4090): per request TTFT = first_token_ts − queued_ts,
 TPOT = (last_token_ts − first_token_ts)/(output_toks − 1), E2EL = last_token_ts − queued_ts.
-Simulated: the same trace (arrival times, exact output lengths, real token ids) through `simulate`'s
+Simulated: the same trace (at the run's queue times, exact output lengths, real token ids) through `simulate`'s
 fast-forward driver on the rtx-4090 profile with its bundled calibration (no RTX 4090 kernel data
 exists, so that is the cross-generation tier). Prints mean / median / p90 / p99 side by side with the %
 error and writes benchmarks/results/replay_rtx4090.json.

@@ -72,12 +72,15 @@ def test_without_a_trace_the_requests_themselves_are_replayed_at_their_queue_tim
 
 def test_the_trace_meta_names_is_replayed_and_must_hold_the_same_requests(tmp_path):
     run_dir = write_run(tmp_path, meta={**META, "dataset_path": "workloads/trace.jsonl"})
-    rows = [{"arrival_time_ns": int(1e9 * (q - 10.0)) + 40_000_000, "input_toks": a, "output_toks": b,
-             "input_tok_ids": list(range(1, a + 1))} for a, b, q, _, _ in REQUESTS]
+    # the client meant to send at 0.04 / 0.30 / 1.20 s; the engine queued the requests 0.5 and 1.0 s after the first
+    sends_s = (0.04, 0.3, 1.2)
+    rows = [{"arrival_time_ns": int(1e9 * t), "input_toks": a, "output_toks": b,
+             "input_tok_ids": list(range(1, a + 1))} for (a, b, _, _, _), t in zip(REQUESTS, sends_s, strict=True)]
     with gzip.open(tmp_path / "trace.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     samples, arrivals, source = replay_workload(read_run(run_dir))
-    assert source == "trace trace.jsonl.gz" and arrivals == pytest.approx([0.04, 0.54, 1.04])
+    assert source == "trace trace.jsonl.gz at the run's queue times"
+    assert arrivals == pytest.approx([0.04, 0.54, 1.04])     # the trace's start, then the run's own queue times
     assert samples[1].prompt_token_ids[:3] == [1, 2, 3]     # the trace's ids: prefixes are shared as measured
     with gzip.open(tmp_path / "trace.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows[:2])

@@ -200,7 +200,10 @@ def replay_workload(run: Run, workload: str | Path | None = None) -> tuple[list[
     """(samples, arrival seconds, where they came from) replaying exactly the run's requests.
 
     The trace (``workload``, else the one ``meta.json`` names) must hold the same requests as ``requests.jsonl``
-    (count, and input/output tokens in arrival order): a different trace would be another experiment."""
+    (count, and input/output tokens in arrival order): a different trace would be another experiment. Its requests
+    arrive when the run's engine queued them (``queued_ts``; the first at the trace's own first offset), not at the
+    trace's times: a client's sends drift from its schedule (±40 ms on the shared runs, requests due 50 ms apart
+    queued together), and the measured TTFT runs from the queue time."""
     path = Path(workload) if workload is not None else run_workload_path(run.path, run.meta)
     if path is not None:
         samples = trace_dataset(path)
@@ -211,7 +214,9 @@ def replay_workload(run: Run, workload: str | Path | None = None) -> tuple[list[
             if (s.prompt_len, s.expected_output_len) != (r.input_toks, r.output_toks):
                 raise ValueError(f"{path}: request {i} (by arrival) has {s.prompt_len}/{s.expected_output_len} "
                                  f"input/output tokens, the run's {r.request_id} {r.input_toks}/{r.output_toks}")
-        return samples, [s.arrival_offset_s or 0.0 for s in samples], f"trace {path.name}"
+        start = samples[0].arrival_offset_s or 0.0 if samples else 0.0
+        arrivals = [start + r.queued_s - measured[0].queued_s for r in measured]
+        return samples, arrivals, f"trace {path.name} at the run's queue times"
     # No trace: the requests themselves, sent when vLLM queued them. Ids are distinct per request (no shared
     # prefixes), and the run's own token ids are unknown, so a prefix-cache effect cannot be replayed.
     t0 = min(r.queued_s for r in run.requests)
