@@ -22,6 +22,7 @@ from kernelsight.loadgen.validate import (
     read_run,
     replay_workload,
     timeseries_rows,
+    tpot_spread_rows,
     validate_run,
 )
 
@@ -206,3 +207,19 @@ def test_requests_are_compared_with_their_own_replays_grouped_by_when_their_firs
     records[0] = RequestRecord(False, 100, 0, 0.0, [], 0.0, error="request did not finish")
     assert sum(r["requests"] for r in phase_rows(measured, records, num_groups=2)) == 3
     assert phase_rows(measured, records[:3]) == []
+
+
+def test_the_tpot_spread_is_each_sides_own_shape_whatever_the_step_costs():
+    # measured TPOTs 10 / 20 (x8) / 40 ms; the replay's are the same shape 10% slower: the spread agrees
+    tpots = [0.01] + [0.02] * 8 + [0.04]
+    measured = [MeasuredRequest(f"r{i}", 10, 11, 0.0, 1.0, 1.0 + 10 * t) for i, t in enumerate(tpots)]
+    records = [RequestRecord(True, 10, 11, ttft_s=1.0, itl_s=[], latency_s=1.0 + 11 * t) for t in tpots]
+    rows = {r["what"]: (r["measured"], r["simulated"]) for r in tpot_spread_rows(measured, records)}
+    assert rows["max / median"] == pytest.approx((2.0, 2.0))
+    assert rows["p10 / median"] == pytest.approx((0.95, 0.95))      # between 0.5 and 1.0, as numpy interpolates
+    assert rows["requests >= 1.5x median"] == (1, 1)
+    # a replay whose one slow request stalled less shows it, whatever its median
+    records[-1] = RequestRecord(True, 10, 11, ttft_s=1.0, itl_s=[], latency_s=1.0 + 11 * 0.025)
+    rows = {r["what"]: (r["measured"], r["simulated"]) for r in tpot_spread_rows(measured, records)}
+    assert rows["max / median"] == pytest.approx((2.0, 1.25)) and rows["requests >= 1.5x median"] == (1, 0)
+    assert tpot_spread_rows(measured, []) == []

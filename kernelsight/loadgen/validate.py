@@ -39,8 +39,8 @@ from kernelsight.simcore.engine_config import EngineConfig, build_step_model
 __all__ = [
     "MeasuredRequest", "Run", "read_meta", "read_requests", "read_timeseries", "read_run", "run_hardware",
     "run_workload_path", "replay_workload", "run_engine_config", "replay", "measured_latency_stats_ms",
-    "simulated_latency_stats_ms", "latency_rows", "phase_rows", "timeseries_rows", "breakdown_rows", "pct_error",
-    "validate_run",
+    "simulated_latency_stats_ms", "latency_rows", "phase_rows", "tpot_spread_rows", "timeseries_rows",
+    "breakdown_rows", "pct_error", "validate_run",
     "LATENCY_METRICS", "STATS", "TIMESERIES_COLUMNS", "Validation", "token_times_s", "run_summary_rows",
     "header_line", "format_validation", "plot_html",
 ]
@@ -396,6 +396,29 @@ def phase_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRec
     return rows
 
 
+SPREAD_QUANTILES = (10, 90, 99)
+
+
+def tpot_spread_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """The shape of the per-request TPOT distribution on each side, each TPOT divided by its side's median: p10, p90,
+    p99 and the most, and how many requests run 1.5x their side's median or slower (a preemption's recompute and
+    requeue, or prefills interleaved into its decode). Scale-free, so a step priced too fast or too slow leaves it
+    alone: where the shapes agree the simulator reproduces the stalls, and the TPOT error is the step's price."""
+    def ratios(tpots: list[float]) -> np.ndarray:
+        a = np.asarray(tpots, dtype=float)
+        return a / np.median(a) if a.size else a
+    meas = ratios([(r.last_token_s - r.first_token_s) / (r.output_toks - 1) for r in requests if r.output_toks >= 2])
+    sim = ratios([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in records if r.success and r.output_len >= 2])
+    if not meas.size or not sim.size:
+        return []
+    rows = [{"what": f"p{q} / median", "measured": float(np.percentile(meas, q)),
+             "simulated": float(np.percentile(sim, q))} for q in SPREAD_QUANTILES]
+    rows.append({"what": "max / median", "measured": float(meas.max()), "simulated": float(sim.max())})
+    rows.append({"what": "requests >= 1.5x median", "measured": int((meas >= 1.5).sum()),
+                 "simulated": int((sim >= 1.5).sum())})
+    return rows
+
+
 def run_summary_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     """Whole-run duration (first arrival to last token) and output token throughput, measured vs simulated."""
     m_dur = max(r.last_token_s for r in requests) - min(r.queued_s for r in requests)
@@ -443,6 +466,7 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
         "latency": latency_rows(measured_latency_stats_ms(run.requests), simulated_latency_stats_ms(res.records)),
         "run_summary": run_summary_rows(run.requests, res.records),
         "by_phase": phase_rows(run.requests, res.records),
+        "tpot_spread": tpot_spread_rows(run.requests, res.records),
         "timeseries": {"bin_s": bin_s, "rows": ts_rows},
         "breakdown": breakdown_rows(res.breakdown_s),
         "expected_error_pct": expected_error(config.summary()["calibration_tier"]),
@@ -488,6 +512,13 @@ def _phase_part(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             "regime's", format_table(rows, _PHASE_COLUMNS, float_fmt=".1f"), ""]
 
 
+def _spread_part(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    return ["per-request TPOT over its side's median (the stalls — preemption, prefills between decodes — without the "
+            "step's price):", format_table(rows, ["what", "measured", "simulated"], float_fmt=".2f"), ""]
+
+
 def format_validation(result: Mapping[str, Any]) -> str:
     """The printed report: header, latency table, run summary, binned timeseries, kernel-family breakdown."""
     ts = result["timeseries"]
@@ -502,6 +533,7 @@ def format_validation(result: Mapping[str, Any]) -> str:
              format_table(result["latency"], ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]), "",
              format_table(result["run_summary"], ["what", "measured", "simulated", "error_pct"]), "",
              *_phase_part(result.get("by_phase") or []),
+             *_spread_part(result.get("tpot_spread") or []),
              f"timeseries ({ts['bin_s']:g} s bins from the start; time averages):",
              format_table(ts_rows, ts_cols, float_fmt=".1f"), "",
              "simulated step time by kernel family:",
