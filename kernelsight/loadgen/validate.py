@@ -39,7 +39,8 @@ from kernelsight.simcore.engine_config import EngineConfig, build_step_model
 __all__ = [
     "MeasuredRequest", "Run", "read_meta", "read_requests", "read_timeseries", "read_run", "run_hardware",
     "run_workload_path", "replay_workload", "run_engine_config", "replay", "measured_latency_stats_ms",
-    "simulated_latency_stats_ms", "latency_rows", "phase_rows", "tpot_spread_rows", "timeseries_rows",
+    "simulated_latency_stats_ms", "latency_rows", "phase_rows", "tpot_spread_rows",
+    "measured_tpot_s", "simulated_tpot_s", "timeseries_rows",
     "breakdown_rows", "pct_error", "validate_run",
     "LATENCY_METRICS", "STATS", "TIMESERIES_COLUMNS", "Validation", "token_times_s", "run_summary_rows",
     "header_line", "format_validation", "plot_html",
@@ -252,6 +253,16 @@ def _stats_ms(values_s: np.ndarray) -> dict[str, float | None]:
     return {stat: fn(values_s) * 1e3 for stat, fn in STATS}
 
 
+def measured_tpot_s(r: MeasuredRequest) -> float:
+    """A measured request's TPOT (2+ output tokens): (last − first token) / (output − 1)."""
+    return (r.last_token_s - r.first_token_s) / (r.output_toks - 1)
+
+
+def simulated_tpot_s(r: RequestRecord) -> float:
+    """A simulated request's TPOT (2+ output tokens), as :func:`measured_tpot_s`."""
+    return (r.latency_s - r.ttft_s) / (r.output_len - 1)
+
+
 def measured_latency_stats_ms(requests: Sequence[MeasuredRequest]) -> dict[str, dict[str, float | None]]:
     """metric → stat → ms, as ``vllm bench serve`` defines them: TTFT = first token − queued, TPOT = (last − first)
     / (output − 1) over requests of 2+ tokens, E2EL = last − queued. A run records only first and last token times,
@@ -259,7 +270,7 @@ def measured_latency_stats_ms(requests: Sequence[MeasuredRequest]) -> dict[str, 
     ttft = np.array([r.first_token_s - r.queued_s for r in requests])
     e2el = np.array([r.last_token_s - r.queued_s for r in requests])
     multi = [r for r in requests if r.output_toks > 1]
-    tpot = np.array([(r.last_token_s - r.first_token_s) / (r.output_toks - 1) for r in multi])
+    tpot = np.array([measured_tpot_s(r) for r in multi])
     gaps = sum(r.output_toks - 1 for r in multi)
     itl: dict[str, float | None] = {stat: None for stat, _ in STATS}
     if gaps:
@@ -272,8 +283,7 @@ def simulated_latency_stats_ms(records: Sequence[RequestRecord]) -> dict[str, di
     ok = [r for r in records if r.success]
     itl = np.concatenate([np.asarray(r.itl_s, dtype=float) for r in ok]) if ok else np.zeros(0)
     return {"ttft": _stats_ms(np.array([r.ttft_s for r in ok])),
-            "tpot": _stats_ms(np.array([(r.latency_s - r.ttft_s) / (r.output_len - 1)
-                                        for r in ok if r.output_len > 1])),
+            "tpot": _stats_ms(np.array([simulated_tpot_s(r) for r in ok if r.output_len > 1])),
             "itl": _stats_ms(itl), "e2el": _stats_ms(np.array([r.latency_s for r in ok]))}
 
 
@@ -385,8 +395,8 @@ def phase_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRec
         grp = [pairs[i] for i in chunk]
         ttft_m = float(np.mean([m.first_token_s - m.queued_s for m, _ in grp]))
         ttft_s = float(np.mean([r.ttft_s for _, r in grp]))
-        tpot_m = float(np.mean([(m.last_token_s - m.first_token_s) / (m.output_toks - 1) for m, _ in grp]))
-        tpot_s = float(np.mean([(r.latency_s - r.ttft_s) / (r.output_len - 1) for _, r in grp]))
+        tpot_m = float(np.mean([measured_tpot_s(m) for m, _ in grp]))
+        tpot_s = float(np.mean([simulated_tpot_s(r) for _, r in grp]))
         rows.append({"first_token_s": f"{grp[0][0].first_token_s - t0:.1f}-{grp[-1][0].first_token_s - t0:.1f}",
                      "requests": len(grp),
                      "ttft_measured_ms": 1e3 * ttft_m, "ttft_simulated_ms": 1e3 * ttft_s,
@@ -407,8 +417,8 @@ def tpot_spread_rows(requests: Sequence[MeasuredRequest], records: Sequence[Requ
     def ratios(tpots: list[float]) -> np.ndarray:
         a = np.asarray(tpots, dtype=float)
         return a / np.median(a) if a.size else a
-    meas = ratios([(r.last_token_s - r.first_token_s) / (r.output_toks - 1) for r in requests if r.output_toks >= 2])
-    sim = ratios([(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in records if r.success and r.output_len >= 2])
+    meas = ratios([measured_tpot_s(r) for r in requests if r.output_toks >= 2])
+    sim = ratios([simulated_tpot_s(r) for r in records if r.success and r.output_len >= 2])
     if not meas.size or not sim.size:
         return []
     rows = [{"what": f"p{q} / median", "measured": float(np.percentile(meas, q)),
@@ -567,11 +577,11 @@ def plot_html(v: Validation) -> str:
     """``--plot``: measured vs simulated latency CDFs and per-tick timeseries on one self-contained page."""
     reqs = v.run.requests
     measured_s = {"TTFT": [r.first_token_s - r.queued_s for r in reqs],
-                  "TPOT": [(r.last_token_s - r.first_token_s) / (r.output_toks - 1) for r in reqs if r.output_toks > 1],
+                  "TPOT": [measured_tpot_s(r) for r in reqs if r.output_toks > 1],
                   "E2EL": [r.last_token_s - r.queued_s for r in reqs]}
     ok = [r for r in v.sim.records if r.success]
     simulated_s = {"TTFT": [r.ttft_s for r in ok],
-                   "TPOT": [(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1],
+                   "TPOT": [simulated_tpot_s(r) for r in ok if r.output_len > 1],
                    "E2EL": [r.latency_s for r in ok]}
     cdfs = []   # no ITL CDF: a run records first and last token times, not each gap
     for name in measured_s:
