@@ -530,7 +530,8 @@ def _spread_part(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def format_validation(result: Mapping[str, Any]) -> str:
-    """The printed report: header, latency table, run summary, binned timeseries, kernel-family breakdown."""
+    """The printed report: header, latency table, run summary, the phase groups and the TPOT spread, binned
+    timeseries, kernel-family breakdown, work pricing."""
     ts = result["timeseries"]
     names = [k.removeprefix("measured_") for k in (ts["rows"][0] if ts["rows"] else {}) if k.startswith("measured_")]
     ts_cols = ["t_s"] + [f"{_TS_LABELS.get(n, n)} {side}" for n in names for side in ("meas", "sim")]
