@@ -215,7 +215,7 @@ def replay_workload(run: Run, workload: str | Path | None = None) -> tuple[list[
             if (s.prompt_len, s.expected_output_len) != (r.input_toks, r.output_toks):
                 raise ValueError(f"{path}: request {i} (by arrival) has {s.prompt_len}/{s.expected_output_len} "
                                  f"input/output tokens, the run's {r.request_id} {r.input_toks}/{r.output_toks}")
-        start = samples[0].arrival_offset_s or 0.0 if samples else 0.0
+        start = (samples[0].arrival_offset_s or 0.0) if samples else 0.0
         arrivals = [start + r.queued_s - measured[0].queued_s for r in measured]
         return samples, arrivals, f"trace {path.name} at the run's queue times"
     # No trace: the requests themselves, sent when vLLM queued them. Ids are distinct per request (no shared
