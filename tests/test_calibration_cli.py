@@ -418,3 +418,21 @@ def test_sweep_estimate_needs_no_torch_and_adds_up(capsys):
                      flags=re.M)
     assert _run(["calibrate", "sweep"]) == 2
     assert "-o/--output DIR is required" in capsys.readouterr().err
+
+
+def test_the_sweep_pages_attention_by_the_block_size_one_serves_with(tmp_path, monkeypatch):
+    """``--block-size`` reaches the sweep (default vLLM's 16), and a directory swept with another block size is
+    not resumed into: its attention rows timed another cache layout."""
+    seen = []
+    monkeypatch.setattr(sweep, "run_sweep", lambda out, **kw: seen.append(kw["block_size"]) or [])
+    assert _run(["calibrate", "sweep", "-o", str(tmp_path)]) == 0
+    assert _run(["calibrate", "sweep", "-o", str(tmp_path), "--block-size", "32"]) == 0
+    assert seen == [16, 32]
+    with pytest.raises(SystemExit):   # argparse: a usage error
+        _run(["calibrate", "sweep", "-o", str(tmp_path), "--block-size", "0"])
+    assert seen == [16, 32]
+    info = {"device_name": "NVIDIA H100 80GB HBM3", "seed": 0, "kv_block_size": 16}
+    (tmp_path / "sweep.json").write_text(json.dumps(info))
+    sweep._check_same_sweep(tmp_path / "sweep.json", dict(info))
+    with pytest.raises(ValueError, match="kv_block_size 16; this one: 32"):
+        sweep._check_same_sweep(tmp_path / "sweep.json", {**info, "kv_block_size": 32})

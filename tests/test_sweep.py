@@ -89,7 +89,7 @@ def test_fp8_kv_attention_is_called_as_vllm_runs_it_on_fa3(monkeypatch):
     assert kernel == "vllm_flash_attn_fa3" and [r[:7] for r in rows] == [point]
     kw = calls[0]
     assert kw["q"].dtype == kw["k"].dtype == kw["v"].dtype == torch.float8_e4m3fn
-    assert kw["q"].shape == (3 * 16, 8, 64) and kw["k"].shape == (3 * 16, 2, 64)
+    assert kw["q"].shape == (3 * 16, 8, 64) and kw["k"].shape == (3, 16, 2, 64)   # paged: a block of 16 each
     assert all(kw[d].shape == (3, 2) and kw[d].dtype == torch.float32 for d in ("q_descale", "k_descale", "v_descale"))
     assert kw["out"].dtype == torch.bfloat16 and kw["out"].shape == (3 * 16, 8, 64)
     assert sweep._attention_rows(torch, [point], True, "cpu", 1, None)[0] == []   # SDPA: left out
@@ -367,3 +367,51 @@ def test_fp8_is_timed_only_on_nvidia_gpus_with_fp8_tensor_cores():
     assert sweep_shapes.formats_for("nvidia", (8, 9)) == ("bf16", "fp8")
     assert sweep_shapes.formats_for("nvidia", (8, 0)) == ("bf16",)       # A100: _scaled_mm would raise
     assert sweep_shapes.formats_for("amd", (9, 4)) == ("bf16",)          # MI300: e4m3fnuz, not float8_e4m3fn
+
+
+def test_a_paged_block_table_deals_every_block_of_the_pool_once_in_a_shuffled_order():
+    """The paged cache vLLM's FlashAttention is timed on: ceil(kv_len / block) blocks per sequence, the pool exactly
+    their blocks, dealt in a shuffled order (as a served cache's are), the same for the same seed."""
+    table = sweep.paged_block_table(6, 100, 16, np.random.default_rng(0))
+    assert table.shape == (6, 7) and table.dtype == np.int32              # 100 tokens: 6 full blocks + 4 tokens
+    assert sorted(table.ravel().tolist()) == list(range(42))             # every block of the pool, once
+    assert table.ravel().tolist() != list(range(42))                     # not laid out in order
+    assert np.array_equal(table, sweep.paged_block_table(6, 100, 16, np.random.default_rng(0)))
+    assert sweep.paged_block_table(1, 16, 16, np.random.default_rng(0)).shape == (1, 1)
+    assert sweep.paged_block_table(2, 17, 16, np.random.default_rng(0)).shape == (2, 2)
+    with pytest.raises(ValueError, match="block_size >= 1"):
+        sweep.paged_block_table(2, 17, 0, np.random.default_rng(0))
+
+
+def test_only_vllms_flash_attention_is_paged():
+    """vLLM's build pages by the block size one serves with; the flash_attn package (pages of 256·k tokens only) and SDPA
+    read a contiguous cache."""
+    fa = lambda **kw: kw   # noqa: E731
+    assert sweep.kv_block_size((fa, "vllm_flash_attn_fa2")) == sweep.VLLM_BLOCK_SIZE == 16
+    assert sweep.kv_block_size((fa, "vllm_flash_attn_fa3"), 32) == 32
+    assert sweep.kv_block_size((fa, "vllm_flash_attn")) == 16
+    assert sweep.kv_block_size((fa, "flash_attn")) == 0 and sweep.kv_block_size(None) == 0
+
+
+def test_vllms_flash_attention_reads_a_paged_cache_as_vllm_calls_it():
+    """The call made to vLLM's build: keys and values as (blocks, block size, KV heads, head dim), a block table and
+    each sequence's length (``seqused_k``), no ``cu_seqlens_k``; decode and prefill alike."""
+    torch = pytest.importorskip("torch")
+    calls = []
+
+    def varlen(**kw):
+        calls.append(kw)
+        return kw["q"]
+
+    flash = (varlen, "vllm_flash_attn_fa2")
+    rows, kernel = sweep._attention_rows(torch, [(4, 127, 8, 2, 64, "bf16", 0)], True, "cpu", 1, flash, 16)
+    dec = calls[-1]
+    assert kernel == "vllm_flash_attn_fa2" and len(rows) == 1
+    assert "cu_seqlens_k" not in dec and dec["max_seqlen_q"] == 1 and dec["max_seqlen_k"] == 128
+    assert dec["k"].shape == dec["v"].shape == (4 * 8, 16, 2, 64)
+    assert dec["block_table"].shape == (4, 8) and sorted(dec["block_table"].ravel().tolist()) == list(range(32))
+    assert dec["seqused_k"].tolist() == [128] * 4
+    sweep._attention_rows(torch, [(2, 40, 4, 4, 64, "bf16", 0)], False, "cpu", 1, flash, 32)
+    pre = calls[-1]
+    assert pre["k"].shape == (2 * 2, 32, 4, 64) and pre["seqused_k"].tolist() == [40, 40]
+    assert pre["cu_seqlens_q"].tolist() == [0, 40, 80]

@@ -27,7 +27,14 @@ CUDA events, measured the way vLLM runs kernels in a forward pass:
   The copies of a weight total under 4× the L2 size (one weight of 2× L2 or more runs alone);
 * attention reuses its tensors between repetitions, as the shared tables' attention does (their decode rows with
   a KV cache under the L2 size run faster than DRAM bandwidth allows), so a sweep's fit prices attention the way
-  the bundled calibrations do; collectives sleep the same fixed time on every rank (:data:`COMM_HEAD_START_S`).
+  the bundled calibrations do; collectives sleep the same fixed time on every rank (:data:`COMM_HEAD_START_S`);
+* vLLM's FlashAttention reads a paged KV cache, as vLLM serves (``--block-size`` tokens per block, 16 by default
+  as in vLLM; the blocks in a shuffled order, as a cache's are once requests have come and gone:
+  :func:`paged_block_table`): FA2 runs its split-KV kernel on every paged call and another kernel on a contiguous
+  cache it does not split (different tiles, different occupancy), so a contiguous sweep would time decode at large
+  batches and every prefill with a kernel vLLM does not run. The shared tables time paged calls too (64-token
+  blocks, shuffled). The ``flash_attn`` package is timed contiguous: its paged path wants blocks of a multiple of
+  256 tokens, not the block sizes vLLM serves with.
 
 Rows are written as they are timed, with a progress line every half minute; ``--resume`` continues a stopped sweep
 (same GPU, draw and kernels), timing only the points its files lack.
@@ -311,28 +318,53 @@ def working_flash(torch, flash: tuple[Callable[..., object], str] | None, device
     FlashAttention whose arguments or build do not match this GPU would otherwise fail every attention point."""
     if flash is None:
         return None
-    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device)(), device):
+    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device,
+                                                  block_size=kv_block_size(flash))(), device):
         say(f"{flash[1]} is importable but a test call failed ({type(exc).__name__}: {exc}); "
             "attention is timed with torch SDPA instead")
         return None
     return flash
 
 
+#: vLLM's KV-cache block size on CUDA (``--block-size``'s default): what the sweep pages vLLM's FlashAttention by.
+VLLM_BLOCK_SIZE = 16
+
+
+def paged_block_table(batch: int, kv_len: int, block_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Block table of ``batch`` sequences of ``kv_len`` tokens in a pool of exactly their blocks: row i lists the
+    blocks of sequence i, the pool's blocks dealt in a shuffled order (a served cache's blocks are scattered once
+    requests have come and gone; so are the shared tables')."""
+    if batch < 1 or kv_len < 1 or block_size < 1:
+        raise ValueError(f"a paged KV cache needs batch, kv_len and block_size >= 1, got {batch}, {kv_len}, "
+                         f"{block_size}")
+    per_seq = -(-kv_len // block_size)
+    return rng.permutation(batch * per_seq).astype(np.int32).reshape(batch, per_seq)
+
+
 def _flash_fn(
     torch, flash: Callable[..., object], b: int, q_len: int, kv_len: int, qh: int, kvh: int, hd: int, window: int,
-    device: str, kv_dtype: str = "bf16",
+    device: str, kv_dtype: str = "bf16", block_size: int = 0,
 ) -> Callable[[], object]:  # type: ignore[no-untyped-def]
     """``b`` sequences of ``q_len`` new tokens attending ``kv_len`` tokens (the last ``q_len`` are the new ones).
+    ``block_size`` > 0: the keys and values in a paged cache of blocks of that many tokens (``block_table`` and
+    ``seqused_k``, as vLLM calls its FlashAttention; :func:`paged_block_table`), else contiguous (``cu_seqlens_k``).
     ``kv_dtype`` fp8: as vLLM runs an fp8 KV cache on FA3 — query, keys and values in e4m3 with per-sequence,
     per-KV-head descales, the output in bf16."""
     q = torch.randn(b * q_len, qh, hd, device=device, dtype=torch.bfloat16)
-    k = torch.randn(b * kv_len, kvh, hd, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
     cu_q = torch.arange(0, (b + 1) * q_len, q_len, device=device, dtype=torch.int32)
-    cu_k = torch.arange(0, (b + 1) * kv_len, kv_len, device=device, dtype=torch.int32)
     # keyword arguments only: vLLM's fork and the flash_attn package order the positional ones differently
-    kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=q_len, max_seqlen_k=kv_len,
+    kwargs = dict(q=q, cu_seqlens_q=cu_q, max_seqlen_q=q_len, max_seqlen_k=kv_len,
                   causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+    if block_size > 0:
+        table = paged_block_table(b, kv_len, block_size, np.random.default_rng(b * 1_000_003 + kv_len))
+        k = torch.randn(table.size, block_size, kvh, hd, device=device, dtype=torch.bfloat16)
+        kwargs.update(block_table=torch.as_tensor(table, device=device),
+                      seqused_k=torch.full((b,), kv_len, device=device, dtype=torch.int32))
+    else:
+        k = torch.randn(b * kv_len, kvh, hd, device=device, dtype=torch.bfloat16)
+        kwargs.update(cu_seqlens_k=torch.arange(0, (b + 1) * kv_len, kv_len, device=device, dtype=torch.int32))
+    v = torch.randn_like(k)
+    kwargs.update(k=k, v=v)
     if kv_dtype == "fp8":
         fp8 = torch.float8_e4m3fn
         one = torch.ones((b, kvh), device=device, dtype=torch.float32)
@@ -349,7 +381,8 @@ def flash_runs_fp8_kv(torch, flash: tuple[Callable[..., object], str] | None, de
     a build without it costs one line, not a family of failed points."""
     if flash is None or not flash[1].endswith("_fa3"):
         return False
-    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device, "fp8")(), device):
+    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device, "fp8",
+                                                  kv_block_size(flash))(), device):
         say(f"{flash[1]} did not run a test fp8 KV-cache call ({type(exc).__name__}: {exc}); attention is timed "
             "with a bf16 KV cache only")
         return False
@@ -378,30 +411,38 @@ def attention_kernel(flash: tuple[Callable[..., object], str] | None) -> str:
     return flash[1] if flash is not None else "torch_sdpa"
 
 
+def kv_block_size(flash: tuple[Callable[..., object], str] | None, block_size: int = VLLM_BLOCK_SIZE) -> int:
+    """Tokens per KV-cache block the sweep pages attention by: ``block_size`` for vLLM's FlashAttention, 0
+    (contiguous) for the ``flash_attn`` package (its paged path wants blocks of a multiple of 256 tokens) and
+    SDPA."""
+    return block_size if flash is not None and flash[1].startswith("vllm_flash_attn") else 0
+
+
 def _attention_call(
     torch, point: tuple[int, int, int, int, int, str, int], decode: bool, device: str,  # type: ignore[no-untyped-def]
-    flash: tuple[Callable[..., object], str] | None,
+    flash: tuple[Callable[..., object], str] | None, block_size: int = VLLM_BLOCK_SIZE,
 ) -> Callable[[], Callable[[], object]] | None:
     """What builds one attention point's call (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after
-    ``cached``); None for a sliding window or an fp8 KV cache without FlashAttention (SDPA has no such kernels: a
-    masked or upcast call would time a different path)."""
+    ``cached``), paged by :func:`kv_block_size`; None for a sliding window or an fp8 KV cache without
+    FlashAttention (SDPA has no such kernels: a masked or upcast call would time a different path)."""
     b, s, qh, kvh, hd, kvd, w = point
     q_len, kv_len = (1, s + 1) if decode else (s, s)
     if flash is None:
         if w or kvd != "bf16":
             return None
         return partial(_sdpa_fn, torch, b, q_len, kv_len, qh, kvh, hd, device, causal=not decode)
-    return partial(_flash_fn, torch, flash[0], b, q_len, kv_len, qh, kvh, hd, w, device, kvd)
+    return partial(_flash_fn, torch, flash[0], b, q_len, kv_len, qh, kvh, hd, w, device, kvd,
+                   kv_block_size(flash, block_size))
 
 
 def _attention_rows(
     torch, points: Sequence[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
-    flash: tuple[Callable[..., object], str] | None,
+    flash: tuple[Callable[..., object], str] | None, block_size: int = VLLM_BLOCK_SIZE,
 ) -> tuple[list[tuple[object, ...]], str]:  # type: ignore[no-untyped-def]
     """The timed points' rows (``latency_us`` last; points left out or failing are not there), and the kernel."""
     rows = []
     for point in points:
-        make = _attention_call(torch, point, decode, device, flash)
+        make = _attention_call(torch, point, decode, device, flash, block_size)
         lat = time_point(make, device, reps) if make is not None else None
         if lat is not None:
             rows.append((*point, lat))
@@ -481,10 +522,12 @@ def run_sweep(
     points: Mapping[str, int | None] | None = None,
     seed: int = SWEEP_SEED,
     resume: bool = False,
+    block_size: int = VLLM_BLOCK_SIZE,
 ) -> list[Path]:
     """Time the grid on ``device`` and write the schema files into ``output``; returns the files written.
     ``progress`` receives a line per family (points timed, points that failed, seconds) and one every
     :data:`PROGRESS_EVERY_S` while a family runs. ``points`` and ``seed``: the draw (:func:`build_grid`).
+    ``block_size``: tokens per KV-cache block of vLLM's FlashAttention calls (the block size one serves with).
     Rows are written as they are timed; ``resume`` keeps the rows already in ``output`` (of the same sweep: same
     GPU, draw and kernels, else ValueError) and times only the rest."""
     torch = _torch()
@@ -497,7 +540,10 @@ def run_sweep(
                       seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,),
                       fp8_kv=not quick and flash_runs_fp8_kv(torch, flash, device, say))
     reps = 3 if quick else TIMED_CALLS
-    info = sweep_info(torch, device, grid, families, reps, seed, attention_kernel(flash))
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    info = sweep_info(torch, device, grid, families, reps, seed, attention_kernel(flash),
+                      kv_block_size(flash, block_size))
     info_path = out / SWEEP_INFO_FILE
     if resume:
         _check_same_sweep(info_path, info)
@@ -514,7 +560,8 @@ def run_sweep(
                 kernel = attention_kernel(flash)
                 written.append(_time_family(
                     out, fam, shapes,
-                    lambda p, decode=fam == "attn_decode": _attention_call(torch, p, decode, device, flash),
+                    lambda p, decode=fam == "attn_decode": _attention_call(torch, p, decode, device, flash,
+                                                                           block_size),
                     lambda p, name=kernel: name, f"{fam} ({kernel})", device, reps, resume, say))
     if "comm" in families and grid.comm:
         comm_path = out / "comm.csv"
@@ -551,7 +598,7 @@ def _time_family(
 
 
 #: What must match for ``--resume`` to add to a directory: the same GPU, draw and kernels.
-RESUME_KEYS = ("device_name", "seed", "points", "gemm_kernels", "attention", "timed_calls")
+RESUME_KEYS = ("device_name", "seed", "points", "gemm_kernels", "attention", "kv_block_size", "timed_calls")
 
 
 def _check_same_sweep(info_path: Path, info: Mapping[str, object]) -> None:
@@ -567,9 +614,10 @@ def _check_same_sweep(info_path: Path, info: Mapping[str, object]) -> None:
 
 
 def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: int, seed: int,  # type: ignore[no-untyped-def]
-               attention: str) -> dict[str, object]:
+               attention: str, block_size: int = 0) -> dict[str, object]:
     """What :data:`~kernelsight.calibrate.measurements.SWEEP_INFO_FILE` records: the GPU (its CUDA device name is
-    how ``calibrate fit`` finds its profile without ``--hardware``), the software, the draw and the timing method."""
+    how ``calibrate fit`` finds its profile without ``--hardware``), the software, the draw and the timing method
+    (``kv_block_size``: tokens per block of the paged KV cache attention read; 0: contiguous)."""
     info: dict[str, object] = {
         "tool": "kernelsight calibrate sweep", "device": device, "device_name": device,
         "torch": str(torch.__version__), "cuda": getattr(torch.version, "cuda", None),
@@ -577,7 +625,7 @@ def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: in
         "families": [f for f in families if f != "comm" or grid.comm],
         "points": {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")},
         "gemm_kernels": {dt: GEMM_KERNELS[dt] for dt in sorted({row[0] for row in grid.gemm})},
-        "attention": attention, "warmup_calls": WARMUP_CALLS, "timed_calls": reps,
+        "attention": attention, "kv_block_size": block_size, "warmup_calls": WARMUP_CALLS, "timed_calls": reps,
         "attention_kv_dtypes": sorted({row[5] for row in (*grid.attn_prefill, *grid.attn_decode)}),
     }
     if device.startswith("cuda"):
