@@ -384,8 +384,8 @@ def test_a_paged_block_table_deals_every_block_of_the_pool_once_in_a_shuffled_or
 
 
 def test_only_vllms_flash_attention_is_paged():
-    """vLLM's build pages by the block size one serves with; the flash_attn package (pages of 256·k tokens only) and SDPA
-    read a contiguous cache."""
+    """vLLM's build pages by the block size one serves with; the flash_attn package (its pages: multiples of 256
+    tokens) and SDPA read a contiguous cache."""
     fa = lambda **kw: kw   # noqa: E731
     assert sweep.kv_block_size((fa, "vllm_flash_attn_fa2")) == sweep.VLLM_BLOCK_SIZE == 16
     assert sweep.kv_block_size((fa, "vllm_flash_attn_fa3"), 32) == 32
