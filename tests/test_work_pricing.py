@@ -74,6 +74,10 @@ def test_a_run_the_step_model_produced_is_priced_at_one(simulated_run):
     assert len(steps) == groups["busy, decode only"]["count"]
     assert [r["batch"] for r in steps] == sorted(r["batch"] for r in steps)
     assert abs(np.median([r["priced_over_measured"] for r in steps]) - 1.0) < 0.03
+    # each beside the batch its CUDA graph pads to (the GEMMs' m): the least captured size that holds it
+    capture = sorted(cfg.cudagraph_capture_sizes)
+    assert capture and all(r["graph_batch"] == min(c for c in capture if c >= round(r["batch"])) for r in steps)
+    assert any(r["graph_batch"] > round(r["batch"]) for r in steps)
 
 
 def test_a_run_ten_percent_slower_than_the_model_is_priced_at_one_over_one_point_one(simulated_run):

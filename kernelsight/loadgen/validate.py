@@ -569,8 +569,9 @@ def format_validation(result: Mapping[str, Any]) -> str:
                          f"{sp['rms_residual_s']:.3f} s)")
         if wp.get("decode_steps"):
             parts += ["", "decode-only busy ticks as one step each, by batch (measured = tick / steps it ran):",
-                      format_table(wp["decode_steps"], ["t_end_s", "batch", "mean_context", "measured_step_ms",
-                                                        "priced_step_ms", "priced_over_measured"], float_fmt=".3f")]
+                      format_table(wp["decode_steps"], ["t_end_s", "batch", "graph_batch", "mean_context",
+                                                        "measured_step_ms", "priced_step_ms", "priced_over_measured"],
+                                   float_fmt=".3f")]
     return "\n".join(parts)
 
 

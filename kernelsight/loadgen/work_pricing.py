@@ -155,18 +155,21 @@ def price_ticks(ticks: Sequence[TickWork], step_model: StepModel) -> list[dict[s
         n = round(w.decoding)
         decode_s = prefill_s = 0.0
         steps = 0.0
+        graph_batch = None
         top = w.top_contexts[:getattr(step_model, "decode_top_k", 0)]
         if n >= 1 and w.gen_tokens > 0:
             steps = w.gen_tokens / w.decoding
             ctx_total = int(round(n * w.mean_context_tokens))
-            t_dec = step_model.step_time_s(BatchShape((), n, ctx_total, decode_context_top=top))
+            decode = BatchShape((), n, ctx_total, decode_context_top=top)
+            t_dec = step_model.step_time_s(decode)
             decode_s = steps * t_dec
+            graph_batch = step_model.graph_mode(decode)[1]
         else:
             t_dec, ctx_total = 0.0, 0
         if w.prompt_tokens > 0:
             mixed = BatchShape((PrefillChunk(w.chunk_tokens, 0, True),), n, ctx_total, decode_context_top=top)
             prefill_s = w.prompt_tokens / w.chunk_tokens * (step_model.step_time_s(mixed) - t_dec)
-        rows.append({"t_end_s": w.t_end_s, "busy": w.busy, "decoding": round(w.decoding, 2),
+        rows.append({"t_end_s": w.t_end_s, "busy": w.busy, "decoding": round(w.decoding, 2), "graph_batch": graph_batch,
                      "mean_context_tokens": round(w.mean_context_tokens, 1), "gen_tokens": w.gen_tokens,
                      "prompt_tokens": w.prompt_tokens, "decode_steps": round(steps, 2),
                      "decode_priced_s": round(decode_s, 6), "prefill_priced_s": round(prefill_s, 6),
@@ -206,13 +209,15 @@ def decode_step_rows(rows: Sequence[dict[str, Any]], tick_s: float) -> list[dict
 
     A tick without prompt tokens ran ``decode_steps`` steps of its batch, so its step took tick ÷ steps; laid out
     by batch size this shows how the step grows with the batch (weights read once, KV cache per sequence), which
-    a single ratio hides."""
+    a single ratio hides. ``graph_batch``: the rows a decode step of that batch runs (its CUDA graph's padded batch:
+    the GEMMs' m), beside which an error that follows the GEMMs' m rather than the KV bytes shows."""
     out = []
     for r in rows:
         if r["busy"] and r["prompt_tokens"] == 0 and r["decode_steps"] > 0:
             measured = tick_s / r["decode_steps"]
             priced = r["decode_priced_s"] / r["decode_steps"]
-            out.append({"t_end_s": r["t_end_s"], "batch": r["decoding"], "mean_context": r["mean_context_tokens"],
+            out.append({"t_end_s": r["t_end_s"], "batch": r["decoding"], "graph_batch": r.get("graph_batch"),
+                        "mean_context": r["mean_context_tokens"],
                         "measured_step_ms": round(1e3 * measured, 3), "priced_step_ms": round(1e3 * priced, 3),
                         "priced_over_measured": round(priced / measured, 4)})
     return sorted(out, key=lambda x: x["batch"])
