@@ -431,6 +431,10 @@ def test_the_sweep_pages_attention_by_the_block_size_one_serves_with(tmp_path, m
     with pytest.raises(SystemExit):   # argparse: a usage error
         _run(["calibrate", "sweep", "-o", str(tmp_path), "--block-size", "0"])
     assert seen == [16, 32]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="block_size must be >= 1"):   # before torch is even needed
+        sweep.run_sweep(tmp_path / "never", device="cpu", block_size=0)
+    assert not (tmp_path / "never").exists()
     info = {"device_name": "NVIDIA H100 80GB HBM3", "seed": 0, "kv_block_size": 16}
     (tmp_path / "sweep.json").write_text(json.dumps(info))
     sweep._check_same_sweep(tmp_path / "sweep.json", dict(info))

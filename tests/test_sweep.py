@@ -387,7 +387,7 @@ def test_only_vllms_flash_attention_is_paged():
     """vLLM's build pages by the block size one serves with; the flash_attn package (its pages: multiples of 256
     tokens) and SDPA read a contiguous cache."""
     fa = lambda **kw: kw   # noqa: E731
-    assert sweep.kv_block_size((fa, "vllm_flash_attn_fa2")) == sweep.VLLM_BLOCK_SIZE == 16
+    assert sweep.kv_block_size((fa, "vllm_flash_attn_fa2")) == sweep_shapes.KV_BLOCK_SIZE == 16
     assert sweep.kv_block_size((fa, "vllm_flash_attn_fa3"), 32) == 32
     assert sweep.kv_block_size((fa, "vllm_flash_attn")) == 16
     assert sweep.kv_block_size((fa, "flash_attn")) == 0 and sweep.kv_block_size(None) == 0

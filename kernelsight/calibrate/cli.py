@@ -101,7 +101,7 @@ def _add_workers(p: argparse.ArgumentParser) -> None:
 
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from kernelsight.calibrate.sweep_shapes import SWEEP_FAMILIES
+    from kernelsight.calibrate.sweep_shapes import KV_BLOCK_SIZE, SWEEP_FAMILIES
 
     p = subparsers.add_parser("calibrate", help="fit, evaluate or measure kernel calibrations")
     sub = p.add_subparsers(dest="calibrate_command", required=True)
@@ -153,9 +153,9 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="shapes drawn per family instead of the defaults (gemm=8000 per format, attn_prefill=6000, "
                    "attn_decode=6000), e.g. gemm=4000,attn_prefill=3000 for a shorter sweep on a slow GPU")
     s.add_argument("--seed", type=int, default=0, help="seed of the shape draw (default 0: the fixed sweep)")
-    s.add_argument("--block-size", type=_positive_int, default=16,
-                   help="tokens per KV-cache block of the paged cache vLLM's FlashAttention reads (default 16, "
-                   "vLLM's; pass the --block-size you serve with)")
+    s.add_argument("--block-size", type=_positive_int, default=KV_BLOCK_SIZE,
+                   help="tokens per KV-cache block of the paged cache vLLM's FlashAttention reads (default "
+                   "%(default)s, vLLM's; pass the --block-size you serve with)")
     s.add_argument("--resume", action="store_true",
                    help="keep the rows a stopped sweep already wrote to -o (same GPU, draw and kernels) and time "
                    "only the rest")

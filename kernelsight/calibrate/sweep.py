@@ -60,6 +60,7 @@ import numpy as np
 
 from kernelsight.calibrate.measurements import SCHEMA, SWEEP_INFO_FILE
 from kernelsight.calibrate.sweep_shapes import (
+    KV_BLOCK_SIZE,
     SWEEP_FAMILIES,
     SWEEP_SEED,
     SWEEP_WINDOWS,
@@ -326,10 +327,6 @@ def working_flash(torch, flash: tuple[Callable[..., object], str] | None, device
     return flash
 
 
-#: vLLM's KV-cache block size on CUDA (``--block-size``'s default): what the sweep pages vLLM's FlashAttention by.
-VLLM_BLOCK_SIZE = 16
-
-
 def paged_block_table(batch: int, kv_len: int, block_size: int, rng: np.random.Generator) -> np.ndarray:
     """Block table of ``batch`` sequences of ``kv_len`` tokens in a pool of exactly their blocks: row i lists the
     blocks of sequence i, the pool's blocks dealt in a shuffled order (a served cache's blocks are scattered once
@@ -356,6 +353,7 @@ def _flash_fn(
     kwargs = dict(q=q, cu_seqlens_q=cu_q, max_seqlen_q=q_len, max_seqlen_k=kv_len,
                   causal=True, window_size=(window - 1, 0) if window else (-1, -1))
     if block_size > 0:
+        # one layout per shape: a repeated or resumed sweep times the same cache
         table = paged_block_table(b, kv_len, block_size, np.random.default_rng(b * 1_000_003 + kv_len))
         k = torch.randn(table.size, block_size, kvh, hd, device=device, dtype=torch.bfloat16)
         kwargs.update(block_table=torch.as_tensor(table, device=device),
@@ -411,7 +409,7 @@ def attention_kernel(flash: tuple[Callable[..., object], str] | None) -> str:
     return flash[1] if flash is not None else "torch_sdpa"
 
 
-def kv_block_size(flash: tuple[Callable[..., object], str] | None, block_size: int = VLLM_BLOCK_SIZE) -> int:
+def kv_block_size(flash: tuple[Callable[..., object], str] | None, block_size: int = KV_BLOCK_SIZE) -> int:
     """Tokens per KV-cache block the sweep pages attention by: ``block_size`` for vLLM's FlashAttention, 0
     (contiguous) for the ``flash_attn`` package (its paged path wants blocks of a multiple of 256 tokens) and
     SDPA."""
@@ -420,7 +418,7 @@ def kv_block_size(flash: tuple[Callable[..., object], str] | None, block_size: i
 
 def _attention_call(
     torch, point: tuple[int, int, int, int, int, str, int], decode: bool, device: str,  # type: ignore[no-untyped-def]
-    flash: tuple[Callable[..., object], str] | None, block_size: int = VLLM_BLOCK_SIZE,
+    flash: tuple[Callable[..., object], str] | None, block_size: int = KV_BLOCK_SIZE,
 ) -> Callable[[], Callable[[], object]] | None:
     """What builds one attention point's call (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after
     ``cached``), paged by :func:`kv_block_size`; None for a sliding window or an fp8 KV cache without
@@ -437,7 +435,7 @@ def _attention_call(
 
 def _attention_rows(
     torch, points: Sequence[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
-    flash: tuple[Callable[..., object], str] | None, block_size: int = VLLM_BLOCK_SIZE,
+    flash: tuple[Callable[..., object], str] | None, block_size: int = KV_BLOCK_SIZE,
 ) -> tuple[list[tuple[object, ...]], str]:  # type: ignore[no-untyped-def]
     """The timed points' rows (``latency_us`` last; points left out or failing are not there), and the kernel."""
     rows = []
@@ -522,7 +520,7 @@ def run_sweep(
     points: Mapping[str, int | None] | None = None,
     seed: int = SWEEP_SEED,
     resume: bool = False,
-    block_size: int = VLLM_BLOCK_SIZE,
+    block_size: int = KV_BLOCK_SIZE,
 ) -> list[Path]:
     """Time the grid on ``device`` and write the schema files into ``output``; returns the files written.
     ``progress`` receives a line per family (points timed, points that failed, seconds) and one every
@@ -530,6 +528,8 @@ def run_sweep(
     ``block_size``: tokens per KV-cache block of vLLM's FlashAttention calls (the block size one serves with).
     Rows are written as they are timed; ``resume`` keeps the rows already in ``output`` (of the same sweep: same
     GPU, draw and kernels, else ValueError) and times only the rest."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     torch = _torch()
     say = progress or (lambda _line: None)
     out = Path(output)
@@ -540,8 +540,6 @@ def run_sweep(
                       seed=seed, windows=SWEEP_WINDOWS if flash is not None else (0,),
                       fp8_kv=not quick and flash_runs_fp8_kv(torch, flash, device, say))
     reps = 3 if quick else TIMED_CALLS
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
     info = sweep_info(torch, device, grid, families, reps, seed, attention_kernel(flash),
                       kv_block_size(flash, block_size))
     info_path = out / SWEEP_INFO_FILE

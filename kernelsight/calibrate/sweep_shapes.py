@@ -61,6 +61,8 @@ DECODE_CACHED: tuple[int, ...] = tuple(2**p - 1 for p in range(1, 18))   # 1 …
 #: from their latencies), plus a few ms per point to allocate its tensors.
 SWEEP_POINTS: dict[str, int] = {"gemm": 8000, "attn_prefill": 6000, "attn_decode": 6000}
 SWEEP_SEED = 0
+#: Tokens per block of the paged KV cache vLLM's FlashAttention is timed on by default: vLLM's own default on CUDA.
+KV_BLOCK_SIZE = 16
 #: The kernel families the sweep times (``--families`` picks among them).
 SWEEP_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "comm")
 COMM_MESSAGE_BYTES: tuple[int, ...] = tuple(2**p for p in range(9, 30))
