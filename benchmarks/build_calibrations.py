@@ -12,7 +12,7 @@
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
     python benchmarks/build_calibrations.py [--data ../shared/data/kernels] [--only GPU ...] [--comm-only]
-        [--fp4-only]
+        [--fp4-only] [--software-only]
 
 ``--fp4-only`` refits only the NVFP4 GEMM variant of the FP4-measured GPUs (the RTX PRO 6000: on all its NVFP4 rows,
 as a full build does — a fit's variants are fitted independently of each other) into their bundled files, then adds
@@ -21,6 +21,8 @@ the transferred variant to the bundled cross-generation files; everything else s
 ``--comm-only`` rewrites only the collective models of every bundled file (what a full build would write there:
 the comm fit reads nothing but the comm table and, for a GPU fitted on a prior, the prior's collective models) and
 keeps everything else as stored — seconds instead of minutes, and a diff that shows only what changed.
+``--software-only`` likewise rewrites only each file's ``software`` record (the versions its kernels were timed
+under: a measured GPU's from its folder's SOURCE file, a cross-generation file's merged from its sources').
 """
 
 from __future__ import annotations
@@ -48,10 +50,16 @@ from kernelsight.calibrate.fit.transfer import (  # noqa: E402
     FP4_TRANSFER_SOURCES,
     NVFP4_KEY,
     cross_generation_calibration,
+    merged_software,
     transfer_comm,
     transfer_fp4_variant,
 )
-from kernelsight.calibrate.measurements import describe_skipped, read_measurements, read_table  # noqa: E402
+from kernelsight.calibrate.measurements import (  # noqa: E402
+    describe_skipped,
+    measurement_software,
+    read_measurements,
+    read_table,
+)
 from kernelsight.profiles import list_hardware, load_hardware, read_calibration_file  # noqa: E402
 from kernelsight.simcore.calibration import Calibration, default_calibration  # noqa: E402
 from kernelsight.simcore.eta import SwitchEta  # noqa: E402
@@ -93,6 +101,7 @@ def _fit_own_tables(name: str, folder: Path, sources: list[tuple[Calibration, Ha
         _TARGET_NOTES + f", on the cross-generation tier from {', '.join(c.hardware for c, _ in sources)} as prior"
         + "".join(f"; {line}" for line in left_out)
     )
+    calib.software = measurement_software(folder)
     for line in left_out:
         print(f"{name}: {line}")
     return calib
@@ -164,6 +173,29 @@ def _add_fp4_variants(data: Path, out_dir: Path) -> int:
     return 0
 
 
+def _rewrite_software(data: Path, out_dir: Path) -> int:
+    """The ``software`` record of every bundled file, as a full build writes it (a measured GPU's from its folder's
+    SOURCE file; a cross-generation file's merged from its sources', the FP4 source's too where its NVFP4 variant
+    came from there); the rest of each file unchanged."""
+    measured = {name: folder for folder, name in measured_gpu_dirs(data).items()}
+    software = {name: measurement_software(data / folder) for name, folder in measured.items()}
+    sources = [software[n] for n in CROSS_GENERATION_SOURCES]
+    fp4 = [{k: v for k, v in software[n].items() if k != "nccl"} for n in FP4_TRANSFER_SOURCES]   # GEMMs only
+    for name in list_hardware():
+        path = out_dir / f"{name}.json"
+        calib = read_calibration_file(path)
+        if name in measured:
+            calib.software = software[name]
+        else:
+            gemm = calib.eta.get("gemm")
+            transferred_fp4 = isinstance(gemm, SwitchEta) and NVFP4_KEY in gemm.models and any(
+                h.name != name for h in map(load_hardware, FP4_TRANSFER_SOURCES))
+            calib.software = merged_software(sources + (fp4 if transferred_fp4 else []))
+        path.write_text(json.dumps(calib.to_dict()))
+        print(f"{name}: software {calib.software}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
@@ -175,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="refit only the collective models of the bundled files and keep the rest as stored")
     ap.add_argument("--fp4-only", action="store_true",
                     help="add only the transferred NVFP4 GEMM variant to the bundled cross-generation files")
+    ap.add_argument("--software-only", action="store_true",
+                    help="rewrite only the record of the software each bundled file's kernels were timed under")
     args = ap.parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    if args.software_only:
+        return _rewrite_software(args.data, args.output_dir)
     if args.comm_only:
         return _rebuild_comm(args.data, args.output_dir)
     if args.fp4_only:
@@ -204,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=default_fit_workers(),   # as `kernelsight calibrate fit` does: the same file
         )
         calib.notes = _TARGET_NOTES
+        calib.software = measurement_software(args.data / folder)
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
         measured.append((calib, hw))
         print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")

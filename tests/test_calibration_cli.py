@@ -15,7 +15,7 @@ import pytest
 from kernelsight.calibrate import sweep, sweep_shapes
 from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
 from kernelsight.calibrate.evaluate import predict_table_s, roofline_calibration
-from kernelsight.calibrate.measurements import read_measurements, read_table
+from kernelsight.calibrate.measurements import measurement_software, read_measurements, read_table
 from kernelsight.cli import main
 from kernelsight.profiles import load_hardware
 from kernelsight.simcore.calibration import calibration_from_dict
@@ -161,6 +161,10 @@ def test_sweep_runs_on_cpu_end_to_end(tmp_path, capsys):
     assert info["device_name"] == "cpu" and info["attention"] == "torch_sdpa" and info["timed_calls"] == 3
     assert info["points"] == {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")}
     assert info["gemm_kernels"] == {"bf16": "torch.nn.functional.linear"} and info["families"][-1] == "attn_decode"
+    import torch
+    # the software its kernels ran under, which a fit carries into the calibration
+    assert info["torch"] == torch.__version__ and info["vllm"] == sweep.installed_version("vllm")
+    assert measurement_software(tmp_path)["torch"] == torch.__version__
     capsys.readouterr()
     # a CPU sweep names no GPU profile: fitting it needs --hardware, and says so
     assert main(["calibrate", "fit", "--measurements", str(tmp_path), "-o", str(tmp_path / "c.json")]) == 2
@@ -239,6 +243,7 @@ def test_fit_finds_the_gpu_a_sweep_ran_on_and_records_the_sweep(tmp_path, capsys
     calib = json.loads(out.read_text())
     assert calib["hardware"] == "h100-sxm"
     assert calib["source"].startswith("kernelsight calibrate sweep on NVIDIA H100 80GB HBM3 (torch 2.9.0")
+    assert calib["software"] == {"torch": "2.9.0"}     # what it records of the software, and nothing more
     assert "measured on" not in capsys.readouterr().err
     # told another GPU: fitted as told, with a note
     assert main(["calibrate", "fit", "--measurements", str(d), "--hardware", "a100", "-o", str(out)]) == 0
@@ -440,3 +445,39 @@ def test_the_sweep_pages_attention_by_the_block_size_one_serves_with(tmp_path, m
     sweep._check_same_sweep(tmp_path / "sweep.json", dict(info))
     with pytest.raises(ValueError, match="kv_block_size 16; this one: 32"):
         sweep._check_same_sweep(tmp_path / "sweep.json", {**info, "kv_block_size": 32})
+
+
+def test_the_software_measurements_were_timed_under_is_read_from_the_sweep_or_the_source_file(tmp_path):
+    """A kernel library picks its kernels per release: a calibration keeps the versions its rows were timed under,
+    from the sweep's record, else from a shared folder's SOURCE lines; unknown keys and other text are ignored."""
+    shared = tmp_path / "rtx_pro_6000_server"
+    shared.mkdir()
+    (shared / "SOURCE").write_text("device: NVIDIA RTX PRO 6000\nnccl: 2.29.2\nvLLM: 0.24.0\nsource: x (a: b)\n"
+                                   "torch:\n")
+    assert measurement_software(shared) == {"vllm": "0.24.0", "nccl": "2.29.2"}   # in SOFTWARE_KEYS order
+    assert measurement_software(tmp_path / "nowhere") == {}
+    (shared / "gemm.csv").write_text("m,n,k\n")
+    assert measurement_software(shared / "gemm.csv") == {}       # a single file records nothing
+    # a sweep's record wins over a SOURCE file, and nulls (no HIP on CUDA) are left out
+    (shared / "sweep.json").write_text(json.dumps({"torch": "2.10.0+cu128", "cuda": "12.8", "hip": None,
+                                                   "vllm": "0.19.0", "nccl": "2.27.3", "seed": 0}))
+    assert measurement_software(shared) == {"vllm": "0.19.0", "torch": "2.10.0+cu128", "cuda": "12.8",
+                                            "nccl": "2.27.3"}
+
+
+def test_the_installed_version_of_a_distribution_is_what_its_metadata_says():
+    assert sweep.installed_version("numpy") == np.__version__     # vLLM's the same way, where installed
+    assert sweep.installed_version("no-such-distribution-kernelsight") is None
+
+
+def test_resume_refuses_a_directory_swept_under_other_software(tmp_path):
+    info = {"device_name": "NVIDIA H100 80GB HBM3", "seed": 0, "kv_block_size": 16, "torch": "2.9.0",
+            "vllm": "0.19.0"}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(info))
+    sweep._check_same_sweep(path, dict(info))
+    with pytest.raises(ValueError, match="vllm '0.19.0'; this one: '0.24.0'.*same GPU, software"):
+        sweep._check_same_sweep(path, {**info, "vllm": "0.24.0"})
+    # a directory from before the software was recorded resumes under any
+    path.write_text(json.dumps({k: v for k, v in info.items() if k not in ("torch", "vllm")}))
+    sweep._check_same_sweep(path, {**info, "torch": "2.10.0", "vllm": "0.24.0"})

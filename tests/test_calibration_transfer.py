@@ -8,9 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from kernelsight.calibrate.evaluate import bundled_calibrations
-from kernelsight.calibrate.fit.transfer import cross_generation_calibration, similarity_weights
-from kernelsight.profiles import load_hardware
+from kernelsight.calibrate.evaluate import bundled_calibration_dir, bundled_calibrations, measured_gpu_dirs
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration, merged_software, similarity_weights
+from kernelsight.calibrate.measurements import measurement_software
+from kernelsight.profiles import load_hardware, read_calibration_file
 from kernelsight.simcore.calibration import calibration_from_dict
 from kernelsight.simcore.kernels import attention_decode_kernel, gemm_kernel
 from kernelsight.simcore.roofline import kernel_roofline_s
@@ -174,3 +175,27 @@ def test_unmeasured_format_gets_no_compute_speedup_but_keeps_its_bytes(sources):
 
     assert t(8192, "fp8") >= 0.95 * t(8192, "bf16")
     assert t(1, "fp8") < 0.75 * t(1, "bf16")
+
+
+def test_a_transferred_calibration_records_the_software_its_sources_were_timed_under(sources, unseen_gpu):
+    """Per component, the sources' distinct versions; a calibration written and read keeps the record."""
+    for c, _ in sources:
+        assert c.software.get("vllm"), f"{c.hardware}: the bundled file records no vLLM version"
+    calib = cross_generation_calibration(unseen_gpu, sources)
+    expected = {v for c, _ in sources for v in c.software["vllm"].split(" / ")}
+    assert set(calib.software["vllm"].split(" / ")) == expected
+    assert calibration_from_dict(json.loads(json.dumps(calib.to_dict()))).software == calib.software
+    assert merged_software([{"vllm": "0.24.0", "nccl": "2.27.3"}, {"vllm": "0.14.0 / 0.24.0"}, {}]) == {
+        "vllm": "0.14.0 / 0.24.0", "nccl": "2.27.3"}
+    # a calibration that records none (an older file) reads as none
+    d = calib.to_dict()
+    del d["software"]
+    assert calibration_from_dict(d).software == {}
+
+
+def test_each_measured_bundled_calibration_records_the_software_of_its_tables(shared_data):
+    """What build_calibrations.py writes: a measured GPU's versions are its kernel folder's SOURCE lines."""
+    for folder, name in measured_gpu_dirs(shared_data / "kernels").items():
+        software = measurement_software(shared_data / "kernels" / folder)
+        assert software.get("vllm"), f"{folder}/SOURCE names no vLLM version"
+        assert read_calibration_file(bundled_calibration_dir() / f"{name}.json").software == software

@@ -20,6 +20,7 @@ from kernelsight.calibrate.measurements import (
     SWEEP_INFO_FILE,
     Table,
     describe_skipped,
+    measurement_software,
     read_measurements,
     read_sweep_info,
     read_table,
@@ -304,6 +305,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         workers=args.workers,
         prior=None if args.no_prior else _prior(hw),
     )
+    calib.software = measurement_software(args.measurements)
     Path(args.output).write_text(json.dumps(calib.to_dict()))
     for key, r in report.entries.items():
         if not r["rows"]:

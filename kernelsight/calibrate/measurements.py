@@ -245,3 +245,29 @@ def read_sweep_info(path: str | Path) -> dict | None:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{f}: not JSON ({exc})") from None
     return info if isinstance(info, dict) else None
+
+
+#: The software whose versions decide which kernels a GPU runs (a kernel library picks its kernels per release).
+SOFTWARE_KEYS = ("vllm", "torch", "cuda", "hip", "nccl")
+#: The provenance file of a measurement folder in the shared layout ("key: value" lines, e.g. "vllm: 0.24.0").
+SOURCE_FILE = "SOURCE"
+
+
+def measurement_software(path: str | Path) -> dict[str, str]:
+    """The versions of :data:`SOFTWARE_KEYS` the measurements in ``path`` were timed under, as far as recorded: a
+    sweep's ``sweep.json``, else a ``SOURCE`` file's ``key: value`` lines. Empty for a single file or a folder
+    that records neither."""
+    path = Path(path)
+    info = read_sweep_info(path) if path.is_dir() else None
+    if info is not None:
+        return {k: str(info[k]) for k in SOFTWARE_KEYS if info.get(k) not in (None, "")}
+    source = path / SOURCE_FILE
+    if not (path.is_dir() and source.is_file()):
+        return {}
+    out: dict[str, str] = {}
+    for line in source.read_text(errors="replace").splitlines():
+        key, sep, value = line.partition(":")
+        key, value = key.strip().lower(), value.strip()
+        if sep and key in SOFTWARE_KEYS and value:
+            out[key] = value
+    return {k: out[k] for k in SOFTWARE_KEYS if k in out}

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -597,6 +598,8 @@ def _time_family(
 
 #: What must match for ``--resume`` to add to a directory: the same GPU, draw and kernels.
 RESUME_KEYS = ("device_name", "seed", "points", "gemm_kernels", "attention", "kv_block_size", "timed_calls")
+#: ... and the software, where the directory recorded it
+RESUME_SOFTWARE_KEYS = ("torch", "cuda", "hip", "vllm", "nccl")
 
 
 def _check_same_sweep(info_path: Path, info: Mapping[str, object]) -> None:
@@ -604,11 +607,14 @@ def _check_same_sweep(info_path: Path, info: Mapping[str, object]) -> None:
         return
     before = json.loads(info_path.read_text())
     differ = [k for k in RESUME_KEYS if before.get(k) != info.get(k)]
+    # another kernel library times other kernels; a directory from before the software was recorded resumes
+    differ += [k for k in RESUME_SOFTWARE_KEYS if k in before and before[k] != info.get(k)]
     if differ:
         was = ", ".join(f"{k} {before.get(k)!r}" for k in differ)
         now = ", ".join(repr(info.get(k)) for k in differ)
         raise ValueError(f"{info_path.parent} holds another sweep ({was}; this one: {now}): resume needs the same "
-                         "GPU, draw and kernels — write to another directory, or leave out --resume to start over")
+                         "GPU, software, draw and kernels — write to another directory, or leave out --resume to "
+                         "start over")
 
 
 def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: int, seed: int,  # type: ignore[no-untyped-def]
@@ -619,7 +625,7 @@ def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: in
     info: dict[str, object] = {
         "tool": "kernelsight calibrate sweep", "device": device, "device_name": device,
         "torch": str(torch.__version__), "cuda": getattr(torch.version, "cuda", None),
-        "hip": getattr(torch.version, "hip", None), "seed": seed,
+        "hip": getattr(torch.version, "hip", None), "vllm": installed_version("vllm"), "seed": seed,
         "families": [f for f in families if f != "comm" or grid.comm],
         "points": {f: len(getattr(grid, f)) for f in ("gemm", "attn_prefill", "attn_decode", "comm")},
         "gemm_kernels": {dt: GEMM_KERNELS[dt] for dt in sorted({row[0] for row in grid.gemm})},
@@ -630,10 +636,28 @@ def sweep_info(torch, device: str, grid: Grid, families: Sequence[str], reps: in
         info.update(gemm_weights=f"rotated over >= {COLD_L2_FACTOR:g}x L2 (read from DRAM)",
                     head_start="GPU sleep before the timed calls")
         props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, compute_capability=f"{props.major}.{props.minor}",
+        info.update(nccl=nccl_version(torch), device_name=props.name,
+                    compute_capability=f"{props.major}.{props.minor}",
                     num_sms=props.multi_processor_count, memory_bytes=props.total_memory,
                     l2_bytes=l2_cache_bytes(torch, device), num_gpus=torch.cuda.device_count())
     return info
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a Python distribution (e.g. vLLM, whose kernels the sweep times), or None."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def nccl_version(torch) -> str | None:  # type: ignore[no-untyped-def]
+    """The NCCL torch was built with ("2.27.3"), or None (no NCCL: a CPU or ROCm build without it)."""
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:    # noqa: BLE001 — torch raises RuntimeError or AttributeError by build
+        return None
+    return ".".join(str(p) for p in v) if isinstance(v, tuple) else str(v)
 
 
 def _summary(what: str, timed: int, points: int, seconds: float) -> str:

@@ -48,6 +48,10 @@ class Calibration:
     #: Per decode variant (KV bytes key, as in ``SwitchEta``): the streaming bandwidth of one CTA on the decode
     #: kernel's unsplit path (:func:`decode_serial_floor_s`); absent: the kernel splits the KV cache.
     decode_cta_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    #: The software the kernels were timed under ("vllm", "torch", "cuda", "nccl", ... → version; several
+    #: sources' distinct versions joined by " / "): a kernel library picks its kernels per release, so a run served
+    #: under another stack may not run the kernels this calibration prices. Empty: not recorded.
+    software: dict[str, str] = field(default_factory=dict)
     # init=False: dataclasses.replace() then starts an empty memo instead of sharing the original's (a copy with
     # another eta_max or η model would answer from the old one's cache)
     _memo: dict[tuple[str, tuple[float, ...]], tuple[float, float | None]] = field(
@@ -112,6 +116,7 @@ class Calibration:
             "host": self.host.to_dict(),
             "launch": self.launch.to_dict(),
             **({"decode_cta_bytes_per_s": dict(self.decode_cta_bytes_per_s)} if self.decode_cta_bytes_per_s else {}),
+            **({"software": dict(self.software)} if self.software else {}),
         }
 
 
@@ -130,6 +135,7 @@ def calibration_from_dict(d: dict[str, Any]) -> Calibration:
         licence=d.get("licence", ""),
         notes=d.get("notes", ""),
         decode_cta_bytes_per_s={k: float(v) for k, v in d.get("decode_cta_bytes_per_s", {}).items()},
+        software={str(k): str(v) for k, v in d.get("software", {}).items()},
     )
 
 

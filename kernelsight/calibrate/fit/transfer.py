@@ -79,7 +79,7 @@ every fold: the shape terms it shares carry each library's kernel choices, not p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from kernelsight.calibrate.fit.comm import comm_source_pool, transfer_comm_curves
@@ -252,6 +252,9 @@ def transfer_fp4_variant(calib: Calibration, target: HardwareSpec,
                                   gemm.default)
     names = ", ".join(h.name for _, h in srcs)
     calib.source += f"; nvfp4 GEMMs transferred from {names} (measured in FP4)"
+    # the GEMMs' software only: NCCL times none of them
+    calib.software = merged_software([calib.software, *({k: v for k, v in c.software.items() if k != "nccl"}
+                                                         for c, _ in srcs)])
     return True
 
 
@@ -299,6 +302,16 @@ def transfer_decode_floor(sources: Sequence[tuple[Calibration, HardwareSpec]],
     return {k: math.exp(sum(v) / len(v)) for k, v in per_variant.items()}
 
 
+def merged_software(records: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """The software several sources' kernels were timed under (their ``Calibration.software``): per component, its
+    distinct versions joined by " / "."""
+    versions: dict[str, set[str]] = {}
+    for record in records:
+        for key, joined in record.items():
+            versions.setdefault(key, set()).update(joined.split(" / "))
+    return {k: " / ".join(sorted(v)) for k, v in versions.items()}
+
+
 def cross_generation_calibration(
     target: HardwareSpec, sources: Sequence[tuple[Calibration, HardwareSpec]], tau: float = SIMILARITY_TAU,
     fp4_sources: Sequence[tuple[Calibration, HardwareSpec]] = (),
@@ -328,6 +341,7 @@ def cross_generation_calibration(
     if comm:
         calib.comm.update(comm)
     calib.decode_cta_bytes_per_s = transfer_decode_floor(sources, target)
+    calib.software = merged_software([c.software for c, _ in sources])
     names = ", ".join(f"{h.name} ({w:.2f})" for (_, h), w in zip(sources, weights, strict=True))
     calib.source = f"transferred from target-measured calibrations of {names} (weights in parentheses)"
     calib.licence = "; ".join(sorted({c.licence for c, _ in sources if c.licence}))
