@@ -16,15 +16,19 @@ from kernelsight.cli import main
 from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.loadgen.validate import (
     MeasuredRequest,
+    describe_software,
     latency_rows,
     measured_latency_stats_ms,
     phase_rows,
     read_run,
     replay_workload,
+    run_software,
+    software_comparison,
     timeseries_rows,
     tpot_spread_rows,
     validate_run,
 )
+from kernelsight.profiles import load_calibration
 
 # (input, output, queued, first token, last token): TTFT 200/300/100 ms, TPOT 50/50/- ms, E2EL 700/500/100 ms
 REQUESTS = [(100, 11, 10.0, 10.2, 10.7), (50, 5, 10.5, 10.8, 11.0), (20, 1, 11.0, 11.1, 11.1)]
@@ -223,3 +227,33 @@ def test_the_tpot_spread_is_each_sides_own_shape_whatever_the_step_costs():
     rows = {r["what"]: (r["measured"], r["simulated"]) for r in tpot_spread_rows(measured, records)}
     assert rows["max / median"] == pytest.approx((2.0, 1.25)) and rows["requests >= 1.5x median"] == (1, 0)
     assert tpot_spread_rows(measured, []) == []
+
+
+def test_the_report_says_when_the_run_served_other_software_than_the_calibration_was_timed_under(tmp_path, capsys):
+    """The run's vLLM (and torch, CUDA where meta.json records them) against the calibration's record: a kernel
+    library picks its kernels per release, so the report says which components differ."""
+    cal = {"vllm": "0.14.0 / 0.24.0", "nccl": "2.27.3"}
+    assert run_software({**META, "hardware": {"torch_version": "2.10.0+cu128", "cuda_version": "12.8"}}) == {
+        "vllm": "0.19.0", "torch": "2.10.0+cu128", "cuda": "12.8"}
+    assert run_software({"vllm_version": None, "hardware": "not a mapping"}) == {}
+    assert software_comparison(cal, {"vllm": "0.19.0", "torch": "2.10.0"})["differs"] == ["vllm"]
+    assert software_comparison(cal, {"vllm": "0.24.0"})["differs"] == []        # one of the sources' versions
+    assert software_comparison({"vllm": "0.24.0", "torch": "2.9.0"},
+                               {"vllm": "0.19.0", "torch": "2.10.0"})["differs"] == ["vllm", "torch"]
+    assert describe_software(software_comparison({}, {})) is None
+    same = describe_software(software_comparison({"vllm": "0.24.0"}, {"vllm": "0.24.0"}))
+    assert same == ("kernel software: the calibration's kernels timed under vLLM 0.24.0; the run served under "
+                    "vLLM 0.24.0")
+    # end to end: the bundled H100 calibration's record against the run's meta.json
+    run = write_run(tmp_path)
+    out_json = tmp_path / "v.json"
+    assert main(["validate", str(run), "--result-json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    bundled = load_calibration("h100-sxm").software
+    assert result["software"] == {"calibration": bundled, "run": {"vllm": "0.19.0"},
+                                  "differs": [] if "0.19.0" in bundled["vllm"].split(" / ") else ["vllm"]}
+    assert out.splitlines()[2].startswith("kernel software: the calibration's kernels timed under vLLM "
+                                          f"{bundled['vllm']}")
+    assert ("vLLM differs: kernel libraries choose their kernels per release" in out) == bool(
+        result["software"]["differs"])

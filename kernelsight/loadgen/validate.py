@@ -453,6 +453,47 @@ class Validation:
     sim: FastForwardResult
 
 
+#: How the report names each software component of ``Calibration.software`` and of a run's meta.json.
+_SOFTWARE_NAMES = {"vllm": "vLLM", "torch": "torch", "cuda": "CUDA", "hip": "HIP", "nccl": "NCCL"}
+
+
+def run_software(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The software a run was served under, as far as its meta.json records it (``vllm_version``; ``hardware``'s
+    ``torch_version`` and ``cuda_version``)."""
+    hw = meta.get("hardware") if isinstance(meta.get("hardware"), Mapping) else {}
+    found = {"vllm": meta.get("vllm_version"), "torch": hw.get("torch_version"), "cuda": hw.get("cuda_version"),
+             "hip": hw.get("hip_version"), "nccl": hw.get("nccl_version")}
+    return {k: str(v) for k, v in found.items() if v not in (None, "")}
+
+
+def software_comparison(calibration: Mapping[str, str], run: Mapping[str, str]) -> dict[str, Any]:
+    """The calibration's kernel software against the run's: ``differs`` lists the components both record whose run
+    version is none of the calibration's (a kernel library picks its kernels per release, so the run may not have
+    run the kernels the calibration prices)."""
+    differs = [k for k in _SOFTWARE_NAMES if k in calibration and k in run
+               and run[k] not in calibration[k].split(" / ")]
+    return {"calibration": dict(calibration), "run": dict(run), "differs": differs}
+
+
+def describe_software(cmp: Mapping[str, Any]) -> str | None:
+    """One report line on the software the calibration was timed under and the run served with; None when neither
+    side records any."""
+    def versions(record: Mapping[str, str]) -> str:
+        return ", ".join(f"{_SOFTWARE_NAMES.get(k, k)} {v}" for k, v in record.items())
+
+    cal, run, differs = cmp["calibration"], cmp["run"], cmp["differs"]
+    if not cal and not run:
+        return None
+    line = (f"kernel software: the calibration's kernels timed under {versions(cal) or 'unrecorded software'}; "
+            f"the run served under {versions(run) or 'unrecorded software'}")
+    if differs:
+        names = ", ".join(_SOFTWARE_NAMES.get(k, k) for k in differs)
+        return (line + f" — {names} {'differs' if len(differs) == 1 else 'differ'}: kernel libraries choose "
+                "their kernels per release, so the run may not have run the kernels this calibration prices "
+                "(a `kernelsight calibrate sweep` under the run's software measures those)")
+    return line
+
+
 def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibration: str | None = None,
                  seed: int | None = None, workload: str | Path | None = None, num_bins: int = 15) -> Validation:
     """Read the run, replay it, and compare latencies, timeseries and (simulated) time by kernel family."""
@@ -480,6 +521,7 @@ def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibratio
         "timeseries": {"bin_s": bin_s, "rows": ts_rows},
         "breakdown": breakdown_rows(res.breakdown_s),
         "expected_error_pct": expected_error(config.summary()["calibration_tier"]),
+        "software": software_comparison(config.calibration.software, run_software(run.meta)),
         # the tick-by-tick pricing assumes one engine did a tick's work: not a data-parallel run's
         "work_pricing": None if config.args.data_parallel_size > 1 else price_run_work(
             run.requests, run.timeseries, run.tick_s, build_step_model(config), config.scheduler.max_num_seqs,
@@ -538,7 +580,9 @@ def format_validation(result: Mapping[str, Any]) -> str:
     ts_rows = [{"t_s": f"{r['t_start_s']:g}-{r['t_end_s']:g}",
                 **{f"{_TS_LABELS.get(n, n)} {side}": r[f"{pre}_{n}"] for n in names
                    for side, pre in (("meas", "measured"), ("sim", "simulated"))}} for r in ts["rows"]]
-    parts = [header_line(result), describe_expected_error(result["config"]["calibration_tier"]), "",
+    software = describe_software(result["software"]) if result.get("software") else None
+    parts = [header_line(result), describe_expected_error(result["config"]["calibration_tier"]),
+             *([software] if software else []), "",
              "latency (ms; error = simulated vs measured, %; the run records first and last token times only, so "
              "of ITL only the mean is measured):",
              format_table(result["latency"], ["metric", "stat", "measured_ms", "simulated_ms", "error_pct"]), "",
