@@ -19,10 +19,12 @@ from kernelsight.loadgen.validate import (
     describe_software,
     latency_rows,
     measured_latency_stats_ms,
+    overtaken_count,
     phase_rows,
     read_run,
     replay_workload,
     run_software,
+    run_summary_rows,
     software_comparison,
     timeseries_rows,
     tpot_spread_rows,
@@ -150,7 +152,8 @@ def test_the_cli_replays_a_small_run_and_reports_errors_in_one_line(tmp_path, ca
     assert "meta-llama/Llama-3.1-8B on h100" in out and "calibration: target-measured" in out
     result = json.loads(out_json.read_text())
     assert result["simulator"]["finish_reasons"] == {"length": 3}     # outputs have the measured lengths
-    assert [r["what"] for r in result["run_summary"]] == ["duration_s", "output_tok_s", "completed"]
+    assert [r["what"] for r in result["run_summary"]] == ["duration_s", "output_tok_s", "completed",
+                                                          "first_token_before_earlier_arrival"]
     assert main(["validate", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip().endswith("nope: not a directory")
     meta = {k: v for k, v in META.items() if k != "hardware"}
@@ -175,6 +178,9 @@ def test_the_shared_rtx4090_run_replays_end_to_end_and_deterministically(shared_
     assert 5 <= len(result["timeseries"]["rows"]) <= 20
     assert {"measured_kv_cache_pct", "simulated_running"} <= set(result["timeseries"]["rows"][0])
     assert {r["family"] for r in result["breakdown"]} >= {"gemm", "attn_decode"}
+    # vLLM served the prompts first come, first served, and so does the replay, preemptions and all
+    order = next(r for r in result["run_summary"] if r["what"] == "first_token_before_earlier_arrival")
+    assert (order["measured"], order["simulated"]) == (0, 0) and result["simulator"]["num_preemptions"] > 0
     busy = result["work_pricing"]["groups"][0]
     assert busy["ticks"] == "busy, all" and busy["count"] >= 100 and 0.5 < busy["median"] < 2
     html = page.read_text()
@@ -257,3 +263,18 @@ def test_the_report_says_when_the_run_served_other_software_than_the_calibration
                                           f"{bundled['vllm']}")
     assert ("vLLM differs: kernel libraries choose their kernels per release" in out) == bool(
         result["software"]["differs"])
+
+
+def test_requests_served_before_an_earlier_arrival_are_counted_on_each_side():
+    """First come, first served gives 0; a request whose first token beats one that arrived before it counts once,
+    however many it beats; requests that arrived together do not overtake each other."""
+    assert overtaken_count([0.0, 1.0, 2.0], [0.5, 1.5, 2.5]) == 0
+    assert overtaken_count([0.0, 1.0, 2.0, 3.0], [5.0, 1.5, 2.5, 6.0]) == 2     # 1 and 2 beat request 0
+    assert overtaken_count([1.0, 1.0, 0.0], [3.0, 2.0, 1.0]) == 0                # a tie in arrival is no overtake
+    assert overtaken_count([1.0, 1.0, 0.0], [3.0, 2.0, 2.5]) == 1                # ... but beating an earlier one is
+    assert overtaken_count([], []) == 0
+    rows = {r["what"]: r for r in run_summary_rows(
+        [MeasuredRequest(f"r{i}", 10, 5, q, f, f + 1.0) for i, (q, f) in enumerate([(0.0, 3.0), (1.0, 2.0)])],
+        [RequestRecord(True, 10, 5, ttft_s=0.5, itl_s=[], latency_s=1.0, start_s=s) for s in (0.0, 1.0)])}
+    row = rows["first_token_before_earlier_arrival"]
+    assert (row["measured"], row["simulated"]) == (1, 0)

@@ -429,8 +429,23 @@ def tpot_spread_rows(requests: Sequence[MeasuredRequest], records: Sequence[Requ
     return rows
 
 
+def overtaken_count(arrivals_s: Sequence[float], first_tokens_s: Sequence[float]) -> int:
+    """Requests whose first token came before that of a request that arrived strictly earlier: 0 when prompts are
+    served first-come first-served (vLLM's default), more under a priority policy or a scheduler that reorders."""
+    order = sorted(range(len(arrivals_s)), key=lambda i: arrivals_s[i])
+    count, latest_before, group_latest, group_arrival = 0, -math.inf, -math.inf, None
+    for i in order:
+        if arrivals_s[i] != group_arrival:      # requests that arrived together do not overtake each other
+            latest_before = max(latest_before, group_latest)
+            group_arrival, group_latest = arrivals_s[i], -math.inf
+        count += first_tokens_s[i] < latest_before
+        group_latest = max(group_latest, first_tokens_s[i])
+    return count
+
+
 def run_summary_rows(requests: Sequence[MeasuredRequest], records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
-    """Whole-run duration (first arrival to last token) and output token throughput, measured vs simulated."""
+    """Whole-run duration (first arrival to last token), output token throughput and requests served out of arrival
+    order, measured vs simulated (``records`` in the replay's order, the requests' arrival order)."""
     m_dur = max(r.last_token_s for r in requests) - min(r.queued_s for r in requests)
     ok = [r for r in records if r.success]
     s_dur = (max(r.start_s + r.latency_s for r in ok) - min(r.start_s for r in ok)) if ok else 0.0
@@ -441,7 +456,11 @@ def run_summary_rows(requests: Sequence[MeasuredRequest], records: Sequence[Requ
     return [{"what": "duration_s", "measured": m_dur, "simulated": s_dur, "error_pct": pct_error(s_dur, m_dur)},
             {"what": "output_tok_s", "measured": m_rate, "simulated": s_rate, "error_pct": pct_error(s_rate, m_rate)},
             {"what": "completed", "measured": len(requests), "simulated": len(ok),
-             "error_pct": pct_error(len(ok), len(requests))}]
+             "error_pct": pct_error(len(ok), len(requests))},
+            {"what": "first_token_before_earlier_arrival", "measured": overtaken_count(
+                [r.queued_s for r in requests], [r.first_token_s for r in requests]),
+             "simulated": overtaken_count([r.start_s for r in ok], [r.start_s + r.ttft_s for r in ok]),
+             "error_pct": None}]
 
 
 # -- the whole comparison ------------------------------------------------------------------------------------
