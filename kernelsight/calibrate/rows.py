@@ -10,6 +10,7 @@ report and what the fitter judges a prior by; the step model prices one kernel a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -17,7 +18,15 @@ import numpy as np
 
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
-from kernelsight.simcore.eta import DispatchEta, EnsembleEta, LogPolyEta, SwitchEta, decode_serial_floor_s, switch_key
+from kernelsight.simcore.eta import (
+    DispatchEta,
+    EnsembleEta,
+    LogPolyEta,
+    SwitchEta,
+    decode_serial_floor_s,
+    fitted_gemm_nk,
+    switch_key,
+)
 from kernelsight.simcore.fp4_dispatch import NVFP4, NVFP4_BYTES_PER_ELEMENT
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.roofline import roofline_s
@@ -178,7 +187,16 @@ def predict_rows_s(family: str, cols: Columns, hw: HardwareSpec, calib: Calibrat
 
 def rows_time_s(calib: Calibration, family: str, rows: KernelRows, roof_s: np.ndarray, hw: HardwareSpec
                 ) -> np.ndarray:
-    """Predicted latency (s) of kernel rows whose roofline times are ``roof_s``."""
+    """Predicted latency (s) of kernel rows whose roofline times are ``roof_s``.
+
+    GEMMs wider than any the calibration was fitted on take η at the widest (as the step model prices them)."""
+    if family == "gemm" and len(rows):
+        n_max, k_max = fitted_gemm_nk(calib.eta.get(family))
+        if (rows.features[:, 1] > n_max).any() or (rows.features[:, 2] > k_max).any():
+            features = rows.features.copy()
+            features[:, 1] = np.minimum(features[:, 1], n_max)
+            features[:, 2] = np.minimum(features[:, 2], k_max)
+            rows = dataclasses.replace(rows, features=features)
     eta, ovh = eta_and_overhead(calib, family, rows)
     t = roof_s / eta + ovh
     if family == "attn_decode" and calib.decode_cta_bytes_per_s:

@@ -506,6 +506,31 @@ def decode_serial_floor_s(features: Sequence[float], num_sms: int, cta_bytes_per
     return waves * ctx * 2.0 * head_dim * kv_bytes / cta_bytes_per_s
 
 
+def fitted_gemm_nk(model: EtaModel | None) -> tuple[float, float]:
+    """Widest n and k a GEMM η model was fitted on (its smooth basis' log n / log k range, over every sub-model);
+    inf if none says. The sweeps stop at 65,536; a vocabulary-sized LM head (n = 128,256) is beyond, where η is
+    held at the widest (the measured GEMVs' bandwidth is flat in n from 16k to 65k)."""
+    n_max = k_max = 0.0
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if m is None:
+            continue
+        if isinstance(m, LogPolyEta):
+            if m.basis == "gemm" and m.zhi is not None:
+                n_max, k_max = max(n_max, math.exp(m.zhi[1])), max(k_max, math.exp(m.zhi[2]))
+            continue
+        for attr in ("models", "members", "pooled"):
+            sub = getattr(m, attr, None)
+            if isinstance(sub, dict):
+                stack.extend(sub.values())
+            elif isinstance(sub, tuple):
+                stack.extend(sub)
+            elif sub is not None:
+                stack.append(sub)
+    return (round(n_max) if n_max else math.inf), (round(k_max) if k_max else math.inf)
+
+
 def switch_key(value: float) -> str:
     """Canonical text key of a categorical feature value (``1.0`` → ``"1"``)."""
     return f"{float(value):g}"
@@ -549,6 +574,7 @@ __all__ = [
     "LogPolyEta",
     "LogisticEta",
     "SwitchEta",
+    "fitted_gemm_nk",
     "decode_serial_floor_s",
     "eta_model_from_dict",
     "switch_key",

@@ -18,7 +18,7 @@ import numpy as np
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import allreduce_s
-from kernelsight.simcore.eta import EnsembleEta, LogPolyEta, SwitchEta, switch_key
+from kernelsight.simcore.eta import EnsembleEta, SwitchEta, fitted_gemm_nk, switch_key
 from kernelsight.simcore.gemm_dispatch import BLOCK_KERNELS, block_time_ratio
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel, PrefillChunk
@@ -51,30 +51,6 @@ _GPU_BOUND_HI = 3.0
 #: Linear layers whose fp8 input quantization torch.compile fuses into the kernel that produces their input.
 _QUANT_FUSED_INPUTS = frozenset({"qkv_proj", "gate_up_proj", "down_proj", "shared_expert_gate_up",
                                  "shared_expert_down"})
-
-
-def _gemm_measured_nk(calib: Calibration) -> tuple[float, float]:
-    """Widest n and k the calibration's GEMM models were fitted on (their basis' log n / log k range); inf if none
-    says. The sweeps stop at 65,536; a vocabulary-sized LM head (n = 128,256) is beyond."""
-    n_max = k_max = 0.0
-    stack = [calib.eta.get(K.GEMM)]
-    while stack:
-        m = stack.pop()
-        if m is None:
-            continue
-        if isinstance(m, LogPolyEta):
-            if m.basis == "gemm" and m.zhi is not None:
-                n_max, k_max = max(n_max, math.exp(m.zhi[1])), max(k_max, math.exp(m.zhi[2]))
-            continue
-        for attr in ("models", "members", "pooled"):
-            sub = getattr(m, attr, None)
-            if isinstance(sub, dict):
-                stack.extend(sub.values())
-            elif isinstance(sub, tuple):
-                stack.extend(sub)
-            elif sub is not None:
-                stack.append(sub)
-    return (round(n_max) if n_max else math.inf), (round(k_max) if k_max else math.inf)
 
 
 def _fits_own_nvfp4_rows(calib: Calibration) -> bool:
@@ -182,7 +158,7 @@ class StepModel:
          self._prefill_attn_memo) = self._memo_tables(model, hw, calib, precision, config)
         self._attn_peak_flops_per_s = hw.peak_flops_per_s("bf16")   # attention kernels run in bf16
         self._l2_bytes, self._dram_bytes_per_s = float(hw.l2_bytes), hw.usable_mem_bytes_per_s
-        self._gemm_n_max, self._gemm_k_max = _gemm_measured_nk(calib)
+        self._gemm_n_max, self._gemm_k_max = fitted_gemm_nk(calib.eta.get(K.GEMM))
         self._n_families = len(FAMILIES)
         # Where the GPU has FP8 tensor cores but its calibration never timed (under CUDA graphs) the fp8 kernel vLLM
         # runs — every fp8 GEMM of a transferred table, block-scaled ones everywhere — an fp8 GEMM is priced no
