@@ -21,7 +21,7 @@ FlashInfer and Triton): those rows come from the prior, so MAPE is also given ov
 sweep measures (``covered``).
 
 GPU time: the measured latencies of the matched rows × 14 calls per point (3 warm-up, 1 that sets the head start,
-10 timed) plus each point's head start (:func:`kernelsight.calibrate.sweep.time_us`, at the assumed issue time),
+10 timed) plus each point's head start (:func:`kernelsight.calibrate.sweep_timing.time_us`, at the assumed issue time),
 per GPU; allocating each point's tensors adds roughly a millisecond per point.
 
     python benchmarks/sweep_grid.py [--data ../shared/data/kernels]
@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import SHARED_DATA, write_result  # noqa: E402
 
-from kernelsight.calibrate import sweep, sweep_shapes  # noqa: E402
+from kernelsight.calibrate import sweep, sweep_shapes, sweep_timing  # noqa: E402
 from kernelsight.calibrate.evaluate import (  # noqa: E402
     default_fit_workers,
     fit_target,
@@ -128,7 +128,8 @@ def evaluate(data: Path, sweeps: dict[str, Callable[[HardwareSpec], sweep_shapes
             grid = grid_for(hw)
             fp8_kv = any(p[5] == "fp8" for p in grid.attn_prefill)
             prior = cross_generation_calibration(hw, [(full[o], hws[o]) for o in gpus if o != g])
-            head_start_s = sweep.head_start_cycles(sweep.ASSUMED_ISSUE_S, sweep.TIMED_CALLS) / hw.boost_clock_hz
+            head_start_s = (sweep_timing.head_start_cycles(sweep.ASSUMED_ISSUE_S, sweep_timing.TIMED_CALLS)
+                            / hw.boost_clock_hz)
             on = {f: sweep_rows(t, f, grid) for f, t in tabs.items()}
             cov_all = {f: covered(t, f, name == "flash", fp8_kv) for f, t in tabs.items()}
             rng = np.random.default_rng(0)
@@ -150,7 +151,7 @@ def evaluate(data: Path, sweeps: dict[str, Callable[[HardwareSpec], sweep_shapes
                    "cross": mape_table(tabs, hw, prior, rest)}
             out[name][g] = {
                 f: {"points": len(getattr(grid, f)), "rows": int(on[f].sum()),
-                    "gpu_s": float(np.sum(t["latency_us"][on[f]]) * 1e-6 * sweep.CALLS_PER_POINT
+                    "gpu_s": float(np.sum(t["latency_us"][on[f]]) * 1e-6 * sweep_timing.CALLS_PER_POINT
                                    + head_start_s * on[f].sum()) if f != "comm" else None,
                     **{k: 100 * r[f]["mape"] for k, r in res.items()}}
                 for f, t in tabs.items()
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print("GPU seconds of the whole sweep (each family's gpu_s scaled from its matched rows to all its "
               "points): " + ", ".join(f"{g} {fams['sweep_gpu_s']:.0f} s" for g, fams in per_gpu.items()))
     path = write_result("sweep_grid", {"results": results, "points": dict(sweep_shapes.SWEEP_POINTS, **points),
-                                       "calls_per_point": sweep.CALLS_PER_POINT})
+                                       "calls_per_point": sweep_timing.CALLS_PER_POINT})
     print(f"\nwrote {path}")
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernelsight.calibrate import sweep, sweep_shapes
+from kernelsight.calibrate import sweep, sweep_shapes, sweep_timing
 from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
 from kernelsight.calibrate.evaluate import predict_table_s, roofline_calibration
 from kernelsight.calibrate.measurements import measurement_software, read_measurements, read_table
@@ -180,7 +180,7 @@ def test_a_stopped_sweep_resumes_with_only_the_points_it_had_not_written(tmp_pat
     (tmp_path / "gemm.csv").write_text("\n".join(full["gemm"][:3]) + "\n" + full["gemm"][3][:6])
     (tmp_path / "attn_decode.csv").unlink()
     timed = []
-    time_point = sweep.time_point
+    time_point = sweep_timing.time_point
     monkeypatch.setattr(sweep, "time_point",
                         lambda make, device, reps: timed.append(1) or time_point(make, device, reps))
     monkeypatch.setattr(sweep, "PROGRESS_EVERY_S", 0.0)

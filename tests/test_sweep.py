@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from kernelsight.calibrate import sweep, sweep_shapes
+from kernelsight.calibrate import sweep, sweep_attention, sweep_shapes, sweep_timing
 from kernelsight.calibrate.measurements import read_table
 
 
@@ -93,13 +93,14 @@ def test_fp8_kv_attention_is_called_as_vllm_runs_it_on_fa3(monkeypatch):
     assert all(kw[d].shape == (3, 2) and kw[d].dtype == torch.float32 for d in ("q_descale", "k_descale", "v_descale"))
     assert kw["out"].dtype == torch.bfloat16 and kw["out"].shape == (3 * 16, 8, 64)
     assert sweep._attention_rows(torch, [point], True, "cpu", 1, None)[0] == []   # SDPA: left out
-    assert sweep.flash_runs_fp8_kv(torch, (fa3, "vllm_flash_attn_fa3"), "cpu", said.append) and said == []
-    assert not sweep.flash_runs_fp8_kv(torch, (fa3, "vllm_flash_attn_fa2"), "cpu", said.append)   # FA2: no fp8
+    assert sweep_attention.flash_runs_fp8_kv(torch, (fa3, "vllm_flash_attn_fa3"), "cpu", said.append) and said == []
+    # FA2: no fp8
+    assert not sweep_attention.flash_runs_fp8_kv(torch, (fa3, "vllm_flash_attn_fa2"), "cpu", said.append)
 
     def no_fp8(**kw):
         raise RuntimeError("FlashAttention only supports fp16 and bf16 data type")
 
-    assert not sweep.flash_runs_fp8_kv(torch, (no_fp8, "vllm_flash_attn_fa3"), "cpu", said.append)
+    assert not sweep_attention.flash_runs_fp8_kv(torch, (no_fp8, "vllm_flash_attn_fa3"), "cpu", said.append)
     assert len(said) == 1 and "bf16 KV cache only" in said[0]
 
 
@@ -132,7 +133,7 @@ def test_flash_attention_gets_varlen_batches_windows_and_its_name(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", None)   # no vLLM: the flash_attn package is next
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
-    flash = sweep.flash_attn_varlen()
+    flash = sweep_attention.flash_attn_varlen()
     assert flash is not None and flash[1] == "flash_attn"
     prefill = [(3, 16, 8, 2, 64, "bf16", 0), (2, 64, 4, 4, 128, "bf16", 32)]
     rows, kernel = sweep._attention_rows(torch, prefill, False, "cpu", 1, flash)
@@ -199,26 +200,26 @@ def test_vllms_flash_attention_is_called_with_the_version_vllm_serves_with(monke
     fork = types.SimpleNamespace(flash_attn_varlen_func=varlen, is_fa_version_supported=lambda v: v in (2, 3))
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fork)
-    for path in sweep.FA_VERSION_PICKERS:
+    for path in sweep_attention.FA_VERSION_PICKERS:
         monkeypatch.setitem(sys.modules, path, None)   # no picker: the build's own support check decides
-    fn, name = sweep.flash_attn_varlen()
+    fn, name = sweep_attention.flash_attn_varlen()
     assert name == "vllm_flash_attn_fa3"
     fn(q=1)
     assert calls[-1] == {"q": 1, "fa_version": 3}
     fork.is_fa_version_supported = lambda v: v == 2   # an Ampere / Ada GPU
-    assert sweep.flash_attn_varlen()[1] == "vllm_flash_attn_fa2"
+    assert sweep_attention.flash_attn_varlen()[1] == "vllm_flash_attn_fa2"
     # vLLM's own picker wins where it can be imported (it honours vLLM's attention config)
-    monkeypatch.setitem(sys.modules, sweep.FA_VERSION_PICKERS[1],
+    monkeypatch.setitem(sys.modules, sweep_attention.FA_VERSION_PICKERS[1],
                         types.SimpleNamespace(get_flash_attn_version=lambda: 3))
-    assert sweep.flash_attn_varlen()[1] == "vllm_flash_attn_fa3"
+    assert sweep_attention.flash_attn_varlen()[1] == "vllm_flash_attn_fa3"
     # a picker that needs a vLLM config it does not have is skipped, not fatal
-    monkeypatch.setitem(sys.modules, sweep.FA_VERSION_PICKERS[0], types.SimpleNamespace(
+    monkeypatch.setitem(sys.modules, sweep_attention.FA_VERSION_PICKERS[0], types.SimpleNamespace(
         get_flash_attn_version=lambda: (_ for _ in ()).throw(RuntimeError("no current vLLM config"))))
-    assert sweep.flash_attn_varlen()[1] == "vllm_flash_attn_fa3"
+    assert sweep_attention.flash_attn_varlen()[1] == "vllm_flash_attn_fa3"
     del fork.is_fa_version_supported   # a build that cannot tell, and no picker: called as it is, plain name
-    for path in sweep.FA_VERSION_PICKERS:
+    for path in sweep_attention.FA_VERSION_PICKERS:
         monkeypatch.setitem(sys.modules, path, None)
-    fn, name = sweep.flash_attn_varlen()
+    fn, name = sweep_attention.flash_attn_varlen()
     assert name == "vllm_flash_attn" and fn is varlen
 
 
@@ -235,11 +236,11 @@ def test_a_flash_attention_that_fails_its_test_call_gives_way_to_sdpa():
         raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
 
     for fn in (old_signature, no_kernel_image):
-        assert sweep.working_flash(torch, (fn, "vllm_flash_attn"), "cpu", said.append) is None
+        assert sweep_attention.working_flash(torch, (fn, "vllm_flash_attn"), "cpu", said.append) is None
     assert len(said) == 2 and "TypeError" in said[0] and "SDPA" in said[1]
     fine = (lambda **kw: kw["q"], "vllm_flash_attn")
-    assert sweep.working_flash(torch, fine, "cpu", said.append) is fine and len(said) == 2
-    assert sweep.working_flash(torch, None, "cpu", said.append) is None and len(said) == 2
+    assert sweep_attention.working_flash(torch, fine, "cpu", said.append) is fine and len(said) == 2
+    assert sweep_attention.working_flash(torch, None, "cpu", said.append) is None and len(said) == 2
 
 
 def test_timed_calls_are_queued_behind_a_gpu_sleep(monkeypatch):
@@ -259,20 +260,21 @@ def test_timed_calls_are_queued_behind_a_gpu_sleep(monkeypatch):
 
     cuda = types.SimpleNamespace(Event=Event, synchronize=lambda: log.append("sync"),
                                  _sleep=lambda cycles: log.append(("sleep", cycles)))
-    monkeypatch.setattr(sweep, "_torch", lambda: types.SimpleNamespace(cuda=cuda))
-    latency = sweep.time_us(lambda: log.append("call"), "cuda:0", warmup=3, reps=10)
+    monkeypatch.setattr(sweep_timing, "import_torch", lambda: types.SimpleNamespace(cuda=cuda))
+    latency = sweep_timing.time_us(lambda: log.append("call"), "cuda:0", warmup=3, reps=10)
     assert latency == pytest.approx(50.0)   # 0.5 ms over 10 calls
     sleep = next(i for i, x in enumerate(log) if isinstance(x, tuple))
     assert log[:4] == ["call"] * 4   # warm-up, and one more call whose CPU time sets the sleep
     assert log[sleep - 1] == "sync" and log[sleep + 1] == "record start"
     assert log[sleep + 2:] == ["call"] * 10 + ["record end", "sync"]
-    assert log[sleep][1] >= sweep.MIN_HEAD_START_S * sweep.SLEEP_CYCLES_PER_S
-    assert sweep.head_start_cycles(20e-6, 10) == int(400e-6 * sweep.SLEEP_CYCLES_PER_S)   # 2 × 10 calls × 20 µs
-    assert sweep.head_start_cycles(1.0, 10) == int(sweep.MAX_HEAD_START_S * sweep.SLEEP_CYCLES_PER_S)   # capped
-    for fixed_s, sleeps in ((0.0, []), (sweep.COMM_HEAD_START_S, [("sleep", 3_000_000)])):   # none; collectives'
+    assert log[sleep][1] >= sweep_timing.MIN_HEAD_START_S * sweep_timing.SLEEP_CYCLES_PER_S
+    cycles_per_s = sweep_timing.SLEEP_CYCLES_PER_S
+    assert sweep_timing.head_start_cycles(20e-6, 10) == int(400e-6 * cycles_per_s)   # 2 × 10 calls × 20 µs
+    assert sweep_timing.head_start_cycles(1.0, 10) == int(sweep_timing.MAX_HEAD_START_S * cycles_per_s)   # capped
+    for fixed_s, sleeps in ((0.0, []), (sweep_timing.COMM_HEAD_START_S, [("sleep", 3_000_000)])):   # none; collectives'
         log.clear()
         names = iter(("start", "end"))
-        sweep.time_us(lambda: log.append("call"), "cuda:0", warmup=1, reps=2, head_start_s=fixed_s)
+        sweep_timing.time_us(lambda: log.append("call"), "cuda:0", warmup=1, reps=2, head_start_s=fixed_s)
         assert [x for x in log if isinstance(x, tuple)] == sleeps
 
 
@@ -282,8 +284,8 @@ def test_a_point_that_fails_is_left_out_not_fatal():
     def broken():
         raise RuntimeError("CUDA out of memory")
 
-    assert sweep.time_point(broken, "cpu", 1) is None
-    assert sweep.time_point(lambda: (lambda: None), "cpu", 1) >= 0.0
+    assert sweep_timing.time_point(broken, "cpu", 1) is None
+    assert sweep_timing.time_point(lambda: (lambda: None), "cpu", 1) >= 0.0
 
 
 def test_collectives_count_the_whole_buffer_like_the_schema():
@@ -329,14 +331,15 @@ def test_the_estimate_prices_every_point_like_predict_does(tmp_path):
     assert set(est) == {"gemm", "attn_prefill", "attn_decode", "comm"}
     for fam in est:
         p = sweep.write_csv(tmp_path / f"{fam}.csv", fam, [(*row, 1.0) for row in getattr(grid, fam)])
-        comm_sleep_s = sweep.COMM_HEAD_START_S * len(grid.comm) if fam == "comm" else 0.0   # fixed for collectives
+        # fixed for collectives
+        comm_sleep_s = sweep_timing.COMM_HEAD_START_S * len(grid.comm) if fam == "comm" else 0.0
         expected = 13 * float(np.nansum(predict_table_s(read_table(p), hw, calib))) + comm_sleep_s
         assert est[fam] == pytest.approx(expected, rel=1e-9) and est[fam] > 0
         # by default: the calls every point makes, plus its head start
-        sleep_s = comm_sleep_s or sweep.head_start_cycles(sweep.ASSUMED_ISSUE_S, sweep.TIMED_CALLS) / \
+        sleep_s = comm_sleep_s or sweep_timing.head_start_cycles(sweep.ASSUMED_ISSUE_S, sweep_timing.TIMED_CALLS) / \
             hw.boost_clock_hz * len(getattr(grid, fam))
         assert sweep.estimate_seconds(grid, hw, calib)[fam] == pytest.approx(
-            (est[fam] - comm_sleep_s) / 13 * sweep.CALLS_PER_POINT + sleep_s, rel=1e-9)
+            (est[fam] - comm_sleep_s) / 13 * sweep_timing.CALLS_PER_POINT + sleep_s, rel=1e-9)
 
 
 def test_fp8_is_dropped_when_a_test_fp8_gemm_fails_on_the_gpu():
@@ -372,25 +375,25 @@ def test_fp8_is_timed_only_on_nvidia_gpus_with_fp8_tensor_cores():
 def test_a_paged_block_table_deals_every_block_of_the_pool_once_in_a_shuffled_order():
     """The paged cache vLLM's FlashAttention is timed on: ceil(kv_len / block) blocks per sequence, the pool exactly
     their blocks, dealt in a shuffled order (as a served cache's are), the same for the same seed."""
-    table = sweep.paged_block_table(6, 100, 16, np.random.default_rng(0))
+    table = sweep_attention.paged_block_table(6, 100, 16, np.random.default_rng(0))
     assert table.shape == (6, 7) and table.dtype == np.int32              # 100 tokens: 6 full blocks + 4 tokens
     assert sorted(table.ravel().tolist()) == list(range(42))             # every block of the pool, once
     assert table.ravel().tolist() != list(range(42))                     # not laid out in order
-    assert np.array_equal(table, sweep.paged_block_table(6, 100, 16, np.random.default_rng(0)))
-    assert sweep.paged_block_table(1, 16, 16, np.random.default_rng(0)).shape == (1, 1)
-    assert sweep.paged_block_table(2, 17, 16, np.random.default_rng(0)).shape == (2, 2)
+    assert np.array_equal(table, sweep_attention.paged_block_table(6, 100, 16, np.random.default_rng(0)))
+    assert sweep_attention.paged_block_table(1, 16, 16, np.random.default_rng(0)).shape == (1, 1)
+    assert sweep_attention.paged_block_table(2, 17, 16, np.random.default_rng(0)).shape == (2, 2)
     with pytest.raises(ValueError, match="block_size >= 1"):
-        sweep.paged_block_table(2, 17, 0, np.random.default_rng(0))
+        sweep_attention.paged_block_table(2, 17, 0, np.random.default_rng(0))
 
 
 def test_only_vllms_flash_attention_is_paged():
     """vLLM's build pages by the block size one serves with; the flash_attn package (its pages: multiples of 256
     tokens) and SDPA read a contiguous cache."""
     fa = lambda **kw: kw   # noqa: E731
-    assert sweep.kv_block_size((fa, "vllm_flash_attn_fa2")) == sweep_shapes.KV_BLOCK_SIZE == 16
-    assert sweep.kv_block_size((fa, "vllm_flash_attn_fa3"), 32) == 32
-    assert sweep.kv_block_size((fa, "vllm_flash_attn")) == 16
-    assert sweep.kv_block_size((fa, "flash_attn")) == 0 and sweep.kv_block_size(None) == 0
+    assert sweep_attention.kv_block_size((fa, "vllm_flash_attn_fa2")) == sweep_shapes.KV_BLOCK_SIZE == 16
+    assert sweep_attention.kv_block_size((fa, "vllm_flash_attn_fa3"), 32) == 32
+    assert sweep_attention.kv_block_size((fa, "vllm_flash_attn")) == 16
+    assert sweep_attention.kv_block_size((fa, "flash_attn")) == 0 and sweep_attention.kv_block_size(None) == 0
 
 
 def test_vllms_flash_attention_reads_a_paged_cache_as_vllm_calls_it():

@@ -343,6 +343,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from kernelsight.calibrate import sweep
+    from kernelsight.calibrate.sweep_timing import TorchUnavailableError
 
     if args.estimate:
         return _estimate_sweep(args, sweep)
@@ -355,7 +356,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             points=args.points, seed=args.seed, resume=args.resume, block_size=args.block_size,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
-    except sweep.TorchUnavailableError as exc:
+    except TorchUnavailableError as exc:
         print(str(exc), file=sys.stderr)
         return 2
     for p in paths:

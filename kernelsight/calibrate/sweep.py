@@ -17,8 +17,9 @@ The shapes: a fixed-seed draw of points per family from a dense shape space, plu
 (:mod:`kernelsight.calibrate.sweep_shapes`). Each point is warmed up and timed over 10 back-to-back repetitions with
 CUDA events, measured the way vLLM runs kernels in a forward pass:
 
-* the GPU sleeps while Python queues the repetitions (:func:`time_us`), so it runs them without waiting on the
-  interpreter, as vLLM's CUDA graphs do: a 3 µs GEMM is timed, not the time Python takes to issue a call;
+* the GPU sleeps while Python queues the repetitions (:mod:`~kernelsight.calibrate.sweep_timing`), so it runs them
+  without waiting on the interpreter, as vLLM's CUDA graphs do: a 3 µs GEMM is timed, not the time Python takes to
+  issue a call;
 * each GEMM repetition reads its own copy of the weight, the copies together ≥ 2× the L2 cache
   (:func:`weight_copies`): every layer of a forward pass reads its own weights from DRAM, and so do the shared
   tables' GEMMs (a 32 MB weight on the L40S, a third of its 96 MB L2, streams at 0.78 of DRAM bandwidth), while
@@ -29,15 +30,12 @@ CUDA events, measured the way vLLM runs kernels in a forward pass:
   a KV cache under the L2 size run faster than DRAM bandwidth allows), so a sweep's fit prices attention the way
   the bundled calibrations do; collectives sleep the same fixed time on every rank (:data:`COMM_HEAD_START_S`);
 * vLLM's FlashAttention reads a paged KV cache, as vLLM serves (``--block-size`` tokens per block, 16 by default
-  as in vLLM; the blocks in a shuffled order, as a cache's are once requests have come and gone:
-  :func:`paged_block_table`): FA2 runs its split-KV kernel on every paged call and another kernel on a contiguous
-  cache it does not split (different tiles, different occupancy), so a contiguous sweep would time decode at large
-  batches and every prefill with a kernel vLLM does not run. The shared tables time paged calls too (64-token
-  blocks, shuffled). The ``flash_attn`` package is timed contiguous: its paged path wants blocks of a multiple of
-  256 tokens, not the block sizes vLLM serves with.
+  as in vLLM; the blocks in a shuffled order, as a cache's are once requests have come and gone; the attention
+  kernels and their calls: :mod:`~kernelsight.calibrate.sweep_attention`). The shared tables time paged calls too
+  (64-token blocks, shuffled).
 
 Rows are written as they are timed, with a progress line every half minute; ``--resume`` continues a stopped sweep
-(same GPU, draw and kernels), timing only the points its files lack.
+(same GPU, software, draw and kernels), timing only the points its files lack.
 
 ``kernelsight calibrate sweep --estimate GPU`` predicts the GPU time with the
 GPU's calibration (:func:`estimate_seconds`; ~3.5 minutes on an H100); ``benchmarks/sweep_grid.py`` measures what a
@@ -47,7 +45,6 @@ fit on these points achieves on the shared tables, and the time from their measu
 from __future__ import annotations
 
 import csv
-import importlib
 import importlib.metadata
 import itertools
 import json
@@ -60,6 +57,14 @@ from pathlib import Path
 import numpy as np
 
 from kernelsight.calibrate.measurements import SCHEMA, SWEEP_INFO_FILE
+from kernelsight.calibrate.sweep_attention import (
+    attention_call,
+    attention_kernel,
+    flash_attn_varlen,
+    flash_runs_fp8_kv,
+    kv_block_size,
+    working_flash,
+)
 from kernelsight.calibrate.sweep_shapes import (
     KV_BLOCK_SIZE,
     SWEEP_FAMILIES,
@@ -70,12 +75,19 @@ from kernelsight.calibrate.sweep_shapes import (
     formats_for,
     grid_columns,
 )
+from kernelsight.calibrate.sweep_timing import (
+    CALLS_PER_POINT,
+    COMM_HEAD_START_S,
+    TIMED_CALLS,
+    WARMUP_CALLS,
+    call_error,
+    head_start_cycles,
+    import_torch,
+    time_point,
+    time_us,
+)
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.hardware import HardwareSpec
-
-
-class TorchUnavailableError(RuntimeError):
-    """The sweep needs PyTorch (``pip install kernelsight[sweep]``)."""
 
 
 def write_csv(
@@ -118,89 +130,6 @@ def estimate_seconds(grid: Grid, hw: HardwareSpec, calib: Calibration, calls_per
     return out
 
 
-# ------------------------------------------------------------------------------------------------------------
-# timing with torch (lazy)
-# ------------------------------------------------------------------------------------------------------------
-def _torch():  # type: ignore[no-untyped-def]
-    try:
-        import torch
-    except ImportError as exc:
-        raise TorchUnavailableError(
-            "kernelsight calibrate sweep needs PyTorch: pip install 'kernelsight[sweep]'"
-        ) from exc
-    return torch
-
-
-WARMUP_CALLS = 3
-TIMED_CALLS = 10
-#: GPU calls a point makes: the warm-up, the call whose CPU time sets the head start, the timed ones.
-CALLS_PER_POINT = WARMUP_CALLS + 1 + TIMED_CALLS
-#: ``torch.cuda._sleep`` counts SM clock cycles; no GPU clocks faster than this, so a sleep lasts at least as asked.
-SLEEP_CYCLES_PER_S = 3.0e9
-#: The GPU's head start: this many times the CPU time to issue the timed calls (one call's issue time, measured on
-#: the last warm-up call, × the calls), at least :data:`MIN_HEAD_START_S`.
-HEAD_START_MARGIN = 2.0
-MIN_HEAD_START_S = 50e-6
-#: ... and at most this: a call that waits for the GPU (its CPU time then holds GPU time) gains nothing from a
-#: longer sleep, and ten such calls of a long kernel would otherwise sleep seconds per point.
-MAX_HEAD_START_S = 20e-3
-#: A collective's head start, the same on every rank: the first collective waits for the last rank to reach it, so
-#: sleeps of different lengths (each rank's own issue time) would be timed. Issuing a collective from Python takes
-#: tens of µs, ten of them well under this.
-COMM_HEAD_START_S = 1e-3
-
-
-def head_start_cycles(issue_s: float, reps: int) -> int:
-    """Cycles of GPU sleep queued ahead of ``reps`` timed calls that each take ``issue_s`` of CPU time to issue."""
-    seconds = min(max(HEAD_START_MARGIN * reps * issue_s, MIN_HEAD_START_S), MAX_HEAD_START_S)
-    return int(seconds * SLEEP_CYCLES_PER_S)
-
-
-def time_us(fn: Callable[[], object], device: str, warmup: int = WARMUP_CALLS, reps: int = TIMED_CALLS,
-            head_start_s: float | None = None) -> float:
-    """Mean latency of ``fn`` in µs over ``reps`` calls after ``warmup``: CUDA events on GPUs, wall clock on CPU.
-
-    On a GPU the timed calls are queued behind a sleep kernel: the GPU then runs them back to back instead of
-    idling while Python issues the next one, which would time the interpreter for kernels shorter than a call's
-    issue time. The sleep lasts ``head_start_s`` (0: none), by default :func:`head_start_cycles` of this call's
-    issue time."""
-    torch = _torch()
-    for _ in range(warmup):
-        fn()
-    if device.startswith("cuda"):
-        t0 = time.perf_counter()
-        fn()   # one more warm-up call, whose CPU time is what issuing one call costs
-        issue_s = time.perf_counter() - t0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        cycles = head_start_cycles(issue_s, reps) if head_start_s is None else int(head_start_s * SLEEP_CYCLES_PER_S)
-        sleep = getattr(torch.cuda, "_sleep", None)
-        if cycles > 0 and sleep is not None:
-            sleep(cycles)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) * 1e6 / reps
-
-
-def time_point(make: Callable[[], Callable[[], object]], device: str, reps: int) -> float | None:
-    """``time_us`` of the call ``make`` builds, or None when building or running it fails (out of memory, a shape
-    the backend rejects): one point must not end a sweep of thousands."""
-    torch = _torch()
-    try:
-        return time_us(make(), device, reps=reps)
-    except (RuntimeError, ValueError):   # torch.OutOfMemoryError is a RuntimeError
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        return None
-
-
 GEMM_KERNELS = {"bf16": "torch.nn.functional.linear", "fp8": "torch._scaled_mm"}
 
 
@@ -212,22 +141,10 @@ def gemm_formats(torch, device: str, say: Callable[[str], None] = lambda _line: 
         return ("bf16",)
     vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
     formats = formats_for(vendor, torch.cuda.get_device_capability(device))
-    if "fp8" in formats and (exc := _test_call(torch, lambda: _gemm_fn(torch, "fp8", 16, 16, 16, device)(), device)):
+    if "fp8" in formats and (exc := call_error(torch, lambda: _gemm_fn(torch, "fp8", 16, 16, 16, device)(), device)):
         say(f"a test fp8 GEMM failed ({type(exc).__name__}: {exc}); GEMMs are timed in bf16 only")
         formats = tuple(f for f in formats if f != "fp8")
     return formats
-
-
-def _test_call(torch, call: Callable[[], object], device: str) -> Exception | None:  # type: ignore[no-untyped-def]
-    """What one small call of a kernel raises here (None: it ran), synchronized on a GPU so that an error of the
-    kernel itself shows: a kernel the build or the GPU cannot run is left out before the sweep, not point by point."""
-    try:
-        call()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001 — whatever a build raises, the sweep goes on without that kernel
-        return exc
-    return None
 
 
 #: GEMM weight copies rotated over cover at least this many times the L2 size (:func:`weight_copies`).
@@ -272,168 +189,6 @@ def _gemm_fn(torch, dtype: str, m: int, n: int, k: int, device: str, l2_bytes: i
     return run
 
 
-#: Where vLLM keeps the function that picks the FlashAttention version it serves with (it moved between releases).
-FA_VERSION_PICKERS: tuple[str, ...] = (
-    "vllm.attention.utils.fa_utils", "vllm.v1.attention.backends.fa_utils", "vllm.vllm_flash_attn.fa_utils",
-)
-
-
-def vllm_fa_version(flash_module: object) -> int | None:
-    """The FlashAttention version vLLM serves with on this GPU: its own picker's answer when importable, else the
-    newest of 3 and 2 its FlashAttention build supports here; None when neither can tell. The build's entry point
-    defaults to version 2, while vLLM runs version 3 on Hopper: a sweep calling it plainly would time FA2 there."""
-    for path in FA_VERSION_PICKERS:
-        try:
-            version = importlib.import_module(path).get_flash_attn_version()
-        except Exception:  # noqa: BLE001 — absent in this release, or it needs a vLLM config: try the next
-            continue
-        if version:
-            return int(version)
-    supported = getattr(flash_module, "is_fa_version_supported", None)
-    for version in (3, 2):
-        try:
-            if supported is not None and supported(version):
-                return version
-        except Exception:  # noqa: BLE001 — a build that cannot answer: the next version, else none
-            continue
-    return None
-
-
-def flash_attn_varlen() -> tuple[Callable[..., object], str] | None:
-    """FlashAttention's variable-length entry point and the kernel name to record, when importable: vLLM's build
-    called with the version vLLM serves with (recorded as e.g. ``vllm_flash_attn_fa3``, as in the shared tables),
-    else the ``flash_attn`` package."""
-    for module, name in (("vllm.vllm_flash_attn", "vllm_flash_attn"), ("flash_attn", "flash_attn")):
-        try:
-            mod = importlib.import_module(module)
-            fn = mod.flash_attn_varlen_func
-        except (ImportError, AttributeError):
-            continue
-        version = vllm_fa_version(mod) if module == "vllm.vllm_flash_attn" else None
-        return (partial(fn, fa_version=version), f"{name}_fa{version}") if version else (fn, name)
-    return None
-
-
-def working_flash(torch, flash: tuple[Callable[..., object], str] | None, device: str,  # type: ignore[no-untyped-def]
-                  say: Callable[[str], None]) -> tuple[Callable[..., object], str] | None:
-    """``flash`` if one small call of it runs here, else None (attention is then timed with SDPA): an importable
-    FlashAttention whose arguments or build do not match this GPU would otherwise fail every attention point."""
-    if flash is None:
-        return None
-    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device,
-                                                  block_size=kv_block_size(flash))(), device):
-        say(f"{flash[1]} is importable but a test call failed ({type(exc).__name__}: {exc}); "
-            "attention is timed with torch SDPA instead")
-        return None
-    return flash
-
-
-def paged_block_table(batch: int, kv_len: int, block_size: int, rng: np.random.Generator) -> np.ndarray:
-    """Block table of ``batch`` sequences of ``kv_len`` tokens in a pool of exactly their blocks: row i lists the
-    blocks of sequence i, the pool's blocks dealt in a shuffled order (a served cache's blocks are scattered once
-    requests have come and gone; so are the shared tables')."""
-    if batch < 1 or kv_len < 1 or block_size < 1:
-        raise ValueError(f"a paged KV cache needs batch, kv_len and block_size >= 1, got {batch}, {kv_len}, "
-                         f"{block_size}")
-    per_seq = -(-kv_len // block_size)
-    return rng.permutation(batch * per_seq).astype(np.int32).reshape(batch, per_seq)
-
-
-def _flash_fn(
-    torch, flash: Callable[..., object], b: int, q_len: int, kv_len: int, qh: int, kvh: int, hd: int, window: int,
-    device: str, kv_dtype: str = "bf16", block_size: int = 0,
-) -> Callable[[], object]:  # type: ignore[no-untyped-def]
-    """``b`` sequences of ``q_len`` new tokens attending ``kv_len`` tokens (the last ``q_len`` are the new ones).
-    ``block_size`` > 0: the keys and values in a paged cache of blocks of that many tokens (``block_table`` and
-    ``seqused_k``, as vLLM calls its FlashAttention; :func:`paged_block_table`), else contiguous (``cu_seqlens_k``).
-    ``kv_dtype`` fp8: as vLLM runs an fp8 KV cache on FA3 — query, keys and values in e4m3 with per-sequence,
-    per-KV-head descales, the output in bf16."""
-    q = torch.randn(b * q_len, qh, hd, device=device, dtype=torch.bfloat16)
-    cu_q = torch.arange(0, (b + 1) * q_len, q_len, device=device, dtype=torch.int32)
-    # keyword arguments only: vLLM's fork and the flash_attn package order the positional ones differently
-    kwargs = dict(q=q, cu_seqlens_q=cu_q, max_seqlen_q=q_len, max_seqlen_k=kv_len,
-                  causal=True, window_size=(window - 1, 0) if window else (-1, -1))
-    if block_size > 0:
-        # one layout per shape: a repeated or resumed sweep times the same cache
-        table = paged_block_table(b, kv_len, block_size, np.random.default_rng(b * 1_000_003 + kv_len))
-        k = torch.randn(table.size, block_size, kvh, hd, device=device, dtype=torch.bfloat16)
-        kwargs.update(block_table=torch.as_tensor(table, device=device),
-                      seqused_k=torch.full((b,), kv_len, device=device, dtype=torch.int32))
-    else:
-        k = torch.randn(b * kv_len, kvh, hd, device=device, dtype=torch.bfloat16)
-        kwargs.update(cu_seqlens_k=torch.arange(0, (b + 1) * kv_len, kv_len, device=device, dtype=torch.int32))
-    v = torch.randn_like(k)
-    kwargs.update(k=k, v=v)
-    if kv_dtype == "fp8":
-        fp8 = torch.float8_e4m3fn
-        one = torch.ones((b, kvh), device=device, dtype=torch.float32)
-        kwargs.update(q=q.to(fp8), k=k.to(fp8), v=v.to(fp8), q_descale=one, k_descale=one, v_descale=one,
-                      out=torch.empty(b * q_len, qh, hd, device=device, dtype=torch.bfloat16))
-    elif kv_dtype != "bf16":
-        raise ValueError(f"the sweep cannot time a {kv_dtype!r} KV cache")
-    return lambda: flash(**kwargs)
-
-
-def flash_runs_fp8_kv(torch, flash: tuple[Callable[..., object], str] | None, device: str,  # type: ignore[no-untyped-def]
-                      say: Callable[[str], None]) -> bool:
-    """Whether ``flash`` runs an fp8 KV cache here (FA3 on Hopper does; FA2 does not): one small call decides, so
-    a build without it costs one line, not a family of failed points."""
-    if flash is None or not flash[1].endswith("_fa3"):
-        return False
-    if exc := _test_call(torch, lambda: _flash_fn(torch, flash[0], 2, 16, 16, 4, 2, 128, 0, device, "fp8",
-                                                  kv_block_size(flash))(), device):
-        say(f"{flash[1]} did not run a test fp8 KV-cache call ({type(exc).__name__}: {exc}); attention is timed "
-            "with a bf16 KV cache only")
-        return False
-    return True
-
-
-def _sdpa_fn(
-    torch, b: int, q_len: int, kv_len: int, qh: int, kvh: int, hd: int, device: str, causal: bool
-) -> Callable[[], object]:  # type: ignore[no-untyped-def]
-    dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    q = torch.randn(b, qh, q_len, hd, device=device, dtype=dt)
-    k = torch.randn(b, kvh, kv_len, hd, device=device, dtype=dt)
-    v = torch.randn_like(k)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    try:   # grouped KV heads read in place (torch ≥ 2.5); copying them inside the timed call would time the copy
-        sdpa(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], enable_gqa=True)
-        return lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=True)
-    except TypeError:
-        rep = qh // kvh
-        kk, vv = (k, v) if rep == 1 else (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
-        return lambda: sdpa(q, kk, vv, is_causal=causal)
-
-
-def attention_kernel(flash: tuple[Callable[..., object], str] | None) -> str:
-    """The ``kernel`` name attention rows are written with."""
-    return flash[1] if flash is not None else "torch_sdpa"
-
-
-def kv_block_size(flash: tuple[Callable[..., object], str] | None, block_size: int = KV_BLOCK_SIZE) -> int:
-    """Tokens per KV-cache block the sweep pages attention by: ``block_size`` for vLLM's FlashAttention, 0
-    (contiguous) for the ``flash_attn`` package (its paged path wants blocks of a multiple of 256 tokens) and
-    SDPA."""
-    return block_size if flash is not None and flash[1].startswith("vllm_flash_attn") else 0
-
-
-def _attention_call(
-    torch, point: tuple[int, int, int, int, int, str, int], decode: bool, device: str,  # type: ignore[no-untyped-def]
-    flash: tuple[Callable[..., object], str] | None, block_size: int = KV_BLOCK_SIZE,
-) -> Callable[[], Callable[[], object]] | None:
-    """What builds one attention point's call (prefill: ``seq_len`` new tokens, no prefix; decode: 1 new token after
-    ``cached``), paged by :func:`kv_block_size`; None for a sliding window or an fp8 KV cache without
-    FlashAttention (SDPA has no such kernels: a masked or upcast call would time a different path)."""
-    b, s, qh, kvh, hd, kvd, w = point
-    q_len, kv_len = (1, s + 1) if decode else (s, s)
-    if flash is None:
-        if w or kvd != "bf16":
-            return None
-        return partial(_sdpa_fn, torch, b, q_len, kv_len, qh, kvh, hd, device, causal=not decode)
-    return partial(_flash_fn, torch, flash[0], b, q_len, kv_len, qh, kvh, hd, w, device, kvd,
-                   kv_block_size(flash, block_size))
-
-
 def _attention_rows(
     torch, points: Sequence[tuple[int, int, int, int, int, str, int]], decode: bool, device: str, reps: int,
     flash: tuple[Callable[..., object], str] | None, block_size: int = KV_BLOCK_SIZE,
@@ -441,7 +196,7 @@ def _attention_rows(
     """The timed points' rows (``latency_us`` last; points left out or failing are not there), and the kernel."""
     rows = []
     for point in points:
-        make = _attention_call(torch, point, decode, device, flash, block_size)
+        make = attention_call(torch, point, decode, device, flash, block_size)
         lat = time_point(make, device, reps) if make is not None else None
         if lat is not None:
             rows.append((*point, lat))
@@ -531,7 +286,7 @@ def run_sweep(
     GPU, draw and kernels, else ValueError) and times only the rest."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    torch = _torch()
+    torch = import_torch()
     say = progress or (lambda _line: None)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -559,7 +314,7 @@ def run_sweep(
                 kernel = attention_kernel(flash)
                 written.append(_time_family(
                     out, fam, shapes,
-                    lambda p, decode=fam == "attn_decode": _attention_call(torch, p, decode, device, flash,
+                    lambda p, decode=fam == "attn_decode": attention_call(torch, p, decode, device, flash,
                                                                            block_size),
                     lambda p, name=kernel: name, f"{fam} ({kernel})", device, reps, resume, say))
     if "comm" in families and grid.comm:
@@ -684,7 +439,7 @@ def collective_fn(torch, dist, op: str, message_bytes: int, world: int, device: 
 
 def _run_comm(out: Path, grid: Grid, reps: int) -> Path:
     """The grid's collectives over 2/4/8 local GPUs (one process per GPU, NCCL)."""
-    torch = _torch()
+    torch = import_torch()
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Manager().list()
@@ -699,7 +454,7 @@ def _run_comm(out: Path, grid: Grid, reps: int) -> Path:
 def _comm_worker(rank: int, world: int, points: list[tuple[str, int]], reps: int, results: list) -> None:  # type: ignore[type-arg]
     import os
 
-    torch = _torch()
+    torch = import_torch()
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
