@@ -6,6 +6,9 @@
 * target-measured from a GPU's own tables on top of its cross-generation prior: rtx-pro-6000
   (``rtx_pro_6000_server``), as ``kernelsight calibrate fit`` does, NVFP4 GEMM rows included; rows of formats the
   model cannot price yet would be left out and counted in the file's notes.
+* the same GPU timed under another vLLM release (a folder ``<GPU folder>@vllm-<version>``, e.g. the RTX PRO 6000
+  under vLLM 0.19.0): fitted as its plain folder is, into ``<gpu>@vllm-<version>.json`` (a calibration belongs to a GPU
+  and a software stack; ``--vllm-version`` picks it).
 * the cross-generation files of GPUs with FP4 tensor cores (B200, B300, GB200, GB300) get their NVFP4 GEMM η from
   the RTX PRO 6000's fit (``FP4_TRANSFER_SOURCES``, rule 9 of :mod:`kernelsight.calibrate.fit.transfer`).
 
@@ -43,6 +46,7 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     default_fit_workers,
     fit_target,
     measured_gpu_dirs,
+    other_stack_dirs,
 )
 from kernelsight.calibrate.fit.comm import fit_comm  # noqa: E402
 from kernelsight.calibrate.fit.eta import fit_family  # noqa: E402
@@ -60,7 +64,12 @@ from kernelsight.calibrate.measurements import (  # noqa: E402
     read_measurements,
     read_table,
 )
-from kernelsight.profiles import list_hardware, load_hardware, read_calibration_file  # noqa: E402
+from kernelsight.profiles import (  # noqa: E402
+    calibration_file_name,
+    list_hardware,
+    load_hardware,
+    read_calibration_file,
+)
 from kernelsight.simcore.calibration import Calibration, default_calibration  # noqa: E402
 from kernelsight.simcore.eta import SwitchEta  # noqa: E402
 from kernelsight.simcore.hardware import HardwareSpec  # noqa: E402
@@ -112,14 +121,15 @@ def _rebuild_comm(data: Path, out_dir: Path) -> int:
     all_measured = {name: folder for folder, name in measured_gpu_dirs(data).items()}
     measured: list[tuple[Calibration, HardwareSpec]] = []
 
-    def rewrite(name: str, comm: dict, keep_unmeasured: dict | None = None) -> Calibration:
-        calib = read_calibration_file(out_dir / f"{name}.json")
+    def rewrite(name: str, comm: dict, keep_unmeasured: dict | None = None, file: str | None = None) -> Calibration:
+        file = file or calibration_file_name(name)
+        calib = read_calibration_file(out_dir / file)
         calib.comm = {**default_calibration(name).comm, **comm}   # a fit or transfer starts from the defaults
         for backend, model in (keep_unmeasured or {}).items():   # as fit_calibration's prior fill does
             if backend not in comm:
                 calib.comm[backend] = model
-        (out_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
-        print(f"{name}: collective models rewritten ({', '.join(sorted(calib.comm))})")
+        (out_dir / file).write_text(json.dumps(calib.to_dict()))
+        print(f"{file}: collective models rewritten ({', '.join(sorted(calib.comm))})")
         return calib
 
     for name in CROSS_GENERATION_SOURCES:
@@ -133,6 +143,10 @@ def _rebuild_comm(data: Path, out_dir: Path) -> int:
         prior = {**default_calibration(name).comm, **transfer_comm(measured, hw)}   # the cross-generation tier's
         table = read_table(data / folder / "comm.csv.gz", "comm")
         rewrite(name, fit_comm(table.columns, hw, prior), prior)
+    for folder, (name, version) in other_stack_dirs(data).items():
+        prior = {**default_calibration(name).comm, **transfer_comm(measured, load_hardware(name))}
+        table = read_table(data / folder / "comm.csv.gz", "comm")
+        rewrite(name, fit_comm(table.columns, load_hardware(name), prior), prior, calibration_file_name(name, version))
     for name in list_hardware():
         if name not in all_measured:
             rewrite(name, transfer_comm(measured, load_hardware(name)))
@@ -162,6 +176,9 @@ def _add_fp4_variants(data: Path, out_dir: Path) -> int:
     cross-generation file (transferred from them); the rest of each file unchanged."""
     folders = {name: folder for folder, name in measured_gpu_dirs(data).items()}
     fp4 = [(_refit_nvfp4(n, data / folders[n], out_dir / f"{n}.json"), load_hardware(n)) for n in FP4_TRANSFER_SOURCES]
+    for folder, (name, version) in other_stack_dirs(data).items():   # the same GPU's other stacks: their own rows
+        if name in FP4_TRANSFER_SOURCES:
+            _refit_nvfp4(name, data / folder, out_dir / calibration_file_name(name, version))
     for name in list_hardware():
         path = out_dir / f"{name}.json"
         calib = read_calibration_file(path)
@@ -193,6 +210,12 @@ def _rewrite_software(data: Path, out_dir: Path) -> int:
             calib.software = merged_software(sources + (fp4 if transferred_fp4 else []))
         path.write_text(json.dumps(calib.to_dict()))
         print(f"{name}: software {calib.software}")
+    for folder, (name, version) in other_stack_dirs(data).items():
+        path = out_dir / calibration_file_name(name, version)
+        calib = read_calibration_file(path)
+        calib.software = measurement_software(data / folder)
+        path.write_text(json.dumps(calib.to_dict()))
+        print(f"{path.name}: software {calib.software}")
     return 0
 
 
@@ -256,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         if name in FP4_TRANSFER_SOURCES:
             fp4.append((calib, load_hardware(name)))
         print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")
+    for folder, (name, version) in other_stack_dirs(args.data).items():   # the same GPU under another vLLM release
+        if only is not None and name not in only:
+            continue
+        t0 = time.perf_counter()
+        calib = _fit_own_tables(name, args.data / folder, measured)
+        (args.output_dir / calibration_file_name(name, version)).write_text(json.dumps(calib.to_dict()))
+        print(f"{name}: target-measured under vLLM {version} from {folder} in {time.perf_counter() - t0:.1f} s")
     for name in list_hardware():
         if name in all_measured or (only is not None and name not in only):
             continue

@@ -13,6 +13,7 @@ from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import (
     add_engine_args,
     add_kv_link_args,
+    add_vllm_version_arg,
     create_engine_config,
     engine_args_from,
     kv_link_from,
@@ -100,8 +101,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     dp = f"DP {s['data_parallel_size']}{'+EP' if config.expert_parallel else ''}, " if 'data_parallel_size' in s else ""
     replicas = f"{ns.replicas} replicas × " if ns.replicas > 1 else (f"{ns.pd.upper()} × " if pd else "")
     print(f"kernelsight simulate: {s['model']} on {replicas}{s['hardware']} ({dp}TP {s['tensor_parallel_size']}, "
-          f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {s['calibration_tier']})")
+          f"{s['dtype']}, kv {s['kv_cache_dtype']}, calibration: {config.calibration_label(s)})")
     print(f"  {describe_expected_error(s['calibration_tier'])}")
+    if s.get("calibration_note"):
+        print(f"  {s['calibration_note']}")
     groups = s["num_gpu_blocks"] * s["block_size"] // max(s["kv_cache_tokens"], 1)
     per_group = f" over {groups} KV-cache groups" if groups > 1 else ""
     print(f"  KV cache: {s['num_gpu_blocks']} blocks × {s['block_size']} tokens{per_group} = "
@@ -204,6 +207,7 @@ def build_validate_parser(sub: argparse._SubParsersAction) -> None:
                    help="the run's request trace (default: the file meta.json's dataset_path names, beside the run; "
                         "without one, the requests of requests.jsonl with no shared prefixes)")
     p.add_argument("--seed", type=int, default=None, help="engine seed (default: the run's)")
+    add_vllm_version_arg(p, "the run's, meta.json's vllm_version")
     p.add_argument("--result-json", default=None, help="write every table as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.html",
                    help="measured vs simulated latency CDFs and timeseries on a self-contained page")
@@ -219,7 +223,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
         require_plotly()
 
     v = validate_run(ns.run_dir, hardware=ns.hardware, calibration=ns.calibration, seed=ns.seed,
-                     workload=ns.workload)
+                     workload=ns.workload, vllm_version=ns.vllm_version)
     print(format_validation(v.result))
     print(f"simulated {v.sim.duration_s:.1f} s in {v.sim.wall_s:.2f} s of wall time")
     if ns.result_json:
@@ -238,14 +242,14 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight.simcore.precision import resolve_precision
 
     print("hardware:")
-    calibrated = set(profiles.list_calibrations())
     for name in profiles.list_hardware():
         hw = profiles.load_hardware(name)
-        tier = "default"
-        if name in calibrated:
-            calib = profiles.load_calibration(name)
-            # the stack its kernels were timed under: a run on another one may run other kernels
-            tier = calib.tier + (f" (vLLM {calib.software['vllm']})" if calib.software.get("vllm") else "")
+        # one calibration per software stack its kernels were timed under (--vllm-version picks one; the default
+        # first): a run on another stack may run other kernels
+        stacks = [profiles.load_calibration(name, vllm_version=version or None)
+                  for version, _ in profiles.calibration_stacks(name)]
+        tier = "; ".join(c.tier + (f" (vLLM {c.software['vllm']}{', default' if i == 0 and len(stacks) > 1 else ''})"
+                                   if c.software.get("vllm") else "") for i, c in enumerate(stacks)) or "default"
         print(f"  {name:<14} {hw.display_name[:34]:<34} {hw.bf16_flops_per_s / 1e12:7.0f} TFLOP/s bf16  "
               f"{hw.mem_bytes_per_s / 1e12:5.2f} TB/s  {hw.mem_capacity_bytes / 2**30:6.1f} GiB  "
               f"aliases: {', '.join(hw.aliases)}  calibration: {tier}")

@@ -86,6 +86,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reproduces older releases)")
     g.add_argument("--calibration", default=None,
                    help="calibration JSON (default: the bundled table for the GPU)")
+    add_vllm_version_arg(g)
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                    help="N engines (each --tensor-parallel-size GPUs) behind one front end that routes each "
                         "request to the least loaded (4·waiting + running) as vLLM's DP coordinator; a MoE "
@@ -115,6 +116,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for everything random (default: 0)")
 
 
+def add_vllm_version_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, default_help: str = "") -> None:
+    """``--vllm-version``: a calibration belongs to a GPU and a software stack; this picks the stack."""
+    p.add_argument("--vllm-version", default=None, metavar="X.Y.Z",
+                   help="the vLLM release to price: the GPU's bundled calibration timed under it (else the newest "
+                        "timed under an older release, else the oldest; the report says so) "
+                        f"(default: {default_help or 'the newest bundled'}; `kernelsight profiles` lists them)")
+
+
 def speculative_config_json(text: str) -> dict:
     """argparse type of ``--speculative-config JSON``: a JSON object (its fields are checked when the engine
     config is resolved, as vLLM's SpeculativeConfig checks them)."""
@@ -140,7 +149,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         num_gpu_blocks_override=ns.num_gpu_blocks_override, enforce_eager=ns.enforce_eager,
         max_cudagraph_capture_size=ns.max_cudagraph_capture_size,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, async_scheduling=ns.async_scheduling,
-        calibration=ns.calibration, data_parallel_size=ns.data_parallel_size,
+        calibration=ns.calibration, vllm_version=ns.vllm_version, data_parallel_size=ns.data_parallel_size,
         data_parallel_rank=ns.data_parallel_rank, enable_expert_parallel=ns.enable_expert_parallel,
         all2all_backend=ns.all2all_backend, expert_load_imbalance=ns.expert_load_imbalance,
         speculative_config=ns.speculative_config, speculative_acceptance_rates=ns.speculative_acceptance_rates)
@@ -153,7 +162,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     """
     model = profiles.load_model(args.model)
     hw = profiles.load_hardware(args.hardware)
-    calib = profiles.load_calibration(hw.name, args.calibration)
+    calib = profiles.load_calibration(hw.name, args.calibration, vllm_version=args.vllm_version)
     return resolve_engine_config(args, model, hw, calib, draft_model_spec(args))
 
 

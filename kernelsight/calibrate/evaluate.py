@@ -51,9 +51,12 @@ def bundled_calibration_dir() -> Path:
 
 
 def bundled_calibrations(tier: str | None = "target-measured") -> list[Calibration]:
-    """Calibrations shipped in ``kernelsight/profiles/calibration`` (optionally of one tier)."""
+    """Each GPU's default calibration shipped in ``kernelsight/profiles/calibration`` (optionally of one tier); the
+    files of its other software stacks (``<gpu>@vllm-<version>.json``) are not among them."""
     out = []
     for p in sorted(bundled_calibration_dir().glob("*.json")):
+        if STACK_FOLDER_SEP in p.name:
+            continue
         c = read_calibration_file(p)
         if tier is None or c.tier == tier:
             out.append(c)
@@ -92,6 +95,25 @@ def measured_gpu_dirs(kernels_dir: str | Path, skipped: list[str] | None = None)
             out[d.name] = name
         elif skipped is not None:
             skipped.append(d.name)
+    return out
+
+
+#: A folder of the kernel-table schema named ``<GPU folder>@vllm-<version>`` holds the same GPU timed under another
+#: vLLM release (a kernel library picks its kernels per release: another software stack, another calibration).
+STACK_FOLDER_SEP = "@vllm-"
+
+
+def other_stack_dirs(kernels_dir: str | Path) -> dict[str, tuple[str, str]]:
+    """Sub-directories ``<GPU folder>@vllm-<version>`` of ``kernels_dir`` holding measurement files, by folder name →
+    (bundled GPU profile name, vLLM version); :func:`measured_gpu_dirs` lists each GPU's plain folder."""
+    out: dict[str, tuple[str, str]] = {}
+    for d in sorted(Path(kernels_dir).iterdir()):
+        gpu, sep, version = d.name.partition(STACK_FOLDER_SEP)
+        if not sep or not version or not d.is_dir() or not any(d.glob("*.csv*")):
+            continue
+        name = bundled_hardware_name(gpu)
+        if name is not None:
+            out[d.name] = (name, version)
     return out
 
 

@@ -230,10 +230,13 @@ def replay_workload(run: Run, workload: str | Path | None = None) -> tuple[list[
 
 
 def run_engine_config(run: Run, *, hardware: str | None = None, calibration: str | None = None,
-                      seed: int | None = None) -> EngineConfig:
-    """The engine the run was served with (:func:`engine_args_from_run`), on its GPU unless ``hardware`` is given."""
+                      seed: int | None = None, vllm_version: str | None = None) -> EngineConfig:
+    """The engine the run was served with (:func:`engine_args_from_run`), on its GPU unless ``hardware`` is given,
+    priced with the GPU's calibration of the run's vLLM release (meta.json's ``vllm_version``) unless
+    ``vllm_version`` is given."""
     try:
-        overrides: dict[str, Any] = {"hardware": hardware or run_hardware(run.meta), "calibration": calibration}
+        overrides: dict[str, Any] = {"hardware": hardware or run_hardware(run.meta), "calibration": calibration,
+                                     "vllm_version": vllm_version or run.meta.get("vllm_version") or None}
         if seed is not None:
             overrides["seed"] = seed
         return create_engine_config(engine_args_from_run(run.meta, **overrides))
@@ -514,10 +517,11 @@ def describe_software(cmp: Mapping[str, Any]) -> str | None:
 
 
 def validate_run(run_dir: str | Path, *, hardware: str | None = None, calibration: str | None = None,
-                 seed: int | None = None, workload: str | Path | None = None, num_bins: int = 15) -> Validation:
+                 seed: int | None = None, workload: str | Path | None = None, num_bins: int = 15,
+                 vllm_version: str | None = None) -> Validation:
     """Read the run, replay it, and compare latencies, timeseries and (simulated) time by kernel family."""
     run = read_run(run_dir)
-    config = run_engine_config(run, hardware=hardware, calibration=calibration, seed=seed)
+    config = run_engine_config(run, hardware=hardware, calibration=calibration, seed=seed, vllm_version=vllm_version)
     samples, arrivals, source = replay_workload(run, workload)
     too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
     if too_long:
@@ -568,7 +572,8 @@ def header_line(result: Mapping[str, Any]) -> str:
             f"{c['dtype']}, kv {c['kv_cache_dtype']}, max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens "
             f"{c['max_num_batched_tokens']}, prefix caching {'on' if c['enable_prefix_caching'] else 'off'}, "
             f"async scheduling {'on' if c['async_scheduling'] else 'off'}, {blocks}, seed {c['seed']}), "
-            f"calibration: {c['calibration_tier']}; {result['num_requests']} requests from {result['workload']}")
+            f"calibration: {EngineConfig.calibration_label(c)}; {result['num_requests']} requests from "
+            f"{result['workload']}")
 
 
 _PHASE_COLUMNS = ["first_token_s", "requests", "ttft_measured_ms", "ttft_simulated_ms", "ttft_error_pct",

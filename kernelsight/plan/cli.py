@@ -93,7 +93,7 @@ def _replicas(text: str) -> tuple[int, ...]:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from kernelsight.engine_args import DEFAULT_MODEL, add_kv_link_args
+    from kernelsight.engine_args import DEFAULT_MODEL, add_kv_link_args, add_vllm_version_arg
     from kernelsight.loadgen.workload import add_workload_args
     from kernelsight.plan.space import DEFAULT_GPUS
 
@@ -146,6 +146,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of device memory vLLM may use (default: 0.9)")
     g.add_argument("--seed", type=int, default=0, help="seed for the workload and the engines (default: 0)")
+    add_vllm_version_arg(g)
     g.add_argument("--prices", default=None,
                    help="JSON of GPU → USD per GPU-hour over the bundled example prices")
     r = p.add_argument_group("running")
@@ -211,7 +212,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                             ns.expert_parallel))), speculative_configs=ns.speculative_config, pd_max=ns.pd_max,
                         kv_link=_kv_link_spec(ns), max_gpus=ns.max_gpus)
     base = EngineArgs(model=ns.model, max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
-                      seed=ns.seed)
+                      seed=ns.seed, vllm_version=ns.vllm_version)
     if ns.all2all_backend is not None:
         base.all2all_backend = ns.all2all_backend
     if ns.ray_address:
@@ -284,6 +285,8 @@ def simulate_command(ns: argparse.Namespace, chosen: dict | None) -> str:
         argv += ["--gpu-memory-utilization", str(a["gpu_memory_utilization"])]
     if a.get("speculative_config") is not None:
         argv += ["--speculative-config", json.dumps(a["speculative_config"], sort_keys=True, separators=(",", ":"))]
+    if a.get("vllm_version"):
+        argv += ["--vllm-version", a["vllm_version"]]
     argv += ["--seed", str(a["seed"]), "--dataset-name", ns.dataset_name, "--num-prompts", str(ns.num_prompts)]
     if ns.dataset_path:
         argv += ["--dataset-path", str(Path(ns.dataset_path))]

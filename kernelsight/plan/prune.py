@@ -82,11 +82,12 @@ _PROFILES: dict[tuple, tuple] = {}
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """``engine_args.create_engine_config`` with the loaded profiles kept per process: a calibration table takes
     ~0.3 s to load, and a search resolves dozens of engines on the same few GPUs."""
-    key = (args.model, args.hardware, args.calibration)
+    key = (args.model, args.hardware, args.calibration, args.vllm_version)
     if key not in _PROFILES:
         model = profiles.load_model(args.model)
         hw = profiles.load_hardware(args.hardware)
-        _PROFILES[key] = (model, hw, profiles.load_calibration(hw.name, args.calibration))
+        calib = profiles.load_calibration(hw.name, args.calibration, vllm_version=args.vllm_version)
+        _PROFILES[key] = (model, hw, calib)
     return resolve_engine_config(args, *_PROFILES[key], draft_model_spec(args))
 
 

@@ -16,7 +16,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from kernelsight.simcore.calibration import Calibration, calibration_from_dict, default_calibration
+from kernelsight.simcore.calibration import Calibration, calibration_from_dict, default_calibration, vllm_release
 from kernelsight.simcore.hardware import HardwareSpec, hardware_spec_from_dict
 from kernelsight.simcore.model_spec import ModelSpec, model_spec_from_hf_config
 
@@ -233,10 +233,56 @@ def load_model(model: str) -> ModelSpec:
 
 
 # -- calibrations ---------------------------------------------------------------------------------
+# A calibration belongs to a GPU *and* a software stack: a kernel library picks its kernels per release, so the same
+# GPU timed under two vLLM releases gives two calibrations. ``calibration/<gpu>.json`` is the GPU's default (the
+# newest release it was timed under); ``calibration/<gpu>@vllm-<version>.json`` holds another release's.
+_STACK_SEP = "@vllm-"
+
+
+def calibration_file_name(hardware: str, vllm_version: str | None = None) -> str:
+    """The bundled file of a GPU's calibration: its default (``None``), or the one timed under ``vllm_version``."""
+    return f"{hardware}{_STACK_SEP}{vllm_version}.json" if vllm_version else f"{hardware}.json"
+
+
 def list_calibrations() -> list[str]:
     """Hardware names that ship a fitted calibration table."""
-    return sorted(p.name[: -len(".json")] for p in _package_dir("calibration").iterdir()
-                  if p.name.endswith(".json"))
+    return sorted({p.name[: -len(".json")].split(_STACK_SEP)[0] for p in _package_dir("calibration").iterdir()
+                   if p.name.endswith(".json")})
+
+
+@functools.cache
+def _calibration_software(file_name: str) -> tuple[tuple[str, str], ...]:
+    data = _read_json(_package_dir("calibration").joinpath(file_name))
+    return tuple(sorted((str(k), str(v)) for k, v in data.get("software", {}).items()))
+
+
+def calibration_stacks(hardware: str) -> list[tuple[str, str]]:
+    """(vLLM version its kernels were timed under — ``""`` when not recorded —, bundled file name) of every bundled
+    calibration of a GPU, the default first (empty for a GPU with none)."""
+    canonical = load_hardware(hardware).name
+    default = calibration_file_name(canonical)
+    names = sorted(p.name for p in _package_dir("calibration").iterdir()
+                   if p.name == default or p.name.startswith(calibration_file_name(canonical, "x")[:-len("x.json")]))
+    names.sort(key=lambda n: n != default)
+    return [(dict(_calibration_software(n)).get("vllm", ""), n) for n in names]
+
+
+def pick_calibration_stack(stacks: list[tuple[str, str]], vllm_version: str | None) -> tuple[str, str] | None:
+    """Which of a GPU's bundled calibrations (:func:`calibration_stacks`) prices a run under ``vllm_version``: the one
+    timed under that release; else the newest timed under an older release (the kernels it dispatched were there
+    already); else the oldest; a calibration that names no single release (cross-generation) only when it is the
+    GPU's only one. None: the default (no version asked, or no bundled calibration)."""
+    if not stacks or not vllm_version:
+        return stacks[0] if stacks else None
+    wanted = vllm_release(vllm_version)
+    for stack in stacks:
+        if stack[0] == vllm_version or (wanted is not None and vllm_release(stack[0]) == wanted):
+            return stack
+    releases = sorted((r, s) for s in stacks if (r := vllm_release(s[0])) is not None)
+    if not releases or wanted is None:
+        return stacks[0]
+    older = [s for r, s in releases if r < wanted]
+    return older[-1] if older else releases[0][1]
 
 
 def read_calibration_file(path: str | os.PathLike[str]) -> Calibration:
@@ -254,12 +300,15 @@ def read_calibration_file(path: str | os.PathLike[str]) -> Calibration:
         raise ValueError(f"{p}: not a kernelsight calibration file ({exc})") from None
 
 
-def load_calibration(hardware: str, path: str | os.PathLike[str] | None = None) -> Calibration:
-    """The calibration for a GPU: ``path`` if given, else the bundled table, else documented defaults."""
+def load_calibration(hardware: str, path: str | os.PathLike[str] | None = None,
+                     vllm_version: str | None = None) -> Calibration:
+    """The calibration for a GPU: ``path`` if given, else the bundled table of the software stack that prices a run
+    under ``vllm_version`` (:func:`pick_calibration_stack`; default: the GPU's default, its newest), else documented
+    defaults. :func:`kernelsight.simcore.calibration.stack_note` says when it was timed under another release."""
     if path is not None:
         return read_calibration_file(path)
     canonical = load_hardware(hardware).name
-    bundled = _package_dir("calibration") / f"{canonical}.json"
-    if bundled.is_file():
-        return calibration_from_dict(_read_json(bundled))
+    stack = pick_calibration_stack(calibration_stacks(canonical), vllm_version)
+    if stack is not None:
+        return calibration_from_dict(_read_json(_package_dir("calibration") / stack[1]))
     return default_calibration(canonical)

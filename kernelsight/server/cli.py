@@ -67,9 +67,11 @@ def serve_replicas(ns: argparse.Namespace, indices: list[int], socks: list, anno
         s = config.summary()
         tok = apps[0].state.ks.tok
         print(f"kernelsight serve: {s['model']} on {s['hardware']} (TP {s['tensor_parallel_size']}, calibration "
-              f"{s['calibration_tier']}), time scale {ns.time_scale:g}; tokenizer: {tok.source.kind} "
+              f"{config.calibration_label(s)}), time scale {ns.time_scale:g}; tokenizer: {tok.source.kind} "
               f"({tok.source.where})", file=sys.stderr)
         print(f"kernelsight serve: {describe_expected_error(s['calibration_tier'])}", file=sys.stderr)
+        if s.get("calibration_note"):
+            print(f"kernelsight serve: {s['calibration_note']}", file=sys.stderr)
         print(f"GPU KV cache size: {s['kv_cache_tokens']:,} tokens, Maximum concurrency for {s['max_model_len']:,} "
               f"tokens per request: {s['max_concurrency']:.2f}x", file=sys.stderr)
     servers = []

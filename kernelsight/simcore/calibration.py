@@ -12,6 +12,7 @@ faster than the roofline divided by the largest η seen in calibration.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,8 +170,37 @@ def default_calibration(hardware: str) -> Calibration:
     )
 
 
+def vllm_release(version: str | None) -> tuple[int, ...] | None:
+    """``"0.19.0"`` → (0, 19, 0), for comparing releases; None for text that names no single release (a
+    cross-generation calibration's merged ``"0.14.0 / 0.24.0"``, an empty record)."""
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(?:[.+\-]?[A-Za-z]\w*)?", (version or "").strip())
+    if not m:
+        return None
+    parts = [int(x) for x in m.group(1).split(".")]
+    while len(parts) > 1 and parts[-1] == 0:   # 0.19 and 0.19.0 are one release
+        parts.pop()
+    return tuple(parts)
+
+
+def stack_note(calib: Calibration, vllm_version: str | None) -> str | None:
+    """One report line when ``calib``'s kernels were not timed under the vLLM release a run is priced for (a kernel
+    library picks its kernels per release: the run may run others); None when they were, or none was asked for."""
+    if not vllm_version:
+        return None
+    timed = calib.software.get("vllm", "")
+    wanted = vllm_release(vllm_version)
+    if timed == vllm_version or (wanted is not None and vllm_release(timed) == wanted):
+        return None
+    where = (f"other GPUs' kernels timed under vLLM {timed}" if calib.tier == "cross-generation" and timed
+             else f"kernels timed under vLLM {timed}" if timed else "kernels timed under unrecorded software")
+    return (f"no calibration of {calib.hardware} was timed under vLLM {vllm_version}: priced with its "
+            f"{calib.tier} calibration ({where})")
+
+
 __all__ = [
     "Calibration",
     "calibration_from_dict",
     "default_calibration",
+    "stack_note",
+    "vllm_release",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kernelsight.simcore.calibration import Calibration
+from kernelsight.simcore.calibration import Calibration, stack_note
 from kernelsight.simcore.dp_group import (
     DPGroup,
     GroupMoESpecStepModel,
@@ -69,6 +69,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True        # vLLM 0.33 default; older releases scheduled synchronously
     calibration: str | None = None       # path to a calibration JSON (default: the bundled one)
+    vllm_version: str | None = None      # the vLLM release priced: picks the GPU's bundled calibration of that stack
     data_parallel_size: int = 1          # engines (each TP GPUs) behind one front end
     data_parallel_rank: int | None = None   # serve one rank of the group in this process (None: all)
     enable_expert_parallel: bool = False    # MoE experts split over the DP×TP ranks, which then step together
@@ -119,9 +120,28 @@ class EngineConfig:
             "enforce_eager": self.args.enforce_eager, "async_scheduling": self.args.async_scheduling,
             "max_cudagraph_capture_size": self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0,
             "calibration_tier": self.calibration.tier, "seed": self.args.seed,
+            **self.stack_summary(),
             **self.parallel_summary(),
             **({"speculative_config": self.speculative.summary()} if self.speculative else {}),
         }
+
+    def stack_summary(self) -> dict[str, Any]:
+        """The vLLM release the calibration's kernels were timed under, the release asked for (``--vllm-version``)
+        and, where they differ, the line that says so (:func:`~kernelsight.simcore.calibration.stack_note`)."""
+        out: dict[str, Any] = {"calibration_vllm": self.calibration.software.get("vllm", "")}
+        if self.args.vllm_version:
+            out["vllm_version"] = self.args.vllm_version
+            note = stack_note(self.calibration, self.args.vllm_version)
+            if note:
+                out["calibration_note"] = note
+        return out
+
+    @staticmethod
+    def calibration_label(summary: dict[str, Any]) -> str:
+        """``target-measured, vLLM 0.19.0``: a :meth:`summary`'s calibration tier and the release its kernels were
+        timed under (a run's report names both)."""
+        timed = summary.get("calibration_vllm")
+        return summary["calibration_tier"] + (f", vLLM {timed}" if timed else "")
 
     @property
     def expert_parallel(self) -> bool:
