@@ -9,13 +9,16 @@
 * the same GPU timed under another vLLM release (a folder ``<GPU folder>@vllm-<version>``, e.g. the RTX PRO 6000
   under vLLM 0.19.0): fitted as its plain folder is, into ``<gpu>@vllm-<version>.json`` (a calibration belongs to a GPU
   and a software stack; ``--vllm-version`` picks it).
+* target-measured from per-layer profiles (``--layers``, default ``../shared/data/layers``: LLMServingSim profile
+  bundles, one folder per GPU) for a GPU with no kernel tables, as ``kernelsight calibrate import-profile`` does (the
+  RTX 4090); a GPU with kernel tables keeps those (its profile is a check, not a source).
 * the cross-generation files of GPUs with FP4 tensor cores (B200, B300, GB200, GB300) get their NVFP4 GEMM η from
   the RTX PRO 6000's fit (``FP4_TRANSFER_SOURCES``, rule 9 of :mod:`kernelsight.calibrate.fit.transfer`).
 
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
     python benchmarks/build_calibrations.py [--data ../shared/data/kernels] [--only GPU ...] [--comm-only]
-        [--fp4-only] [--software-only]
+        [--fp4-only] [--software-only] [--layers DIR] [--layers-only]
 
 ``--fp4-only`` refits only the NVFP4 GEMM variant of the FP4-measured GPUs (the RTX PRO 6000: on all its NVFP4 rows,
 as a full build does — a fit's variants are fitted independently of each other) into their bundled files, then adds
@@ -42,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from kernelsight.calibrate.evaluate import (  # noqa: E402
     CROSS_GENERATION_SOURCES,
     SHARED_DATA_LICENCE,
+    SHARED_LAYERS_LICENCE,
     bundled_calibration_dir,
     default_fit_workers,
     fit_target,
@@ -58,6 +62,7 @@ from kernelsight.calibrate.fit.transfer import (  # noqa: E402
     transfer_comm,
     transfer_fp4_variant,
 )
+from kernelsight.calibrate.layer_profile import BUNDLE_FORMAT as BUNDLE_PREFIX  # noqa: E402
 from kernelsight.calibrate.measurements import (  # noqa: E402
     describe_skipped,
     measurement_software,
@@ -219,6 +224,31 @@ def _rewrite_software(data: Path, out_dir: Path) -> int:
     return 0
 
 
+def _profiled_gpus(layers: Path, measured: set[str]) -> dict[str, Path]:
+    """GPU profile name → its folder of layer-profile bundles, for the GPUs without kernel tables."""
+    from kernelsight.calibrate.layer_profile import find_bundles, read_profile
+
+    out: dict[str, Path] = {}
+    for folder in sorted(d for d in layers.iterdir() if d.is_dir()) if layers.is_dir() else []:
+        bundles = find_bundles(folder)
+        if bundles:
+            name = read_profile(bundles[0]).hardware
+            if name not in measured:
+                out[name] = folder
+    return out
+
+
+def _import_layers(name: str, folder: Path, out_dir: Path) -> Calibration:
+    from kernelsight.calibrate.layer_profile import import_profiles
+
+    t0 = time.perf_counter()
+    calib = import_profiles(folder, name, workers=default_fit_workers(), licence=SHARED_LAYERS_LICENCE).calibration
+    calib.source = calib.source.replace(f"{BUNDLE_PREFIX}: ", f"{BUNDLE_PREFIX}: shared/data/layers/")
+    (out_dir / calibration_file_name(name)).write_text(json.dumps(calib.to_dict()))
+    print(f"{name}: target-measured from the layer profiles in {folder} in {time.perf_counter() - t0:.1f} s")
+    return calib
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
@@ -230,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="refit only the collective models of the bundled files and keep the rest as stored")
     ap.add_argument("--fp4-only", action="store_true",
                     help="add only the transferred NVFP4 GEMM variant to the bundled cross-generation files")
+    ap.add_argument("--layers", type=Path, default=ROOT.parent / "shared" / "data" / "layers",
+                    help="per-layer profile bundles, one folder per GPU (a GPU without kernel tables is fitted "
+                         "from its profile)")
+    ap.add_argument("--layers-only", action="store_true",
+                    help="write only the files of the GPUs fitted from layer profiles")
     ap.add_argument("--software-only", action="store_true",
                     help="rewrite only the record of the software each bundled file's kernels were timed under")
     args = ap.parse_args(argv)
@@ -240,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         return _rebuild_comm(args.data, args.output_dir)
     if args.fp4_only:
         return _add_fp4_variants(args.data, args.output_dir)
+    profiled = _profiled_gpus(args.layers, set(measured_gpu_dirs(args.data).values()))
+    if args.layers_only:
+        for name, folder in profiled.items():
+            _import_layers(name, folder, args.output_dir)
+        return 0
     only = None if args.only is None else {load_hardware(g).name for g in args.only}
 
     # every GPU folder of the schema whose name is a bundled profile: the cross-generation sources (A100, H100,
@@ -286,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         calib = _fit_own_tables(name, args.data / folder, measured)
         (args.output_dir / calibration_file_name(name, version)).write_text(json.dumps(calib.to_dict()))
         print(f"{name}: target-measured under vLLM {version} from {folder} in {time.perf_counter() - t0:.1f} s")
+    for name, folder in profiled.items():
+        if only is None or name in only:
+            _import_layers(name, folder, args.output_dir)
     for name in list_hardware():
-        if name in all_measured or (only is not None and name not in only):
+        if name in all_measured or name in profiled or (only is not None and name not in only):
             continue
         hw = load_hardware(name)
         calib = cross_generation_calibration(hw, measured, fp4_sources=fp4)

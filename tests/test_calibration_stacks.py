@@ -80,7 +80,7 @@ def test_stack_note_says_when_the_kernels_were_timed_under_another_release():
     assert stack_note(calib, None) is None and stack_note(calib, "0.19") is None
     note = stack_note(calib, "0.21.0")
     assert note is not None and "vLLM 0.21.0" in note and "vLLM 0.19.0" in note
-    cross = profiles.load_calibration("rtx-4090")
+    cross = profiles.load_calibration("h200-sxm")
     assert "other GPUs' kernels" in stack_note(cross, "0.19.0")
     assert "unrecorded" in stack_note(dataclasses.replace(calib, software={}), "0.19.0")
 

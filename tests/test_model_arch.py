@@ -276,8 +276,9 @@ def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.Captu
     assert "nvfp4" in lines["nvidia/Llama-3.1-8B-Instruct-FP4"] and "nvfp4" in lines["nvidia/DeepSeek-R1-FP4"]
     assert "chunked 8192 x36 + full x12" in lines["meta-llama/Llama-4-Scout-17B-16E"]
     # each GPU's calibration tier, with the vLLM its kernels were timed under
-    assert "calibration: target-measured (vLLM 0.24.0)" in lines["rtx-pro-6000"]
-    assert "calibration: cross-generation (vLLM 0.14.0 / 0.24.0)" in lines["rtx-4090"]
+    assert "calibration: target-measured (vLLM 0.24.0, default); target-measured (vLLM 0.19.0)" in lines["rtx-pro-6000"]
+    assert "calibration: target-measured (vLLM 0.19.0)" in lines["rtx-4090"]   # from its layer profile
+    assert "calibration: cross-generation (vLLM 0.14.0 / 0.24.0)" in lines["h200-sxm"]
 
 
 def test_hybrid_preemption_frees_everything_and_events_stay_chained() -> None:

@@ -128,6 +128,22 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument("--licence", default="", help="licence of the measurements, recorded in the file")
     f.set_defaults(func=cmd_fit)
 
+    i = sub.add_parser("import-profile", help="fit a target-measured calibration from per-layer profiles (an "
+                       "LLMServingSim profile bundle: meta.yaml, tpN/dense.csv, per_sequence.csv, attention.csv)")
+    i.add_argument("directory", metavar="DIR", help="a bundle (the folder holding meta.yaml), or a folder above "
+                   "several bundles of one GPU and one vLLM release (their rows are pooled)")
+    i.add_argument("-o", "--output", required=True, help="calibration JSON to write")
+    i.add_argument("--hardware", help="GPU profile (default: the bundle's meta.yaml gpu)")
+    i.add_argument("--no-prior", action="store_true",
+                   help="do not fill in from the GPU's cross-generation tier (by default what the profile does not "
+                   "time — other formats, MoE, collectives — comes from it)")
+    i.add_argument("--measurements-out", metavar="DIR",
+                   help="also write the profile's GEMM and attention rows in the measurement schema here (for "
+                   "`calibrate eval`)")
+    _add_workers(i)
+    i.add_argument("--licence", default="", help="licence of the profile, recorded in the file")
+    i.set_defaults(func=cmd_import_profile)
+
     e = sub.add_parser("eval", help="MAPE per family for roofline / cross-generation / target tiers")
     e.add_argument("--measurements", required=True)
     e.add_argument("--hardware", help="GPU profile (default: the one a sweep directory's sweep.json names, else "
@@ -307,6 +323,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
     )
     calib.software = measurement_software(args.measurements)
     Path(args.output).write_text(json.dumps(calib.to_dict()))
+    _print_fit_report(report)
+    print(f"wrote {args.output} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _print_fit_report(report: Any) -> None:
     for key, r in report.entries.items():
         if not r["rows"]:
             print(f"{key:<22} rows       0  not measured → cross-generation model")
@@ -317,7 +339,37 @@ def cmd_fit(args: argparse.Namespace) -> int:
             f"{key:<22} rows {int(r['rows']):>7}  train MAPE {100 * r['train_mape']:5.1f}%  "
             f"overhead {r['overhead_us']:.1f} µs{note}"
         )
-    print(f"wrote {args.output} in {time.perf_counter() - t0:.1f} s")
+
+
+def cmd_import_profile(args: argparse.Namespace) -> int:
+    from kernelsight.calibrate.layer_profile import import_profiles
+
+    t0 = time.perf_counter()
+    result = import_profiles(args.directory, args.hardware, workers=args.workers, use_prior=not args.no_prior,
+                             licence=args.licence)
+    calib = result.calibration
+    Path(args.output).write_text(json.dumps(calib.to_dict()))
+    if args.measurements_out:
+        out = Path(args.measurements_out)
+        out.mkdir(parents=True, exist_ok=True)
+        for fam, table in result.tables.items():
+            write_table(table, out / f"{fam}.csv")
+        (out / "SOURCE").write_text("".join(f"{k}: {v}\n" for k, v in calib.software.items())
+                                    + f"source: {calib.source}\n", encoding="utf-8")
+    for p in result.profiles:
+        print(f"{p.path}: {p.meta.get('model')} {p.meta.get('variant', '')} on {p.hardware}, TP "
+              f"{', '.join(map(str, p.tp_dirs))}, vLLM {p.vllm_version}")
+    _print_fit_report(result.report)
+    for fam, (eta, ovh_s) in sorted(result.elementwise.items()):
+        cap = f" (capped at {calib.eta_max:.2f})" if eta > calib.eta_max else ""
+        print(f"{fam:<22} η {eta:.2f} of DRAM bandwidth{cap}, fixed {ovh_s * 1e6:.1f} µs")
+    for where, c in result.mixed_checks.items():
+        if c.get("rows"):
+            print(f"mixed prefill+decode attention ({where}): {c['rows']} rows, the step model's two kernels price "
+                  f"them at {c['median_ratio']:.2f} of measured (median; p10 {c['p10_ratio']:.2f}, p90 "
+                  f"{c['p90_ratio']:.2f}; MAPE {c['mape_pct']:.1f}%)")
+    print(f"wrote {args.output} ({calib.tier}, {calib.hardware}, vLLM {calib.software.get('vllm', '?')}) in "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
 
 

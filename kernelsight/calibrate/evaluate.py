@@ -31,6 +31,8 @@ TIERS = ("roofline", "cross-generation", "target")
 #: A shape is "small" when its roofline time is below this: fixed latency dominates it.
 SMALL_ROOFLINE_S = 10e-6
 SHARED_DATA_LICENCE = "Apache-2.0 (ai-dynamo/aiconfigurator, Copyright NVIDIA Corporation & Affiliates)"
+#: The shared per-layer profiles' (``layers/``) licence.
+SHARED_LAYERS_LICENCE = "MIT (casys-kaist/LLMServingSim, Copyright 2024 CASYS Lab, KAIST)"
 
 
 def roofline_calibration(hw: HardwareSpec) -> Calibration:

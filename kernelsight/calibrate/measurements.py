@@ -18,7 +18,8 @@ from typing import TextIO
 
 import numpy as np
 
-#: Columns per family (``latency_us`` and ``kernel`` optional); numeric ones are parsed as float.
+#: Columns per family (``latency_us`` and ``kernel`` optional; ``attn_prefill`` may add ``cached_len``, the tokens
+#: each sequence has cached before its chunk, 0 when absent); numeric ones are parsed as float.
 SCHEMA: dict[str, tuple[str, ...]] = {
     "gemm": ("dtype", "m", "n", "k"),
     "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),

@@ -92,8 +92,8 @@ def _row_kernel(family: str, key: tuple) -> K.Kernel:
         dtype, m, n, k = key
         return K.gemm_kernel("gemm", int(m), int(n), int(k), dtype, gemm_weight_bytes(dtype), 2.0)
     if family == "attn_prefill":
-        batch, seq, qh, kvh, hd, kv_dtype, window = key
-        chunks = (K.PrefillChunk(int(seq), 0, True),) * int(batch)
+        batch, seq, qh, kvh, hd, kv_dtype, window, *cached = key
+        chunks = (K.PrefillChunk(int(seq), int(cached[0]) if cached else 0, True),) * int(batch)
         return K.attention_prefill_kernel(
             chunks, int(qh), int(kvh), int(hd), 2.0, element_bytes(kv_dtype), int(window) or None
         )
@@ -125,6 +125,8 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
     The ``kernel`` column (the vLLM kernel that ran), when present, is carried along as ``KernelRows.kernel``.
     """
     names = _KEY_COLUMNS[family]
+    if family == "attn_prefill" and "cached_len" in cols:   # chunks over a cached prefix (a layer profile's rows)
+        names = (*names, "cached_len")
     n = len(cols[names[0]])
     keys = list(zip(*(cols[c].tolist() for c in names), strict=True))
     uniq: dict[tuple, int] = {}
