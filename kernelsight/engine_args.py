@@ -25,7 +25,7 @@ from kernelsight.simcore.expert_parallel import (
     DEFAULT_ALL2ALL_BACKEND,
     DEFAULT_EXPERT_LOAD_IMBALANCE,
 )
-from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.hardware import NODE_TOPOLOGIES, HardwareSpec
 from kernelsight.simcore.kv_transfer import LINK_KINDS, KVLink, kv_link
 from kernelsight.simcore.model_spec import ModelSpec
 
@@ -101,6 +101,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel dispatch/combine: allgather_reducescatter (vLLM's default) or naive "
                         "gather every rank's tokens; the others exchange each token with its top-k experts' "
                         "ranks (all-to-all) (default: %(default)s)")
+    add_topology_args(g)
     g.add_argument("--expert-load-imbalance", type=float, default=DEFAULT_EXPERT_LOAD_IMBALANCE,
                    help="simulator: routed tokens of the busiest expert-parallel rank over the mean; its expert "
                         "GEMMs set the group's pace (default: %(default)s; 1 = uniform routing)")
@@ -122,6 +123,18 @@ def add_vllm_version_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, d
                    help="the vLLM release to price: the GPU's bundled calibration timed under it (else the newest "
                         "timed under an older release, else the oldest; the report says so) "
                         f"(default: {default_help or 'the newest bundled'}; `kernelsight profiles` lists them)")
+
+
+def add_topology_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """How the TP group's all-reduces run: vLLM's ``--disable-custom-all-reduce`` and the node's links."""
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="as vLLM's: every tensor-parallel all-reduce on NCCL (or symmetric memory where the GPU "
+                        "has it) instead of vLLM's custom all-reduce")
+    p.add_argument("--node-topology", choices=NODE_TOPOLOGIES, default=None,
+                   help="simulator: how the GPUs of a node are linked — nvlink (fully connected), pcie (with CUDA "
+                        "peer-to-peer: vLLM's custom all-reduce runs at TP 2, NCCL above), pcie-no-p2p (NCCL only: "
+                        "GeForce boards, many VMs) (default: the GPU profile's, e.g. nvlink for h100, pcie for "
+                        "rtx-pro-6000 and l40s, pcie-no-p2p for rtx-4090)")
 
 
 def speculative_config_json(text: str) -> dict:
@@ -152,6 +165,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         calibration=ns.calibration, vllm_version=ns.vllm_version, data_parallel_size=ns.data_parallel_size,
         data_parallel_rank=ns.data_parallel_rank, enable_expert_parallel=ns.enable_expert_parallel,
         all2all_backend=ns.all2all_backend, expert_load_imbalance=ns.expert_load_imbalance,
+        disable_custom_all_reduce=ns.disable_custom_all_reduce, node_topology=ns.node_topology,
         speculative_config=ns.speculative_config, speculative_acceptance_rates=ns.speculative_acceptance_rates)
 
 

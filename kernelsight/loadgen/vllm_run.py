@@ -40,6 +40,7 @@ RUN_ARG_SOURCES: dict[str, tuple[tuple[str, str] | None, str]] = {
     "data_parallel_size": (("parallel_config", "data_parallel_size"), "data_parallel_size"),
     "enable_expert_parallel": (("parallel_config", "enable_expert_parallel"), "enable_expert_parallel"),
     "all2all_backend": (("parallel_config", "all2all_backend"), "all2all_backend"),
+    "disable_custom_all_reduce": (("parallel_config", "disable_custom_all_reduce"), "disable_custom_all_reduce"),
     # the run's --speculative-config as given (vLLM's resolved speculative_config holds objects, not JSON)
     "speculative_config": (None, "speculative_config"),
 }

@@ -39,7 +39,7 @@ IGNORED_VALUE_FLAGS = (
 )
 IGNORED_BOOL_FLAGS = (
     "--trust-remote-code", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests",
-    "--disable-custom-all-reduce", "--disable-sliding-window",
+    "--disable-sliding-window",
     "--allow-credentials",
     "--disable-frontend-multiprocessing",
     "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint", "--disable-uvicorn-access-log",

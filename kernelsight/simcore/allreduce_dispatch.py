@@ -27,7 +27,7 @@ cost, which is why the price (:func:`allreduce_pricing_backend`) and not the cho
 
 from __future__ import annotations
 
-from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.hardware import HardwareSpec, has_fast_interconnect
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -57,11 +57,6 @@ SYMM_MEM_MAX_BYTES: dict[str, dict[int, int]] = {
 }
 #: the only dtype SymmMemCommunicator reduces
 SYMM_MEM_DTYPES = ("bf16", "bfloat16")
-
-
-def has_fast_interconnect(hw: HardwareSpec) -> bool:
-    """NVLink/xGMI-class links: well above the PCIe bandwidth (the GPUs of a node are then fully connected)."""
-    return hw.intra_node_bytes_per_s > 1.5 * hw.pcie_bytes_per_s
 
 
 def custom_allreduce_enabled(hw: HardwareSpec, world_size: int) -> bool:

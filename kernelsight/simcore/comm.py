@@ -229,14 +229,14 @@ def allreduce_implementation_s(implementation: str, message_bytes: float, num_gp
 
 
 def allreduce_s(message_bytes: float, num_gpus: int, hw: HardwareSpec, comm: Mapping[str, CommModel],
-                cuda_graph: bool = True, dtype: str = "bf16") -> float:
+                cuda_graph: bool = True, dtype: str = "bf16", custom_all_reduce: bool = True) -> float:
     """Time of one TP all-reduce of ``message_bytes`` across ``num_gpus`` GPUs of one node, on the implementation
     vLLM dispatches it to (:func:`~kernelsight.simcore.allreduce_dispatch.allreduce_implementation`: custom
     all-reduce, symmetric memory or NCCL), priced by that implementation's curve (``comm``: the calibration's
     collective models by backend name)."""
     if num_gpus <= 1:
         return 0.0
-    impl = allreduce_implementation(hw, num_gpus, message_bytes, dtype, cuda_graph)
+    impl = allreduce_implementation(hw, num_gpus, message_bytes, dtype, cuda_graph, custom_all_reduce)
     return allreduce_implementation_s(impl, message_bytes, num_gpus, hw, comm, cuda_graph, dtype)
 
 

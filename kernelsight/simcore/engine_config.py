@@ -20,7 +20,7 @@ from kernelsight.simcore.expert_parallel import (
     DEFAULT_ALL2ALL_BACKEND,
     DEFAULT_EXPERT_LOAD_IMBALANCE,
 )
-from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.hardware import HardwareSpec, node_topology, with_node_topology
 from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
 from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.kv_transfer import KVLink, kv_link, kv_transfer_model
@@ -70,6 +70,8 @@ class EngineArgs:
     async_scheduling: bool = True        # vLLM 0.33 default; older releases scheduled synchronously
     calibration: str | None = None       # path to a calibration JSON (default: the bundled one)
     vllm_version: str | None = None      # the vLLM release priced: picks the GPU's bundled calibration of that stack
+    disable_custom_all_reduce: bool = False   # vLLM's flag: every TP all-reduce on NCCL (or symmetric memory)
+    node_topology: str | None = None     # how a node's GPUs are linked (hardware.NODE_TOPOLOGIES; None: the profile's)
     data_parallel_size: int = 1          # engines (each TP GPUs) behind one front end
     data_parallel_rank: int | None = None   # serve one rank of the group in this process (None: all)
     enable_expert_parallel: bool = False    # MoE experts split over the DP×TP ranks, which then step together
@@ -121,6 +123,9 @@ class EngineConfig:
             "max_cudagraph_capture_size": self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0,
             "calibration_tier": self.calibration.tier, "seed": self.args.seed,
             **self.stack_summary(),
+            **({"node_topology": node_topology(self.hardware),
+                "custom_all_reduce": not self.args.disable_custom_all_reduce}
+               if self.args.tensor_parallel_size > 1 else {}),
             **self.parallel_summary(),
             **({"speculative_config": self.speculative.summary()} if self.speculative else {}),
         }
@@ -202,6 +207,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
     """Validate the arguments and fill vLLM's defaults. Raises ValueError with vLLM-style messages.
 
     ``draft_model``: the spec of a speculative config's draft model (method ``draft_model``)."""
+    hw = with_node_topology(hw, args.node_topology)
     spec, draft = resolve_speculative(args, model, draft_model)
     tp = args.tensor_parallel_size
     if tp < 1:
@@ -347,12 +353,14 @@ def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwar
                              StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=plain,
                                         enforce_eager=cfg.args.enforce_eager,
                                         async_scheduling=cfg.args.async_scheduling,
-                                        max_model_len=cfg.scheduler.max_model_len))
+                                        max_model_len=cfg.scheduler.max_model_len,
+                                        custom_all_reduce=not cfg.args.disable_custom_all_reduce))
         kwargs.update(spec=cfg.speculative, drafter=_drafter(cfg), baseline=baseline)
     return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                           enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling,
-                          max_model_len=cfg.scheduler.max_model_len),
+                          max_model_len=cfg.scheduler.max_model_len,
+                          custom_all_reduce=not cfg.args.disable_custom_all_reduce),
                **kwargs)
 
 
@@ -366,7 +374,8 @@ def _drafter(cfg: EngineConfig) -> StepModel | None:
                      StepConfig(tp=cfg.speculative.draft_tensor_parallel_size,
                                 cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                                 enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling,
-                                max_model_len=cfg.scheduler.max_model_len))
+                                max_model_len=cfg.scheduler.max_model_len,
+                                custom_all_reduce=not cfg.args.disable_custom_all_reduce))
 
 
 def spec_decoder(cfg: EngineConfig) -> SpecDecoder | None:

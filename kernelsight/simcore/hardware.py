@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +99,35 @@ def _positive_number(d: dict, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"hardware spec field {key!r} must be a positive number, got {value!r}")
     return value
+
+
+#: ``--node-topology``: how the GPUs of one node reach each other. ``nvlink``: fully connected by NVLink/xGMI;
+#: ``pcie``: over PCIe with CUDA peer-to-peer (vLLM's custom all-reduce runs at TP 2); ``pcie-no-p2p``: over PCIe
+#: without it (GeForce boards, many VMs): vLLM's P2P check fails and NCCL runs every all-reduce.
+NODE_TOPOLOGIES: tuple[str, ...] = ("nvlink", "pcie", "pcie-no-p2p")
+
+
+def has_fast_interconnect(hw: HardwareSpec) -> bool:
+    """NVLink/xGMI-class links: well above the PCIe bandwidth (the GPUs of a node are then fully connected)."""
+    return hw.intra_node_bytes_per_s > 1.5 * hw.pcie_bytes_per_s
+
+
+def node_topology(hw: HardwareSpec) -> str:
+    """The profile's topology (:data:`NODE_TOPOLOGIES`)."""
+    return "nvlink" if has_fast_interconnect(hw) else "pcie" if hw.peer_to_peer else "pcie-no-p2p"
+
+
+def with_node_topology(hw: HardwareSpec, topology: str | None) -> HardwareSpec:
+    """``hw`` in a node of another topology: a PCIe node's GPUs reach each other at the PCIe bandwidth, with or
+    without peer-to-peer. NVLink needs its bandwidth, which only a profile can give (ValueError otherwise)."""
+    if topology is None or topology == node_topology(hw):
+        return hw
+    if topology not in NODE_TOPOLOGIES:
+        raise ValueError(f"node topology must be one of {', '.join(NODE_TOPOLOGIES)}, got {topology!r}")
+    if topology == "nvlink":
+        raise ValueError(f"{hw.name}'s profile records no NVLink (GPU-to-GPU {hw.intra_node_bytes_per_s / 1e9:g} GB/s, "
+                         "its PCIe): pass a hardware JSON with the link's intra_node_bytes_per_s to price one")
+    return replace(hw, intra_node_bytes_per_s=hw.pcie_bytes_per_s, peer_to_peer=topology == "pcie")
 
 
 def hardware_spec_from_dict(d: dict) -> HardwareSpec:

@@ -83,6 +83,7 @@ class StepConfig:
     enforce_eager: bool = False
     async_scheduling: bool = True     # vLLM 0.33's default: host work overlaps the GPU
     max_model_len: int = 0            # 0: the model's max_position_embeddings (vLLM's default)
+    custom_all_reduce: bool = True    # not vLLM's --disable-custom-all-reduce
 
 
 _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
@@ -343,7 +344,8 @@ class StepModel:
                 # the implementation vLLM dispatches to (custom / symmetric memory / NCCL), at its in-graph GPU
                 # time in every mode: an eager step's host cost of each launch is in the launch term already
                 arr[FAMILY_INDEX[K.ALL_REDUCE]] = (K.allreduces_per_step(self.model)
-                                                   * allreduce_s(msg, tp, self.hw, self.calib.comm))
+                                                   * allreduce_s(msg, tp, self.hw, self.calib.comm,
+                                                                 custom_all_reduce=self.config.custom_all_reduce))
             rows = self._row_cache[m_padded] = (arr, float(arr.sum()))
         samp = self._sampling_cache.get(sampling_rows)
         if samp is None:
