@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped {run_dir.name}: {exc}", file=sys.stderr)
             continue
         hw = load_hardware(gpu)
-        tiers: list[tuple[str, str | None]] = [(load_calibration(hw.name).tier, None)]
+        # the GPU's bundled calibration of the run's software stack (as validate picks it from meta.json)
+        tiers: list[tuple[str, str | None]] = [
+            (load_calibration(hw.name, vllm_version=run.meta.get("vllm_version")).tier, None)]
         if tiers[0][0] != "cross-generation":
             cross = cross_generation_for(hw)
             tmp = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         for tier, calib_path in tiers:
             v = validate_run(run_dir, hardware=hw.name, calibration=calib_path)
             rows.append({"run": run_dir.name, "gpu": hw.name, "model": v.result["config"]["model"],
-                         "vllm": v.result.get("vllm_version"), "tier": tier, **run_errors(v.result)})
+                         "vllm": v.result.get("vllm_version"), "tier": tier,
+                         "calibration_vllm": v.result["config"].get("calibration_vllm", ""), **run_errors(v.result)})
             if calib_path:
                 Path(calib_path).unlink()
 
@@ -104,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                                                           for r in mine), 1) for m in METRICS}}
     kernels = kernel_bands(args.kernel_accuracy)
 
-    print("| run | GPU | tier | TTFT mean / median | TPOT mean / median | E2E mean / median |")
+    print("| run | GPU | tier (kernels timed under) | TTFT mean / median | TPOT mean / median | E2E mean / median |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         cells = " | ".join(f"{r[f'{m}_mean']:+.1f}% / {r[f'{m}_median']:+.1f}%" for m in METRICS)
-        print(f"| {r['run']} | {r['gpu']} | {r['tier']} | {cells} |")
+        print(f"| {r['run']} | {r['gpu']} | {r['tier']} (vLLM {r['calibration_vllm'] or '?'}) | {cells} |")
     print()
     for tier, b in bands.items():
         k = kernels.get(tier, {})
