@@ -28,7 +28,7 @@ def test_the_line_names_tier_runs_bands_and_kernel_mape():
 
 def test_simulate_prints_the_band_of_its_tier_and_writes_it_to_the_result(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["simulate", "--num-prompts", "5", "--hardware", "rtx-4090", "--max-model-len", "2048",
+    assert main(["simulate", "--num-prompts", "5", "--hardware", "h200", "--max-model-len", "2048",
                  "--result-json", str(out)]) == 0
     printed = capsys.readouterr().out
     band = expected_error("cross-generation")
