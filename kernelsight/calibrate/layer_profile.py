@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from kernelsight.calibrate.measurements import SCHEMA, Table
-from kernelsight.calibrate.rows import kernel_rows, roofline_rows_s, rows_time_s
 from kernelsight.profiles import UnknownModelError, bundled_hardware_name, load_hardware, load_model
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
@@ -267,28 +266,29 @@ def apply_elementwise(calib: Calibration, fitted: Mapping[str, tuple[float, floa
 
 # -- checks ----------------------------------------------------------------------------------------------------
 def mixed_attention_check(profile: LayerProfile, calib: Calibration) -> dict[str, float]:
-    """The mixed rows (one prefill chunk and decodes in one batch) against the step model's price of the same
-    batch: its prefill kernel plus its decode kernel. Returns the rows, MAPE and median ratio (predicted/measured)."""
+    """The mixed rows (one prefill chunk and decodes in one batch) against the step model's price of the same batch
+    (:class:`~kernelsight.simcore.step_model.StepModel`, eager as the profile ran: the prefill kernel, and the
+    decodes as the step model runs them beside a prefill — unsplit, no faster than their longest context streams).
+    Returns the rows, the MAPE and the predicted/measured ratio's median, p10 and p90."""
+    from kernelsight.simcore.precision import resolve_precision
+    from kernelsight.simcore.step_model import StepConfig, StepModel
+
     hw = load_hardware(profile.hardware)
     m = profile.model
+    precision = resolve_precision(m.torch_dtype, m.quantization, "auto", fp8_scheme=m.fp8_scheme)
     ratios = []
     for tp, folder in profile.tp_dirs.items():
         att = _read_csv(folder / "attention.csv", ("prefill_chunk", "kv_prefill", "n_decode", "kv_decode", "time_us"))
-        sel = (att["prefill_chunk"] > 0) & (att["n_decode"] > 0)
-        if not sel.any():
-            continue
-        q_heads, kv_heads = m.num_attention_heads // tp, max(m.num_kv_heads // tp, 1)
-        n = int(sel.sum())
-        common = {"num_heads": np.full(n, q_heads), "num_kv_heads": np.full(n, kv_heads),
-                  "head_dim": np.full(n, m.head_dim), "kv_dtype": np.full(n, profile.dtype), "window": np.zeros(n)}
-        pre_cols = {"batch": np.ones(n), "seq_len": att["prefill_chunk"][sel], "cached_len": att["kv_prefill"][sel],
-                    **common}
-        dec_cols = {"batch": att["n_decode"][sel], "cached_len": att["kv_decode"][sel], **common}
-        pred_s = np.zeros(n)
-        for fam, cols in (("attn_prefill", pre_cols), ("attn_decode", dec_cols)):
-            rows = kernel_rows(fam, cols)
-            pred_s += rows_time_s(calib, fam, rows, roofline_rows_s(rows, hw), hw)
-        ratios.extend(pred_s / (att["time_us"][sel] * 1e-6))
+        step = StepModel(m, hw, calib, precision, StepConfig(tp=tp, enforce_eager=True))
+        for chunk, kv_p, n_dec, kv_d, t_us in zip(att["prefill_chunk"], att["kv_prefill"], att["n_decode"],
+                                                  att["kv_decode"], att["time_us"], strict=True):
+            if not (chunk > 0 and n_dec > 0):
+                continue
+            n, ctx = int(n_dec), int(kv_d) + 1
+            batch = K.BatchShape(prefills=(K.PrefillChunk(int(chunk), int(kv_p), True),), num_decodes=n,
+                                 decode_context_tokens=n * ctx, decode_context_top=(ctx,) * n)
+            fam = step.breakdown_dict(batch)
+            ratios.append((fam[K.ATTN_PREFILL] + fam[K.ATTN_DECODE]) / m.num_layers / (t_us * 1e-6))
     if not ratios:
         return {"rows": 0}
     r = np.array(ratios)
@@ -348,6 +348,10 @@ def import_profiles(root: str | Path, hardware: str | None = None, *, workers: i
                        f"{p.meta.get('variant', '')}, TP {', '.join(map(str, p.tp_dirs))}; {p.meta.get('gpu', '')}; "
                        f"vLLM {p.vllm_version})" for p in profiles)
     calib, report = fit_target(tables, hw, source=source, licence=licence, workers=workers, prior=prior)
+    if prior is not None and not calib.decode_cta_bytes_per_s and not any(
+            p.model.num_attention_heads == p.model.num_kv_heads for p in profiles):
+        # GQA decode rows cannot show FA2's unsplit per-CTA stream (only MHA shapes take it): the prior's stands
+        calib.decode_cta_bytes_per_s = dict(prior.decode_cta_bytes_per_s)
     elementwise = fit_elementwise({f: (np.array(b), np.array(s)) for f, (b, s) in ew.items()}, hw)
     apply_elementwise(calib, elementwise)
     calib.software = profiles[0].software()
