@@ -85,6 +85,12 @@ def _write_bundle(root: Path, vllm: str = "0.19.0", gpu: str = "NVIDIA GeForce R
                 att.append(f"0,0,{n_dec},{kv},{t:.4f}")
                 att.append(f"256,512,{n_dec},{kv},{t + mixed_prefill:.4f}")   # mixed: the two kernels' sum
         (folder / "attention.csv").write_text("\n".join(att) + "\n")
+        (folder / "skew.csv").write_text(
+            "regime,n,nb,ratio,skew,pc,kp,kvs,kv_big,kv_mean,t_mean_us,t_max_us,t_skew_us,alpha\n"
+            "pure,4,1,0.25,16.0,0,0,128,2048,608,80.0,160.0,84.0,0.05\n"
+            "pure,8,2,0.25,16.0,0,0,256,4096,1216,90.0,190.0,100.0,0.1\n"
+            "mixed,2,1,0.5,4.0,64,2048,2048,8192,5120,517.1,810.2,807.9,0.9921\n"
+            "mixed,2,1,0.5,4.0,64,2048,2048,8192,5120,517.1,810.2,807.9,\n")   # a row left without a result
     return bundle
 
 
@@ -137,6 +143,16 @@ def test_import_fits_a_target_tier_that_predicts_the_profile(bundle):
     # the mixed rows were planted as the sum of the two kernels, which is what the step model prices
     check = next(iter(r.mixed_checks.values()))
     assert check["rows"] == 2 * 20 and check["median_ratio"] == pytest.approx(1.0, abs=0.03)
+
+
+def test_skew_check_places_the_step_models_price_as_the_profile_does(bundle):
+    from kernelsight.calibrate.layer_profile import skew_check
+
+    checks = skew_check(read_profile(bundle), load_calibration("rtx-4090"))
+    assert checks["pure"]["rows"] == 2 * 2 and checks["pure"]["median_measured_alpha"] == pytest.approx(0.075)
+    assert checks["mixed"]["rows"] == 2    # per TP folder: the row without a result is left out
+    for c in checks.values():
+        assert -1.0 <= c["median_predicted_alpha"] <= 2.0
 
 
 def test_import_refuses_bundles_of_two_releases(tmp_path):

@@ -365,9 +365,14 @@ def cmd_import_profile(args: argparse.Namespace) -> int:
         print(f"{fam:<22} η {eta:.2f} of DRAM bandwidth{cap}, fixed {ovh_s * 1e6:.1f} µs")
     for where, c in result.mixed_checks.items():
         if c.get("rows"):
-            print(f"mixed prefill+decode attention ({where}): {c['rows']} rows, the step model's two kernels price "
-                  f"them at {c['median_ratio']:.2f} of measured (median; p10 {c['p10_ratio']:.2f}, p90 "
+            print(f"mixed prefill+decode attention ({where}): {c['rows']} rows, the step model prices them at"
+                  f" {c['median_ratio']:.2f} of measured (median; p10 {c['p10_ratio']:.2f}, p90 "
                   f"{c['p90_ratio']:.2f}; MAPE {c['mape_pct']:.1f}%)")
+    for where, regimes in result.skew_checks.items():
+        for regime, c in regimes.items():
+            print(f"unequal decode contexts, {regime} ({where}): {c['rows']} rows; alpha (0: priced as the mean "
+                  f"length, 1: as the longest) measured {c['median_measured_alpha']:.2f}, step model "
+                  f"{c['median_predicted_alpha']:.2f} (medians; median |difference| {c['median_abs_diff']:.2f})")
     print(f"wrote {args.output} ({calib.tier}, {calib.hardware}, vLLM {calib.software.get('vllm', '?')}) in "
           f"{time.perf_counter() - t0:.1f} s")
     return 0

@@ -284,16 +284,69 @@ def mixed_attention_check(profile: LayerProfile, calib: Calibration) -> dict[str
                                                   att["kv_decode"], att["time_us"], strict=True):
             if not (chunk > 0 and n_dec > 0):
                 continue
-            n, ctx = int(n_dec), int(kv_d) + 1
-            batch = K.BatchShape(prefills=(K.PrefillChunk(int(chunk), int(kv_p), True),), num_decodes=n,
-                                 decode_context_tokens=n * ctx, decode_context_top=(ctx,) * n)
-            fam = step.breakdown_dict(batch)
-            ratios.append((fam[K.ATTN_PREFILL] + fam[K.ATTN_DECODE]) / m.num_layers / (t_us * 1e-6))
+            contexts = [int(kv_d) + 1] * int(n_dec)
+            t_s = _attention_s(step, (K.PrefillChunk(int(chunk), int(kv_p), True),), contexts)
+            ratios.append(t_s / m.num_layers / (t_us * 1e-6))
     if not ratios:
         return {"rows": 0}
     r = np.array(ratios)
     return {"rows": len(r), "mape_pct": float(np.mean(np.abs(r - 1.0)) * 100), "median_ratio": float(np.median(r)),
             "p10_ratio": float(np.percentile(r, 10)), "p90_ratio": float(np.percentile(r, 90))}
+
+
+def _attention_s(step: Any, prefill: tuple, contexts: list[int]) -> float:
+    """One step's attention (prefill and decode) as the step model prices it, decode contexts given one by one."""
+    batch = K.BatchShape(prefills=prefill, num_decodes=len(contexts), decode_context_tokens=sum(contexts),
+                         decode_context_top=tuple(sorted(contexts, reverse=True)))
+    fam = step.breakdown_dict(batch)
+    return fam[K.ATTN_PREFILL] + fam[K.ATTN_DECODE]
+
+
+def skew_check(profile: LayerProfile, calib: Calibration) -> dict[str, dict[str, float]]:
+    """The skew rows (a batch of ``n`` decodes, ``nb`` of them at ``kv_big`` cached tokens and the rest at ``kvs``,
+    with a prefill chunk in the mixed regime) against the step model. The profile's ``alpha`` places the skewed
+    batch's time between the same batch at the mean length (0) and with every sequence at ``kv_big`` (1); the step
+    model's alpha is taken the same way from its own three prices. Per regime: rows, the median measured and
+    predicted alpha, and the median absolute difference (a row whose three measured times nearly coincide has an
+    alpha of noise, up to ±1,000: medians, not means)."""
+    from kernelsight.simcore.precision import resolve_precision
+    from kernelsight.simcore.step_model import StepConfig, StepModel
+
+    hw = load_hardware(profile.hardware)
+    m = profile.model
+    precision = resolve_precision(m.torch_dtype, m.quantization, "auto", fp8_scheme=m.fp8_scheme)
+    cols = ("regime", "n", "nb", "pc", "kp", "kvs", "kv_big", "kv_mean", "alpha")
+    by_regime: dict[str, tuple[list, list]] = {}
+    for tp, folder in profile.tp_dirs.items():
+        path = folder / "skew.csv"
+        if not path.is_file():
+            continue
+        t = _read_csv(path, cols)
+        step = StepModel(m, hw, calib, precision, StepConfig(tp=tp, enforce_eager=True))
+
+        for i in range(len(t["n"])):
+            try:
+                measured = float(t["alpha"][i])
+            except ValueError:      # a row the profiler left without a result
+                continue
+            n, nb = int(t["n"][i]), int(t["nb"][i])
+            big, small, mean = int(t["kv_big"][i]) + 1, int(t["kvs"][i]) + 1, int(round(float(t["kv_mean"][i]))) + 1
+            pc = int(t["pc"][i])
+            prefill = (K.PrefillChunk(pc, int(t["kp"][i]), True),) if pc > 0 else ()
+            t_mean, t_max = _attention_s(step, prefill, [mean] * n), _attention_s(step, prefill, [big] * n)
+            t_skew = _attention_s(step, prefill, [big] * nb + [small] * (n - nb))
+            if t_max - t_mean <= 0.01 * t_mean:     # the three prices too close to place the skewed one between
+                continue
+            meas, pred = by_regime.setdefault(str(t["regime"][i]), ([], []))
+            meas.append(measured)
+            pred.append((t_skew - t_mean) / (t_max - t_mean))
+    out = {}
+    for regime, (meas, pred) in sorted(by_regime.items()):
+        a, b = np.array(meas), np.array(pred)
+        out[regime] = {"rows": len(a), "median_measured_alpha": float(np.median(a)),
+                       "median_predicted_alpha": float(np.median(b)),
+                       "median_abs_diff": float(np.median(np.abs(a - b)))}
+    return out
 
 
 # -- the whole import ------------------------------------------------------------------------------------------
@@ -307,6 +360,7 @@ class ProfileImport:
     tables: dict[str, Table]                 # the pooled GEMM and attention rows, in the measurement schema
     elementwise: dict[str, tuple[float, float]]
     mixed_checks: dict[str, dict[str, float]]
+    skew_checks: dict[str, dict[str, dict[str, float]]]
 
 
 def _shown(path: Path, root: Path) -> str:
@@ -360,4 +414,5 @@ def import_profiles(root: str | Path, hardware: str | None = None, *, workers: i
                    "sampler a constant η and fixed latency each)"
                    + (f"; on the cross-generation tier as prior ({prior.source})" if prior is not None else ""))
     checks = {str(p.path): mixed_attention_check(p, calib) for p in profiles}
-    return ProfileImport(calib, report, profiles, tables, elementwise, checks)
+    skews = {str(p.path): skew_check(p, calib) for p in profiles}
+    return ProfileImport(calib, report, profiles, tables, elementwise, checks, skews)
