@@ -238,7 +238,10 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 # -- profiles ----------------------------------------------------------------------------------------
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
+    from kernelsight.calibrate.evaluate import CROSS_GENERATION_SOURCES
+    from kernelsight.calibrate.fit.transfer import FP4_TRANSFER_SOURCES, borrowed_kernels
     from kernelsight.server.bundled_tokenizer import family_for
+    from kernelsight.simcore.attention_dispatch import kernel_lineage
     from kernelsight.simcore.precision import resolve_precision
 
     print("hardware:")
@@ -253,6 +256,13 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
         print(f"  {name:<14} {hw.display_name[:34]:<34} {hw.bf16_flops_per_s / 1e12:7.0f} TFLOP/s bf16  "
               f"{hw.mem_bytes_per_s / 1e12:5.2f} TB/s  {hw.mem_capacity_bytes / 2**30:6.1f} GiB  "
               f"aliases: {', '.join(hw.aliases)}  calibration: {tier}")
+        if any(c.tier == "cross-generation" for c in stacks):
+            # what it borrows: no GPU of the same kernels measured, every source weighted by spec similarity
+            borrowed = borrowed_kernels(hw, [profiles.load_hardware(g) for g in CROSS_GENERATION_SOURCES])
+            fp4 = [g for g in FP4_TRANSFER_SOURCES if g != name] if hw.fp4_flops_per_s else []
+            print(f"  {'':<14} runs {kernel_lineage(hw)}; borrows from "
+                  + ", ".join(f"{g} {w:.2f} ({lineage})" for g, w, lineage in borrowed)
+                  + (f"; NVFP4 GEMMs from {', '.join(fp4)}" if fp4 else ""))
     print("models:")
     for mid in profiles.list_models():
         try:

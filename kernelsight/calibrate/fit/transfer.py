@@ -85,6 +85,7 @@ from dataclasses import replace
 from kernelsight.calibrate.fit.comm import comm_source_pool, transfer_comm_curves
 from kernelsight.calibrate.fit.logpoly import device_constants
 from kernelsight.simcore import kernels as K
+from kernelsight.simcore.attention_dispatch import FLASH_ATTN_2, attention_kernel, kernel_lineage
 from kernelsight.simcore.calibration import Calibration, default_calibration
 from kernelsight.simcore.comm import CommModel
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, EtaModel, LogPolyEta, SwitchEta, switch_key
@@ -277,15 +278,24 @@ def transfer_comm(
     return out
 
 
-#: Compute capability majors on which vLLM's FlashAttention backend runs FA2: Ampere and Ada (8.x) and consumer /
-#: workstation Blackwell (12.x: the RTX PRO 6000's tables time ``vllm_flash_attn_fa2``). Hopper runs FA3; datacenter
-#: Blackwell (10.x) prefers FlashInfer.
-FA2_DECODE_MAJORS = ("8", "12")
-
-
 def runs_fa2_decode(hw: HardwareSpec) -> bool:
-    """Whether vLLM's FlashAttention backend runs FA2 on this GPU (see :data:`FA2_DECODE_MAJORS`)."""
-    return hw.vendor == "nvidia" and hw.compute_capability.split(".")[0] in FA2_DECODE_MAJORS
+    """Whether vLLM's default attention backend runs FlashAttention-2 on this GPU (Ampere, Ada and RTX Blackwell;
+    :mod:`~kernelsight.simcore.attention_dispatch`): Hopper runs FA3, datacenter Blackwell FlashInfer."""
+    return attention_kernel(hw) == FLASH_ATTN_2
+
+
+def borrowed_kernels(target: HardwareSpec, sources: Sequence[HardwareSpec], tau: float = SIMILARITY_TAU
+                     ) -> list[tuple[str, float, str]]:
+    """What a cross-generation calibration of ``target`` borrows: (source GPU, its weight, the kernels it measured),
+    heaviest first. Rule 5 weighs every source by spec similarity, not by kernel: weighting the sources that run the
+    target's own kernels more (×2, ×4), or only them, was tried leave-one-GPU-out on the shared tables and was worse
+    (A100 from the L40S alone, both FlashAttention-2 and mma.sync: decode attention 51% MAPE against 24% from both
+    L40S and H100; ×2: 26%, ×4: 31%; the L40S: GEMM 41 → 43 / 44%) — one source's library quirks outweigh the kernel
+    they share (``benchmarks/transfer_by_kernel.py``)."""
+    sources = [h for h in sources if h.name != target.name]
+    weights = similarity_weights(target, sources, tau) if sources else []
+    out = [(h.name, w, kernel_lineage(h)) for h, w in zip(sources, weights, strict=True)]
+    return sorted(out, key=lambda x: -x[1])
 
 
 def transfer_decode_floor(sources: Sequence[tuple[Calibration, HardwareSpec]],
@@ -315,13 +325,16 @@ def merged_software(records: Sequence[Mapping[str, str]]) -> dict[str, str]:
 def cross_generation_calibration(
     target: HardwareSpec, sources: Sequence[tuple[Calibration, HardwareSpec]], tau: float = SIMILARITY_TAU,
     fp4_sources: Sequence[tuple[Calibration, HardwareSpec]] = (),
+    source_weights: Sequence[float] | None = None,
 ) -> Calibration:
     """Calibration for ``target`` from measured calibrations of other GPUs (see the module docstring); the ``nvfp4``
-    GEMM variant from ``fp4_sources`` (rule 9)."""
+    GEMM variant from ``fp4_sources`` (rule 9). ``source_weights`` (one per source other than the target, summing
+    to 1) replaces rule 5's similarity weights: for experiments (:func:`borrowed_kernels`)."""
     sources = [(c, h) for c, h in sources if h.name != target.name]
     if not sources:
         raise ValueError("cross-generation transfer needs at least one calibration of another GPU")
-    weights = similarity_weights(target, [h for _, h in sources], tau)
+    weights = list(source_weights) if source_weights is not None else similarity_weights(
+        target, [h for _, h in sources], tau)
     calib = default_calibration(target.name)
     calib.tier = "cross-generation"
     for fam in TRANSFERRED_FAMILIES:
