@@ -24,6 +24,10 @@ Each file records its tier, source data and licence. The shipped package reads o
 as a full build does — a fit's variants are fitted independently of each other) into their bundled files, then adds
 the transferred variant to the bundled cross-generation files; everything else stays as stored.
 
+``--encoder-only`` fits only the ViT attention family (``attn_encoder``) of the GPUs whose folders time it (H100, L40S,
+the RTX PRO 6000 under 0.24) into their bundled files and transfers it to every other file (from the cross-generation
+sources that have it), as a full build would; everything else stays as stored.
+
 ``--comm-only`` rewrites only the collective models of every bundled file (what a full build would write there:
 the comm fit reads nothing but the comm table and, for a GPU fitted on a prior, the prior's collective models) and
 keeps everything else as stored — seconds instead of minutes, and a diff that shows only what changed.
@@ -53,7 +57,7 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     other_stack_dirs,
 )
 from kernelsight.calibrate.fit.comm import fit_comm  # noqa: E402
-from kernelsight.calibrate.fit.eta import fit_family  # noqa: E402
+from kernelsight.calibrate.fit.eta import family_overheads, fit_family  # noqa: E402
 from kernelsight.calibrate.fit.transfer import (  # noqa: E402
     FP4_TRANSFER_SOURCES,
     NVFP4_KEY,
@@ -224,6 +228,45 @@ def _rewrite_software(data: Path, out_dir: Path) -> int:
     return 0
 
 
+def _fill_family_by_transfer(family: str, calib: Calibration, hw: HardwareSpec,
+                             sources: list[tuple[Calibration, HardwareSpec]]) -> bool:
+    """Give ``calib`` the ``family`` it lacks, transferred from the sources that have it (rules 1–5); False if none
+    has it. A measured GPU whose tables lack a family (the A100 times no ViT attention) gets it this way."""
+    having = [(c, h) for c, h in sources if family in c.eta and h.name != hw.name]
+    if family in calib.eta or not having:
+        return False
+    x = cross_generation_calibration(hw, having)
+    calib.eta[family] = x.eta[family]
+    calib.overhead_s[family] = x.overhead_s[family]
+    return True
+
+
+def _add_encoder(data: Path, out_dir: Path) -> int:
+    """The ViT attention family (``attn_encoder``) of every bundled file: fitted on the GPU's own ``attn_encoder``
+    table where its folder has one (all rows, as a full build fits), else transferred from the cross-generation
+    sources that have it; the rest of each file unchanged."""
+    folders = {calibration_file_name(n): data / f for f, n in measured_gpu_dirs(data).items()}
+    folders.update({calibration_file_name(n, v): data / f for f, (n, v) in other_stack_dirs(data).items()})
+    calibs = {p.name: read_calibration_file(p) for p in sorted(out_dir.glob("*.json"))}
+    for file, folder in folders.items():
+        table = folder / "attn_encoder.csv.gz"
+        if file not in calibs or not table.is_file():
+            continue
+        calib, hw = calibs[file], load_hardware(calibs[file].hardware)
+        model, eta_max, _ = fit_family("attn_encoder", read_table(table, "attn_encoder").columns, hw,
+                                       residual_grid=True)
+        calib.eta["attn_encoder"] = model
+        calib.eta_max = max(calib.eta_max, eta_max)
+        calib.overhead_s["attn_encoder"] = family_overheads(calib)["attn_encoder"]
+        print(f"{file}: attn_encoder fitted on {folder.name}")
+    sources = [(calibs[calibration_file_name(n)], load_hardware(n)) for n in CROSS_GENERATION_SOURCES]
+    for file, calib in calibs.items():
+        if _fill_family_by_transfer("attn_encoder", calib, load_hardware(calib.hardware), sources):
+            print(f"{file}: attn_encoder transferred")
+        (out_dir / file).write_text(json.dumps(calib.to_dict()))
+    return 0
+
+
 def _profiled_gpus(layers: Path, measured: set[str]) -> dict[str, Path]:
     """GPU profile name → its folder of layer-profile bundles, for the GPUs without kernel tables."""
     from kernelsight.calibrate.layer_profile import find_bundles, read_profile
@@ -263,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=Path, default=ROOT.parent / "shared" / "data" / "layers",
                     help="per-layer profile bundles, one folder per GPU (a GPU without kernel tables is fitted "
                          "from its profile)")
+    ap.add_argument("--encoder-only", action="store_true",
+                    help="fit (or transfer) only the ViT attention family (attn_encoder) into the bundled files")
     ap.add_argument("--layers-only", action="store_true",
                     help="write only the files of the GPUs fitted from layer profiles")
     ap.add_argument("--software-only", action="store_true",
@@ -275,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         return _rebuild_comm(args.data, args.output_dir)
     if args.fp4_only:
         return _add_fp4_variants(args.data, args.output_dir)
+    if args.encoder_only:
+        return _add_encoder(args.data, args.output_dir)
     profiled = _profiled_gpus(args.layers, set(measured_gpu_dirs(args.data).values()))
     if args.layers_only:
         for name, folder in profiled.items():
@@ -307,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
         measured.append((calib, hw))
         print(f"{name}: target-measured from {folder} in {time.perf_counter() - t0:.1f} s")
+    for calib, hw in measured:   # a source whose tables lack a family the others time (the A100: ViT attention)
+        if (only is None or hw.name in only) and _fill_family_by_transfer("attn_encoder", calib, hw, measured):
+            (args.output_dir / calibration_file_name(hw.name)).write_text(json.dumps(calib.to_dict()))
     fp4: list[tuple[Calibration, HardwareSpec]] = []
     for name, folder in on_prior.items():
         if only is not None and name not in only:

@@ -25,11 +25,12 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
     "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
     "comm": ("op", "backend", "dtype", "num_gpus", "message_bytes"),
+    "attn_encoder": ("batch", "seq_len", "num_heads", "head_dim", "dtype"),
 }
 FAMILIES: tuple[str, ...] = tuple(SCHEMA)
 _STRING_COLUMNS = frozenset({"dtype", "kv_dtype", "kernel", "op", "backend"})
 #: Format column per family whose values the kernel model must know.
-_FORMAT_COLUMN = {"gemm": "dtype", "attn_prefill": "kv_dtype", "attn_decode": "kv_dtype"}
+_FORMAT_COLUMN = {"gemm": "dtype", "attn_prefill": "kv_dtype", "attn_decode": "kv_dtype", "attn_encoder": "dtype"}
 #: Formats real measurement sets hold that the kernel model has no roofline for yet, and why. Reading with
 #: ``skipped`` leaves their rows out (counted) instead of failing the whole set; any other unknown value
 #: stays an error, since it is more likely a malformed row than a format nobody has modelled. Empty since NVFP4
@@ -137,6 +138,7 @@ _POSITIVE = {
     "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim"),
     "attn_decode": ("batch", "num_heads", "num_kv_heads", "head_dim"),
     "comm": ("num_gpus", "message_bytes"),
+    "attn_encoder": ("batch", "seq_len", "num_heads", "head_dim"),
 }
 
 
@@ -145,7 +147,8 @@ def _check_values(path: Path, fam: str, cols: dict[str, np.ndarray]) -> None:
     from kernelsight.calibrate.rows import ELEMENT_BYTES
     from kernelsight.simcore.kernels import GEMM_FORMAT_CODES
 
-    known = {"gemm": GEMM_FORMAT_CODES, "attn_prefill": ELEMENT_BYTES, "attn_decode": ELEMENT_BYTES}.get(fam)
+    known = {"gemm": GEMM_FORMAT_CODES, "attn_prefill": ELEMENT_BYTES, "attn_decode": ELEMENT_BYTES,
+             "attn_encoder": ELEMENT_BYTES}.get(fam)
     if known is not None:
         col = _FORMAT_COLUMN[fam]
         bad = sorted(set(cols[col].tolist()) - set(known))

@@ -33,7 +33,7 @@ from kernelsight.simcore.roofline import roofline_s
 
 Columns = Mapping[str, np.ndarray]
 
-KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode")
+KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "attn_encoder")
 #: Bytes per element of the dtype names a measurement's ``kv_dtype`` may hold ("auto": vLLM's name for the model's
 #: own 16-bit dtype).
 ELEMENT_BYTES = {
@@ -49,7 +49,7 @@ ELEMENT_BYTES = {
     "float": 4.0,
 }
 #: Which feature selects the sub-model (categorical variant) per family.
-SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5}
+SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5, "attn_encoder": 6}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,6 +109,9 @@ def _row_kernel(family: str, key: tuple) -> K.Kernel:
             element_bytes(kv_dtype),
             window=int(window) or None,
         )
+    if family == "attn_encoder":
+        batch, seq, heads, hd, dtype = key
+        return K.attention_encoder_kernel(int(batch), int(seq), int(heads), int(hd), element_bytes(dtype))
     raise ValueError(f"no kernel mapping for family {family!r}")
 
 
@@ -116,6 +119,7 @@ _KEY_COLUMNS = {
     "gemm": ("dtype", "m", "n", "k"),
     "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
     "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
+    "attn_encoder": ("batch", "seq_len", "num_heads", "head_dim", "dtype"),
 }
 
 
@@ -135,7 +139,7 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
         inverse[i] = uniq.setdefault(key, len(uniq))
     kernels = [_row_kernel(family, key) for key in uniq]
     if not kernels:
-        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7}[family]
+        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "attn_encoder": 8}[family]
         z = np.zeros(0)
         return KernelRows(family, z, z, z, np.zeros(0, dtype=str), np.zeros((0, nf)), np.zeros(0, dtype=str))
     flops = np.array([k.flops for k in kernels])[inverse]

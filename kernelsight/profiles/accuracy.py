@@ -16,6 +16,7 @@ from typing import Any
 __all__ = ["load_accuracy", "expected_error", "describe_expected_error"]
 
 _FAMILY_LABELS = {"gemm": "GEMM", "attn_prefill": "prefill attention", "attn_decode": "decode attention",
+                  "attn_encoder": "ViT attention",
                   "comm": "collectives"}
 
 

@@ -20,6 +20,7 @@ GEMM = "gemm"
 MOE_GEMM = "moe_gemm"
 ATTN_PREFILL = "attn_prefill"
 ATTN_DECODE = "attn_decode"
+ATTN_ENCODER = "attn_encoder"   # a vision encoder's (ViT) bidirectional attention (not a decoder step's family)
 KV_WRITE = "kv_write"
 ROPE = "rope"
 NORM = "norm"
@@ -196,6 +197,20 @@ def attention_prefill_kernel(chunks: tuple[PrefillChunk, ...], q_heads: int, kv_
                 float(head_dim), float(kv_bytes), float(window or 0))
     return Kernel("attention_prefill", ATTN_PREFILL, flops, bytes_moved, max(tiles * q_heads, 1), "bf16",
                   features, count)
+
+
+def attention_encoder_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int, act_bytes: float,
+                             count: int = 1) -> Kernel:
+    """A vision encoder's attention: ``batch`` images of ``seq_len`` patches, every query over every key of its
+    image (no causal mask: twice a causal prefill's pairs), one KV head per query head. Its features take the
+    prefill kernel's layout (one chunk per image, nothing cached), so the prefill's η basis describes it."""
+    pairs = float(batch) * seq_len * seq_len
+    flops = 4.0 * num_heads * head_dim * pairs
+    bytes_moved = 4.0 * batch * seq_len * num_heads * head_dim * act_bytes    # Q, K, V read, O written
+    tiles = max(batch * math.ceil(seq_len / _ATTN_Q_TILE) * num_heads, 1)
+    features = (float(batch), float(seq_len), float(seq_len), float(num_heads), float(num_heads), float(head_dim),
+                float(act_bytes), 0.0)
+    return Kernel("attention_encoder", ATTN_ENCODER, flops, bytes_moved, tiles, "bf16", features, count)
 
 
 def attention_decode_kernel(num_decodes: int, context_tokens: int, q_heads: int, kv_heads: int,

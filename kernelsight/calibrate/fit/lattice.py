@@ -156,6 +156,8 @@ def fit_residual_grid(
 #: along it pools them. Seeds 0 / 1, decode: A100 6.57 / 6.73 → 6.18 / 6.41 %, L40S 7.65 / 7.70 → 7.28 / 7.46 %,
 #: H100 3.18 / 3.29 → 3.17 / 3.23 %. (The prefill analogue, seqs × q heads, won on two GPUs and lost on the A100.)
 GRID_DIMS = {"gemm": (0, 1, 2, 3), "attn_prefill": (0, 1, 2, 3, 4, 5), "attn_decode": (7, 1, 6, 3, 4, 5)}
+#: Families fitted on another family's lattice layout (a ViT's attention has the prefill kernel's features).
+GRID_LAYOUT_OF = {"attn_encoder": "attn_prefill"}
 #: Largest |log(measured / smooth)| a lattice is fitted to (outliers beyond it are clipped).
 GRID_FIT_CLIP = 2.0
 #: Smallest log-gap between lattice knots per dim (0: a knot at every measured value; < 0: a regular
@@ -213,6 +215,7 @@ def add_residual_grid(
 
     ``z`` is the smooth model's basis of the rows, ``features`` their raw feature rows (the lattice's axes).
     """
+    family = GRID_LAYOUT_OF.get(family, family)
     grid = None
     free = window_is_free(model.basis, features, lat_s)
     coords = residual_coordinates(model.basis, features, free)

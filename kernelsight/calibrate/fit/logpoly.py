@@ -50,7 +50,8 @@ def device_constants(family: str, variant: str, hw: HardwareSpec) -> dict[str, f
 
 
 def basis_name(family: str) -> str:
-    return {"gemm": "gemm", "lm_head": "gemm", "moe_gemm": "gemm"}.get(family, family)
+    # a ViT's attention has the prefill kernel's feature layout (kernel_shapes.attention_encoder_kernel)
+    return {"gemm": "gemm", "lm_head": "gemm", "moe_gemm": "gemm", "attn_encoder": "attn_prefill"}.get(family, family)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ OVERHEAD_CLOCK_EXPONENT = 0.5
 #: two GPUs that show the path (A100 21.7, L40S 26.2 GB/s), error on A100 / L40S: exponent 0 → +21 / −17 %,
 #: 0.5 → −10 / +11 %, 1 → −32 / +48 %.
 DECODE_FLOOR_CLOCK_EXPONENT = 0.5
-TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm")
+TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm",
+                                         "attn_encoder")
 #: The bundled target-measured calibrations whose tables hold NVFP4 GEMM rows: the sources of rule 9.
 FP4_TRANSFER_SOURCES: tuple[str, ...] = ("rtx-pro-6000",)
 #: The gemm switch key of the NVFP4 (W4A4) format.
