@@ -91,6 +91,8 @@ def cli_page() -> str:
 
     parser = build_parser()
     subs = _subparsers(parser)
+    if "serve" not in subs:      # kernelsight.cli leaves `serve` out when the server extra is missing
+        raise RuntimeError("the CLI reference needs `kernelsight serve`: pip install -e '.[docs]' (the server extra)")
     lines = [HEADER.format(source="kernelsight.cli.build_parser()"), "# Command-line reference\n",
              "Every flag of every subcommand, read from kernelsight's own argparse parsers when the site is built. "
              "`kernelsight COMMAND --help` prints the same.\n",
