@@ -2,9 +2,12 @@
 
 A block is runnable when the line just before its fence is ``<!-- runnable -->``. The marker may shrink it for the
 test, as the page then says: ``<!-- runnable: replace "--num-prompts 300" "--num-prompts 60" -->`` (any number of
-``replace "OLD" "NEW"``), and ``slow`` puts it under the ``slow`` marker. Each block runs with ``bash -euo pipefail``
-in a fresh directory holding a link to ``examples/`` (so paths read as from the repository root), offline, with
-its own caches, and must exit 0 and write every file it names with ``--result-json``, ``--csv``, ``--timeline``,
+``replace "OLD" "NEW"``; ``{port}`` in NEW is a port free when the block starts, for a block that starts a server),
+and ``slow`` puts it under the ``slow`` marker.
+
+Each block runs with ``bash -euo pipefail`` in its own process group (whatever it leaves running is killed when it
+ends), in a fresh directory holding a link to ``examples/`` (so paths read as from the repository root), offline,
+with its own caches. It must exit 0 and write every file it names with ``--result-json``, ``--csv``, ``--timeline``,
 ``--report-html`` or ``--plot``.
 """
 
@@ -13,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ class Block:
     line: int
     script: str              # as the test runs it (after the marker's replacements)
     runnable: bool
+    text: str = ""           # as the page shows it
     slow: bool = False
     replacements: list[tuple[str, str]] = field(default_factory=list)
 
@@ -57,7 +63,8 @@ def shell_blocks(page: Path) -> list[Block]:
             assert old in body, f"{page}: the runnable marker replaces {old!r}, which its block does not contain"
             body = body.replace(old, new)
         line = text.count("\n", 0, m.start("body"))
-        out.append(Block(page, line, body, runnable=m["marker"] is not None, slow="slow" in opts, replacements=reps))
+        out.append(Block(page, line, body, runnable=m["marker"] is not None, text=m["body"], slow="slow" in opts,
+                         replacements=reps))
     return out
 
 
@@ -74,5 +81,29 @@ def run_block(block: Block, workdir: Path, check: bool = False) -> subprocess.Co
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "XDG_CACHE_HOME": str(workdir / ".cache"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", block.script], cwd=workdir, env=env, text=True,
-                          capture_output=True, timeout=TIMEOUT_S, check=check)
+    script = block.script.replace("{port}", str(_free_port())) if "{port}" in block.script else block.script
+    argv = ["bash", "-euo", "pipefail", "-c", script]
+    # output to files, not pipes: a server the block left behind would hold a pipe open past the shell's exit
+    with open(workdir / ".stdout", "w+") as out, open(workdir / ".stderr", "w+") as err:
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, text=True, stdout=out, stderr=err,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=TIMEOUT_S)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)     # the block's leftovers (a server started with &)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(argv, rc, out.read(), err.read())
+    if check:
+        done.check_returncode()
+    return done
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -73,7 +73,7 @@ def test_every_kernelsight_command_in_the_readme_and_docs_parses():
     checked = 0
     for page in PAGES:
         for block in shell_blocks(page):
-            script = re.sub(r"\\\n\s*", " ", block.script)
+            script = re.sub(r"\\\n\s*", " ", block.text)
             env = {k: shlex.split(v)[0] for k, v in re.findall(r"^([A-Z_]+)=(\S+)$", script, re.M)}
             for line in script.splitlines():
                 line = re.sub(r"^(?:[A-Z_]+=\S+\s+)+", "", line.strip())     # VAR=value kernelsight ...
