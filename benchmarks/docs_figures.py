@@ -100,9 +100,36 @@ def validate_figure(run: Path, hardware: str | None, out: Path) -> Path:
                  f"({r['config']['calibration_tier']} tier); mean error TTFT {errs['ttft']:+.1f}%, "
                  f"TPOT {errs['tpot']:+.1f}%, E2EL {errs['e2el']:+.1f}%")
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
+    fig.savefig(out, dpi=80, metadata={"Description": json.dumps(validate_summary(r))})
     plt.close(fig)
     return out
+
+
+def validate_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """What a validate figure shows, stored in the PNG (``tests/test_docs.py`` compares it with today's replay)."""
+    errs = {row["metric"]: row["error_pct"] for row in result["latency"] if row["stat"] == "mean"}
+    return {"run": result["run"], "tier": result["config"]["calibration_tier"],
+            **{f"{m}_mean_error_pct": round(errs[m], 1) for m in ("ttft", "tpot", "e2el")}}
+
+
+def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
+    """What the plan figure shows, stored in the PNG (``tests/test_docs.py`` compares it with the example's run)."""
+    c = plan["chosen"]
+    return {"chosen": c["label"], "p99_ttft_ms": round(c["p99_ttft_ms"]), "p99_tpot_ms": round(c["p99_tpot_ms"], 1),
+            "front": [p["label"] for p in plan["points"] if p["key"] in set(plan["front"])]}
+
+
+def png_description(path: Path) -> dict[str, Any]:
+    """The summary a figure of this script carries (its PNG tEXt chunk 'Description')."""
+    data, pos = path.read_bytes(), 8
+    while pos < len(data):
+        n, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
+        if kind == b"tEXt":
+            key, _, text = data[pos + 8:pos + 8 + n].partition(b"\0")
+            if key == b"Description":
+                return json.loads(text.decode("latin-1"))
+        pos += 12 + n
+    raise ValueError(f"{path}: no Description (not drawn by benchmarks/docs_figures.py)")
 
 
 def plan_result(workdir: Path) -> dict[str, Any]:
@@ -146,7 +173,7 @@ def plan_figure(plan: dict[str, Any], out: Path) -> Path:
     fig.suptitle(f"kernelsight plan {plan['model']}, SLO {plan['slo']}: cheapest meeting it {c['label']} "
                  f"(p99 TTFT {c['p99_ttft_ms']:.0f} ms, p99 TPOT {c['p99_tpot_ms']:.1f} ms)")
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
+    fig.savefig(out, dpi=80, metadata={"Description": json.dumps(plan_summary(plan))})
     plt.close(fig)
     return out
 

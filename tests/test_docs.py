@@ -203,3 +203,29 @@ def test_the_profiles_and_bands_references_come_from_the_bundled_files():
     bands = reference.accuracy_page()
     for tier, b in load_accuracy()["run_bands_pct"].items():
         assert f"| {tier} | {b['runs']} | ±{b['ttft']}% |" in bands
+
+
+# -- the figures ---------------------------------------------------------------------------------------------
+sys.path.insert(0, str(ROOT / "benchmarks"))     # docs_figures imports _common beside it
+figures = _load("docs_figures", ROOT / "benchmarks" / "docs_figures.py")
+
+
+def test_the_plan_figure_shows_what_the_planning_example_gives_today(tmp_path_factory):
+    blocks = runnable_blocks(DOCS / "planning.md")
+    plan = json.loads((ran(blocks[0], tmp_path_factory)[0] / "plan.json").read_text())
+    assert figures.png_description(DOCS / "images" / "plan-report.png") == figures.plan_summary(plan), (
+        "docs/images/plan-report.png is stale: run `python benchmarks/docs_figures.py --only plan`")
+
+
+def test_the_validate_figures_show_the_validated_runs_errors():
+    from kernelsight.profiles.accuracy import load_accuracy
+
+    runs = {(r["run"], r["tier"]): r for r in load_accuracy()["runs"]}
+    pngs = sorted((DOCS / "images").glob("validate-*.png"))
+    assert {p.stem.removeprefix("validate-") for p in pngs} == {run for run, _ in runs}
+    for png in pngs:
+        shown = figures.png_description(png)
+        want = runs[(shown["run"], shown["tier"])]
+        for m in ("ttft", "tpot", "e2el"):
+            assert shown[f"{m}_mean_error_pct"] == round(want[f"{m}_mean"], 1), (
+                f"{png.name} is stale: run `python benchmarks/docs_figures.py --only validate`")
