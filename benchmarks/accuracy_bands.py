@@ -12,8 +12,9 @@ cross-generation tier, held-out rows for the target tier; the largest family MAP
 
 A run whose ``meta.json`` names no CUDA device needs ``--hardware RUN=GPU`` (the shared PRO 6000 run does); runs it
 cannot place are skipped with a message. ``--write`` stores the bands in ``kernelsight/profiles/accuracy.json``, which
-``simulate``, ``serve`` and ``validate`` quote beside the calibration tier. Prints the table as Markdown (the README's
-validation table) and writes ``benchmarks/results/accuracy_bands.json``.
+``simulate``, ``serve`` and ``validate`` quote beside the calibration tier. Prints the table as Markdown and writes
+``benchmarks/results/accuracy_bands.json``. After ``--write``, ``python docs/gen/page_numbers.py`` renders the new
+bands into README.md and docs/accuracy.md (``tests/test_docs.py`` fails until it has).
 """
 
 from __future__ import annotations
