@@ -182,10 +182,12 @@ def accuracy_rows() -> list[str]:
     from kernelsight.profiles.accuracy import load_accuracy
 
     acc = load_accuracy()
-    rows = ["| run | GPU | tier | TTFT mean / median | TPOT mean / median | E2E mean / median |",
+    rows = ["| run | GPU | tier (kernels timed under) | TTFT mean / median | TPOT mean / median | E2E mean / median |",
             "|---|---|---|---|---|---|"]
     for r in acc["runs"]:
-        rows.append(f"| {r['run']} | {r['gpu']} | {r['tier']} | {r['ttft_mean']:+.1f}% / {r['ttft_median']:+.1f}% | "
+        stack = f" (vLLM {r['calibration_vllm']})" if r.get("calibration_vllm") else ""
+        rows.append(f"| {r['run']} | {r['gpu']} | {r['tier']}{stack} | "
+                    f"{r['ttft_mean']:+.1f}% / {r['ttft_median']:+.1f}% | "
                     f"{r['tpot_mean']:+.1f}% / {r['tpot_median']:+.1f}% | "
                     f"{r['e2el_mean']:+.1f}% / {r['e2el_median']:+.1f}% |")
     return rows
