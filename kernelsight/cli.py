@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ from kernelsight.engine_args import (
     engine_args_from,
     kv_link_from,
 )
-from kernelsight.plan.cli import add_plan_parser
 from kernelsight.profiles.accuracy import describe_expected_error, expected_error
 
 __all__ = ["build_parser", "main"]
@@ -53,7 +52,6 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
     from kernelsight.loadgen.progress import Progress
     from kernelsight.loadgen.report import RANK_COLUMNS, format_report, format_table, rank_rows
-    from kernelsight.loadgen.tokenizer import resolve_tokenizer
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
 
     if ns.plot:
@@ -62,7 +60,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         require_plotly()    # before the run, not after it
     config = create_engine_config(engine_args_from(ns))
     mopts = metric_options(ns)
-    wl = build_workload(ns, config.model.vocab_size, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
+    def tokenizer() -> Any:      # only the text datasets need one (its module imports urllib)
+        from kernelsight.loadgen.tokenizer import resolve_tokenizer
+
+        return resolve_tokenizer(ns.model, ns.tokenizer)
+
+    wl = build_workload(ns, config.model.vocab_size, tokenizer)
     samples = wl.samples
     too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
     if too_long:
@@ -272,36 +275,71 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _attach_profiles(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profiles", help="list bundled GPUs, models and calibrations")
+    p.set_defaults(func=cmd_profiles)
+
+
+def _attach_plan(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
+
+
+def _attach_serve(sub: argparse._SubParsersAction) -> None:
+    """``serve`` lives in the server package; attached only when its extra (fastapi, uvicorn, transformers) is
+    installed."""
+    try:
+        from kernelsight.server.cli import add_serve_parser
+    except ImportError:
+        return
+    add_serve_parser(sub)
+
+
+def _attach_bench(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.loadgen.bench import add_bench_parser  # aiohttp is imported only when bench runs
+
+    add_bench_parser(sub)
+
+
+def _attach_calibrate(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.calibrate.cli import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+
+
+def _attach_predict(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.calibrate.cli import add_predict_parser
+
+    add_predict_parser(sub)
+
+
+#: every subcommand in --help's order, and what attaches it: each imports its own modules only when attached, so a
+#: run of one subcommand imports what that one uses (``simulate`` never imports the web stack)
+SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "simulate": build_simulate_parser, "validate": build_validate_parser, "plan": _attach_plan,
+    "profiles": _attach_profiles, "serve": _attach_serve, "bench": _attach_bench, "calibrate": _attach_calibrate,
+    "predict": _attach_predict,
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``kernelsight`` parser with every subcommand, or with subcommand ``only`` alone (``main`` builds just the
+    one its command line names)."""
     parser = OneLineParser(prog="kernelsight", description="A vLLM-compatible mock backend driven by a "
                            "kernel-level GPU performance simulator.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    build_simulate_parser(sub)
-    build_validate_parser(sub)
-    add_plan_parser(sub)
-    p = sub.add_parser("profiles", help="list bundled GPUs, models and calibrations")
-    p.set_defaults(func=cmd_profiles)
-    for attach in _optional_commands():
-        attach(sub)
+    for name, attach in SUBCOMMANDS.items():
+        if only is None or name == only:
+            attach(sub)
     return parser
 
 
-def _optional_commands():
-    """Subcommands living in other packages; each is attached if its module is present."""
-    out = []
-    try:
-        from kernelsight.server.cli import add_serve_parser
-        out.append(add_serve_parser)
-    except ImportError:       # the server extra (fastapi, uvicorn, transformers) is not installed
-        pass
-    from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
-    from kernelsight.loadgen.bench import add_bench_parser  # aiohttp is imported only when bench runs
-    return out + [add_bench_parser, add_calibrate_parser, add_predict_parser]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    # the subcommand is the first word (the top-level parser has no options but --help): build only its parser
+    parser = build_parser(args[0] if args and args[0] in SUBCOMMANDS else None)
+    ns = parser.parse_args(args)
     try:
         return int(ns.func(ns) or 0)
     except (ValueError, FileNotFoundError) as exc:
