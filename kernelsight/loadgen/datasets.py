@@ -150,10 +150,14 @@ def random_dataset(
     ends = np.cumsum(seg_lens)
     total = int(ends[-1]) if num_prompts else 0
     seg_starts = ends - seg_lens
-    # flat[seg_starts[i] + p] = offsets[i] + i + p - prefix_len (mod vocab_size) for p ≥ prefix_len
-    flat = np.arange(total, dtype=np.int64)
-    flat += np.repeat(offsets.astype(np.int64) + np.arange(num_prompts, dtype=np.int64) - seg_starts - prefix_len,
-                      seg_lens)
+    # flat[seg_starts[i] + p] = base[i] + p (mod vocab_size) for p ≥ prefix_len, built in place as the running sum of
+    # its steps (1 within a prompt, the jump to the next prompt's base at its start): one array of the total size
+    base = offsets.astype(np.int64) + np.arange(num_prompts, dtype=np.int64) - prefix_len
+    flat = np.ones(total, dtype=np.int64)
+    if num_prompts:
+        flat[0] = base[0]
+        flat[seg_starts[1:]] = base[1:] - base[:-1] - seg_lens[:-1] + 1
+    np.cumsum(flat, out=flat)
     flat %= vocab_size
     if prefix_len:
         pos = np.arange(total, dtype=np.int64) - np.repeat(seg_starts, seg_lens)    # position within the prompt
