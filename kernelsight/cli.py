@@ -39,12 +39,21 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=positive_int, default=1,
                    help="independent engines behind a round-robin router (request i goes to engine i mod N); "
                         "the timeline is engine 0's (default: 1)")
+    p.add_argument("--replica-processes", type=_processes, default=1, metavar="P|auto",
+                   help="run the --replicas engines in P worker processes, so that a fleet uses several cores (the "
+                        "result is the one process's, bit for bit); auto: one per usable CPU, at most one per replica "
+                        "(default: 1, every engine in this process)")
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--pd", default=None, metavar="XPyD",
                     help="X prefill and Y decode engines of this configuration behind vLLM's toy-proxy semantics "
                          "(e.g. 1P1D, 2P3D): prefill with max_tokens 1, KV pulled over --kv-transfer-link, decode")
     add_kv_link_args(pd)
     p.set_defaults(func=cmd_simulate)
+
+
+def _processes(text: str) -> int | None:
+    """--replica-processes: a positive count, or ``auto`` (None: one per usable CPU)."""
+    return None if text == "auto" else positive_int(text)
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
@@ -82,7 +91,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     else:
         res = run_replicas(config, samples, wl.arrivals_s, ns.replicas, max_concurrency=ns.max_concurrency,
                            ignore_eos=wl.ignore_eos, record_timeline=ns.timeline is not None or ns.plot is not None,
-                           on_finished=bar.update if bar.enabled else None)
+                           on_finished=bar.update if bar.enabled else None, processes=ns.replica_processes)
     bar.close()
     stats = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=mopts.percentile_metrics,
                                   percentiles=mopts.percentiles, goodput_slos_ms=mopts.goodput_slos_ms)
