@@ -255,9 +255,9 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
         hw = profiles.load_hardware(name)
         tier = "default"
         if name in calibrated:
-            calib = profiles.load_calibration(name)
+            tier, software = profiles.bundled_calibration_summary(name)
             # the stack its kernels were timed under: a run on another one may run other kernels
-            tier = calib.tier + (f" (vLLM {calib.software['vllm']})" if calib.software.get("vllm") else "")
+            tier += f" (vLLM {software['vllm']})" if software.get("vllm") else ""
         print(f"  {name:<14} {hw.display_name[:34]:<34} {hw.bf16_flops_per_s / 1e12:7.0f} TFLOP/s bf16  "
               f"{hw.mem_bytes_per_s / 1e12:5.2f} TB/s  {hw.mem_capacity_bytes / 2**30:6.1f} GiB  "
               f"aliases: {', '.join(hw.aliases)}  calibration: {tier}")

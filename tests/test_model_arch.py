@@ -280,6 +280,18 @@ def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.Captu
     assert "calibration: cross-generation (vLLM 0.14.0 / 0.24.0)" in lines["rtx-4090"]
 
 
+def test_the_calibration_summary_profiles_lists_is_the_loaded_tables() -> None:
+    """``kernelsight profiles`` reads each bundled table's tier and software without building its η models: the same
+    as the loaded calibration's."""
+    from kernelsight import profiles
+
+    names = profiles.list_calibrations()
+    assert len(names) > 5
+    for name in names:
+        calib = profiles.load_calibration(name)
+        assert profiles.bundled_calibration_summary(name) == (calib.tier, calib.software), name
+
+
 def test_hybrid_preemption_frees_everything_and_events_stay_chained() -> None:
     """Under KV pressure requests are preempted and recomputed; every block comes back and every stored
     sliding-window block's parent hash is known to the publisher (no orphans)."""

@@ -254,6 +254,17 @@ def read_calibration_file(path: str | os.PathLike[str]) -> Calibration:
         raise ValueError(f"{p}: not a kernelsight calibration file ({exc})") from None
 
 
+def bundled_calibration_summary(hardware: str) -> tuple[str, dict[str, str]]:
+    """(tier, software) of a GPU's bundled calibration table, read without building its η models (what
+    ``kernelsight profiles`` lists); ValueError when the GPU ships none (see ``list_calibrations``)."""
+    canonical = load_hardware(hardware).name
+    bundled = _package_dir("calibration") / f"{canonical}.json"
+    if not bundled.is_file():
+        raise ValueError(f"no bundled calibration for {canonical!r}")
+    d = _read_json(bundled)
+    return d["tier"], {str(k): str(v) for k, v in d.get("software", {}).items()}
+
+
 def load_calibration(hardware: str, path: str | os.PathLike[str] | None = None) -> Calibration:
     """The calibration for a GPU: ``path`` if given, else the bundled table, else documented defaults."""
     if path is not None:
