@@ -165,8 +165,6 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
 def _pd_split(ns: argparse.Namespace, config: Any) -> tuple[int, int] | None:
     """``--pd XPyD`` → (X, Y); None without it. P/D engines are single engines: no --replicas or DP with it."""
-    from kernelsight.loadgen.pd_fastforward import parse_pd
-
     if ns.pd is None:
         if ns.kv_transfer_link or ns.kv_transfer_bandwidth_gbps or ns.kv_transfer_latency_us is not None:
             raise ValueError("--kv-transfer-link/-bandwidth-gbps/-latency-us need --pd")
@@ -175,6 +173,8 @@ def _pd_split(ns: argparse.Namespace, config: Any) -> tuple[int, int] | None:
         raise ValueError("--pd runs single engines per instance: leave out --replicas and --data-parallel-size")
     if ns.timeline:
         raise ValueError("--timeline is not recorded for --pd (the instances' steps interleave); leave it out")
+    from kernelsight.loadgen.pd_fastforward import parse_pd
+
     return parse_pd(ns.pd)
 
 
