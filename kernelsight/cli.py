@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,6 @@ from kernelsight.engine_args import (
     engine_args_from,
     kv_link_from,
 )
-from kernelsight.plan.cli import add_plan_parser
 from kernelsight.profiles.accuracy import describe_expected_error, expected_error
 
 __all__ = ["build_parser", "main"]
@@ -41,6 +40,10 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=positive_int, default=1,
                    help="independent engines behind a round-robin router (request i goes to engine i mod N); "
                         "the timeline is engine 0's (default: 1)")
+    p.add_argument("--replica-processes", type=_processes, default=1, metavar="P|auto",
+                   help="run the --replicas engines in P worker processes, so that a fleet uses several cores (the "
+                        "result is the one process's, bit for bit); auto: one per usable CPU, at most one per replica "
+                        "(default: 1, every engine in this process)")
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--pd", default=None, metavar="XPyD",
                     help="X prefill and Y decode engines of this configuration behind vLLM's toy-proxy semantics "
@@ -49,12 +52,16 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
+def _processes(text: str) -> int | None:
+    """--replica-processes: a positive count, or ``auto`` (None: one per usable CPU)."""
+    return None if text == "auto" else positive_int(text)
+
+
 def cmd_simulate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_replicas, write_timeline
     from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
     from kernelsight.loadgen.progress import Progress
     from kernelsight.loadgen.report import RANK_COLUMNS, format_report, format_table, rank_rows
-    from kernelsight.loadgen.tokenizer import resolve_tokenizer
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
 
     if ns.plot:
@@ -63,7 +70,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         require_plotly()    # before the run, not after it
     config = create_engine_config(engine_args_from(ns))
     mopts = metric_options(ns)
-    wl = build_workload(ns, config.model.vocab_size, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
+    def tokenizer() -> Any:      # only the text datasets need one (its module imports urllib)
+        from kernelsight.loadgen.tokenizer import resolve_tokenizer
+
+        return resolve_tokenizer(ns.model, ns.tokenizer)
+
+    wl = build_workload(ns, config.model.vocab_size, tokenizer)
     samples = wl.samples
     too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
     if too_long:
@@ -80,7 +92,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     else:
         res = run_replicas(config, samples, wl.arrivals_s, ns.replicas, max_concurrency=ns.max_concurrency,
                            ignore_eos=wl.ignore_eos, record_timeline=ns.timeline is not None or ns.plot is not None,
-                           on_finished=bar.update if bar.enabled else None)
+                           on_finished=bar.update if bar.enabled else None, processes=ns.replica_processes)
     bar.close()
     stats = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=mopts.percentile_metrics,
                                   percentiles=mopts.percentiles, goodput_slos_ms=mopts.goodput_slos_ms)
@@ -156,8 +168,6 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
 def _pd_split(ns: argparse.Namespace, config: Any) -> tuple[int, int] | None:
     """``--pd XPyD`` → (X, Y); None without it. P/D engines are single engines: no --replicas or DP with it."""
-    from kernelsight.loadgen.pd_fastforward import parse_pd
-
     if ns.pd is None:
         if ns.kv_transfer_link or ns.kv_transfer_bandwidth_gbps or ns.kv_transfer_latency_us is not None:
             raise ValueError("--kv-transfer-link/-bandwidth-gbps/-latency-us need --pd")
@@ -166,6 +176,8 @@ def _pd_split(ns: argparse.Namespace, config: Any) -> tuple[int, int] | None:
         raise ValueError("--pd runs single engines per instance: leave out --replicas and --data-parallel-size")
     if ns.timeline:
         raise ValueError("--timeline is not recorded for --pd (the instances' steps interleave); leave it out")
+    from kernelsight.loadgen.pd_fastforward import parse_pd
+
     return parse_pd(ns.pd)
 
 
@@ -249,14 +261,13 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
         hw = profiles.load_hardware(name)
         # one calibration per software stack its kernels were timed under (--vllm-version picks one; the default
         # first): a run on another stack may run other kernels
-        stacks = [profiles.load_calibration(name, vllm_version=version or None)
-                  for version, _ in profiles.calibration_stacks(name)]
-        tier = "; ".join(c.tier + (f" (vLLM {c.software['vllm']}{', default' if i == 0 and len(stacks) > 1 else ''})"
-                                   if c.software.get("vllm") else "") for i, c in enumerate(stacks)) or "default"
+        stacks = profiles.bundled_calibration_summaries(name)
+        tier = "; ".join(t + (f" (vLLM {sw['vllm']}{', default' if i == 0 and len(stacks) > 1 else ''})"
+                              if sw.get("vllm") else "") for i, (t, sw) in enumerate(stacks)) or "default"
         print(f"  {name:<14} {hw.display_name[:34]:<34} {hw.bf16_flops_per_s / 1e12:7.0f} TFLOP/s bf16  "
               f"{hw.mem_bytes_per_s / 1e12:5.2f} TB/s  {hw.mem_capacity_bytes / 2**30:6.1f} GiB  "
               f"aliases: {', '.join(hw.aliases)}  calibration: {tier}")
-        if any(c.tier == "cross-generation" for c in stacks):
+        if any(t == "cross-generation" for t, _ in stacks):
             # what it borrows: no GPU of the same kernels measured, every source weighted by spec similarity
             borrowed = borrowed_kernels(hw, [profiles.load_hardware(g) for g in CROSS_GENERATION_SOURCES])
             fp4 = [g for g in FP4_TRANSFER_SOURCES if g != name] if hw.fp4_flops_per_s else []
@@ -286,36 +297,71 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _attach_profiles(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profiles", help="list bundled GPUs, models and calibrations")
+    p.set_defaults(func=cmd_profiles)
+
+
+def _attach_plan(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
+
+
+def _attach_serve(sub: argparse._SubParsersAction) -> None:
+    """``serve`` lives in the server package; attached only when its extra (fastapi, uvicorn, transformers) is
+    installed."""
+    try:
+        from kernelsight.server.cli import add_serve_parser
+    except ImportError:
+        return
+    add_serve_parser(sub)
+
+
+def _attach_bench(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.loadgen.bench import add_bench_parser  # aiohttp is imported only when bench runs
+
+    add_bench_parser(sub)
+
+
+def _attach_calibrate(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.calibrate.cli import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+
+
+def _attach_predict(sub: argparse._SubParsersAction) -> None:
+    from kernelsight.calibrate.cli import add_predict_parser
+
+    add_predict_parser(sub)
+
+
+#: every subcommand in --help's order, and what attaches it: each imports its own modules only when attached, so a
+#: run of one subcommand imports what that one uses (``simulate`` never imports the web stack)
+SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "simulate": build_simulate_parser, "validate": build_validate_parser, "plan": _attach_plan,
+    "profiles": _attach_profiles, "serve": _attach_serve, "bench": _attach_bench, "calibrate": _attach_calibrate,
+    "predict": _attach_predict,
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``kernelsight`` parser with every subcommand, or with subcommand ``only`` alone (``main`` builds just the
+    one its command line names)."""
     parser = OneLineParser(prog="kernelsight", description="A vLLM-compatible mock backend driven by a "
                            "kernel-level GPU performance simulator.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    build_simulate_parser(sub)
-    build_validate_parser(sub)
-    add_plan_parser(sub)
-    p = sub.add_parser("profiles", help="list bundled GPUs, models and calibrations")
-    p.set_defaults(func=cmd_profiles)
-    for attach in _optional_commands():
-        attach(sub)
+    for name, attach in SUBCOMMANDS.items():
+        if only is None or name == only:
+            attach(sub)
     return parser
 
 
-def _optional_commands():
-    """Subcommands living in other packages; each is attached if its module is present."""
-    out = []
-    try:
-        from kernelsight.server.cli import add_serve_parser
-        out.append(add_serve_parser)
-    except ImportError:       # the server extra (fastapi, uvicorn, transformers) is not installed
-        pass
-    from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
-    from kernelsight.loadgen.bench import add_bench_parser  # aiohttp is imported only when bench runs
-    return out + [add_bench_parser, add_calibrate_parser, add_predict_parser]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    # the subcommand is the first word (the top-level parser has no options but --help): build only its parser
+    parser = build_parser(args[0] if args and args[0] in SUBCOMMANDS else None)
+    ns = parser.parse_args(args)
     try:
         return int(ns.func(ns) or 0)
     except (ValueError, FileNotFoundError) as exc:

@@ -25,6 +25,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(marker)
 
 
+def needs_shared(path: Path) -> pytest.MarkDecorator:
+    """Skip a test that reads ``path`` (under ../shared/data) with a one-line reason when it is absent, as the
+    ``shared_data`` fixture does; in CI (where the data is checked out) it runs, and fails if the data is missing."""
+    return pytest.mark.skipif(not path.exists() and not HAVE_SHARED, reason=f"needs the shared measured data at {path}")
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     assert SHARED_DATA.is_dir(), f"shared data not found at {SHARED_DATA} (CI checks it out beside the project)"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_shared
 
 from kernelsight.calibrate import sweep, sweep_shapes, sweep_timing
 from kernelsight.calibrate.cli import add_calibrate_parser, add_predict_parser
@@ -21,7 +22,7 @@ from kernelsight.profiles import load_hardware
 from kernelsight.simcore.calibration import calibration_from_dict
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="shared data not available")
+needs_data = needs_shared(DATA)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -276,6 +277,7 @@ def test_sweep_families_are_checked_when_parsed(capsys):
 
 
 @pytest.mark.slow   # a whole calibration fit: run in CI's slow step
+@needs_data
 def test_fit_fills_unmeasured_families_from_the_cross_generation_tier_unless_told_not_to(tmp_path, capsys):
     """A GEMM-only sweep: by default attention comes from the cross-generation tier (bundled calibrations of the
     other GPUs); ``--no-prior`` leaves it at the uncalibrated default."""
@@ -366,6 +368,7 @@ def test_measured_gpu_folders_are_found_by_profile_name(tmp_path):
     assert measured_gpu_dirs(tmp_path) == {"h200_sxm": "h200-sxm", "l40s": "l40s"}
 
 
+@needs_data
 def test_fit_says_which_variants_the_sweep_did_not_measure(tmp_path, capsys):
     """A bf16-only GEMM sweep: the fp8 formats are the cross-generation tier's, and the fit report says so."""
     with gzip.open(DATA / "h100_sxm" / "gemm.csv.gz", "rt") as fh:

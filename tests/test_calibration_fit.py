@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_shared
 
 from kernelsight.calibrate.evaluate import format_results, mape_table, roofline_calibration
 from kernelsight.calibrate.fit.eta import SELECT_MAX_ROWS, fit_calibration
@@ -37,7 +38,7 @@ from kernelsight.simcore.residual_grid import ResidualGrid, grid_from_dict
 from kernelsight.simcore.roofline import kernel_roofline_s
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason="shared data not available")
+pytestmark = needs_shared(DATA)
 
 
 def _subset(tables: dict[str, Table], n: int, seed: int) -> dict[str, Table]:

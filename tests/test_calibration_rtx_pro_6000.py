@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import needs_shared
 
 from kernelsight.calibrate.evaluate import SHARED_DATA_LICENCE
 from kernelsight.calibrate.measurements import UNMODELLED_FORMATS, read_measurements, read_table
@@ -25,7 +26,7 @@ from kernelsight.simcore.kernels import (
 from kernelsight.simcore.roofline import kernel_roofline_s
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels"
-needs_data = pytest.mark.skipif(not (DATA / "rtx_pro_6000_server").is_dir(), reason="shared data not available")
+needs_data = needs_shared(DATA / "rtx_pro_6000_server")
 
 
 def test_bundled_rtx_pro_6000_is_target_measured_with_source_and_licence():

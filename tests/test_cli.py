@@ -151,3 +151,45 @@ def test_bench_help_has_vllm_bench_serve_flags(capsys):
     for a in sub.choices["bench"]._actions:
         if a.option_strings and a.option_strings[0] != "--help":
             assert a.help, f"{a.option_strings} has no help"
+
+
+_WEB_STACK = ("fastapi", "uvicorn", "starlette", "aiohttp")
+# a fresh interpreter runs ``main(argv)`` (or builds the subcommand's parser and imports the modules its command runs)
+# and prints the web-stack modules it imported
+_IMPORT_PROBE = """
+import json, sys
+from kernelsight.cli import build_parser, main
+argv, modules, web = json.loads(sys.argv[1])
+if modules:
+    import importlib
+    build_parser(argv[0])
+    for m in modules:
+        importlib.import_module(m)
+else:
+    assert main(argv) == 0
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(web))))
+"""
+
+
+@pytest.mark.parametrize(("argv", "modules"), [
+    (["simulate", "--num-prompts", "3", "--random-input-len", "64", "--random-output-len", "4"], []),
+    (["plan"], ["kernelsight.plan.cli", "kernelsight.plan.search", "kernelsight.plan.runner", "kernelsight.plan.report",
+                "kernelsight.plan.point", "kernelsight.loadgen.workload", "kernelsight.loadgen.tokenizer"]),
+    (["validate"], ["kernelsight.loadgen.validate"]),
+    (["predict"], ["kernelsight.calibrate.cli"]),
+])
+def test_the_simulator_commands_never_import_the_web_stack(argv, modules):
+    """simulate, plan, validate and predict import only what they use: no FastAPI, uvicorn or aiohttp (~0.3 s of
+    start-up that ``serve`` and ``bench`` alone need)."""
+    out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, json.dumps([argv, modules, _WEB_STACK])], check=True,
+                         capture_output=True, text=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []
+
+
+def test_main_builds_the_named_subcommand_alone_and_every_one_for_help():
+    def choices(parser):
+        return list(next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices)
+
+    assert choices(build_parser("simulate")) == ["simulate"]
+    assert choices(build_parser())[:4] == ["simulate", "validate", "plan", "profiles"]
+    assert {"bench", "calibrate", "predict"} <= set(choices(build_parser()))

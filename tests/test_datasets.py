@@ -8,13 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import needs_shared
 
 from kernelsight.loadgen.datasets import SampleRequest, random_dataset, trace_dataset
 
 SHARED_TRACE = (
     Path(__file__).resolve().parents[2] / "shared/data/e2e/sharegpt-llama-3.1-8b-300-sps10.jsonl.gz"
 )
-
 
 # ---------------------------------------------------------------- random
 
@@ -95,7 +95,7 @@ def test_random_validation(kwargs, match):
 # ---------------------------------------------------------------- trace
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared trace not available")
+@needs_shared(SHARED_TRACE)
 def test_trace_reads_shared_gz_file():
     reqs = trace_dataset(SHARED_TRACE)
     assert len(reqs) == 300

@@ -24,7 +24,7 @@ from kernelsight.simcore.memory import param_counts, weight_bytes_per_rank
 from kernelsight.simcore.model_spec import model_spec_from_hf_config
 from kernelsight.simcore.precision import resolve_precision
 from kernelsight.simcore.roofline import kernel_roofline_s
-from tests.conftest import make_config
+from tests.conftest import make_config, needs_shared
 
 MODELOPT_NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
                   "exclude_modules": ["lm_head"]}
@@ -235,7 +235,7 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kernels" / "rt
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared data not available")
+@needs_shared(DATA)
 def test_nvfp4_target_tier_is_within_4_percent_on_held_out_rows():
     hw = load_hardware("rtx-pro-6000")
     table = read_table(DATA / "gemm.csv.gz", "gemm")

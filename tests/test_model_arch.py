@@ -281,6 +281,20 @@ def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.Captu
     assert "calibration: cross-generation (vLLM 0.14.0 / 0.24.0)" in lines["h200-sxm"]
 
 
+def test_the_calibration_summary_profiles_lists_is_the_loaded_tables() -> None:
+    """``kernelsight profiles`` reads each bundled table's tier and software without building its η models: the same
+    as the loaded calibration's."""
+    from kernelsight import profiles
+
+    names = profiles.list_calibrations()
+    assert len(names) > 5
+    for name in names:
+        stacks = profiles.calibration_stacks(name)
+        loaded = [profiles.load_calibration(name, vllm_version=v or None) for v, _ in stacks]
+        assert profiles.bundled_calibration_summaries(name) == [(c.tier, c.software) for c in loaded], name
+    assert len(profiles.bundled_calibration_summaries("rtx-pro-6000")) == 2
+
+
 def test_hybrid_preemption_frees_everything_and_events_stay_chained() -> None:
     """Under KV pressure requests are preempted and recomputed; every block comes back and every stored
     sliding-window block's parent hash is known to the publisher (no orphans)."""

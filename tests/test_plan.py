@@ -7,6 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kernelsight.cli import main
@@ -281,3 +282,32 @@ def test_replicas_split_arrivals_round_robin():
     assert max(r.ttft_s for r in one.records) > max(r.ttft_s for r in both.records)   # one engine queues them
     with pytest.raises(ValueError, match="replicas must be"):
         run_replicas(cfg, samples, arrivals, 0)
+
+
+def test_replicas_in_worker_processes_give_the_one_process_result_bit_for_bit():
+    """simulate --replicas N --replica-processes P: each engine runs in a worker process; the merged result (records,
+    every ITL, steps, breakdown, timeline) is the one-process run's, but its wall time."""
+    import dataclasses
+
+    from kernelsight.engine_args import create_engine_config
+    from kernelsight.loadgen.arrivals import arrival_times_s
+    from kernelsight.loadgen.datasets import random_dataset
+    from kernelsight.loadgen.fastforward import run_replicas
+    from kernelsight.simcore.engine_config import EngineArgs
+
+    cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", seed=3))
+    samples = random_dataset(90, 300, 40, 0.5, cfg.model.vocab_size, seed=3)
+    arrivals = arrival_times_s(90, 30.0, 1.0, seed=3).tolist()
+    finished: list[int] = []
+    one = run_replicas(cfg, samples, arrivals, 3, record_timeline=True, processes=1)
+    many = run_replicas(cfg, samples, arrivals, 3, record_timeline=True, processes=2, on_finished=finished.append)
+    assert sum(finished) == 90
+    assert len(one.records) == len(many.records) == 90
+    for a, b in zip(one.records, many.records, strict=True):
+        for f in dataclasses.fields(a):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, f.name
+    skip = {"records", "wall_s"}
+    for f in dataclasses.fields(one):
+        if f.name not in skip:
+            assert getattr(one, f.name) == getattr(many, f.name), f.name

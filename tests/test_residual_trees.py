@@ -145,3 +145,30 @@ def test_scalar_path_is_bit_identical_to_a_tree_by_tree_walk():
     assert got == [walk(r.tolist()) for r in rows]
     assert got == trees(rows).tolist()
     assert len(set(got)) > 3                                 # the rows reach different leaves
+
+
+def test_a_loaded_calibration_decodes_each_residual_when_first_used_and_pickles_as_decoded():
+    """Residual lattices and trees of a bundled table are decoded on first use (start-up decodes none of them): the
+    prices are the eagerly decoded objects', and a pickled calibration carries the decoded objects."""
+    import pickle
+
+    from kernelsight import profiles
+    from kernelsight.simcore.calibration import calibration_from_dict
+    from kernelsight.simcore.residual_grid import ResidualGrid, grid_from_dict
+    from kernelsight.simcore.residual_trees import ResidualTrees
+
+    calib = profiles.load_calibration("h100")
+    raw = profiles._read_json(profiles._package_dir("calibration") / "h100-sxm.json")
+    m = calib.eta["gemm"].models["0"]
+    assert m.grid is not None and m.grid._obj is None and m.trees._obj is None      # not decoded yet
+    features = (64.0, 4096.0, 4096.0, 0.0)
+    eta, overhead = m.eta_overhead_scalar(features)
+    assert isinstance(m.grid._obj, ResidualGrid) and isinstance(m.trees._obj, ResidualTrees)
+    eager = raw["eta"]["gemm"]["models"]["0"]
+    assert m.grid.to_dict() == grid_from_dict(eager["grid"]).to_dict()
+    assert m.trees.to_dict() == ResidualTrees.from_dict(eager["trees"]).to_dict()
+    again = calibration_from_dict(raw).eta["gemm"].models["0"]
+    assert again.eta_overhead_scalar(features) == (eta, overhead)
+    copy = pickle.loads(pickle.dumps(calib.eta["gemm"].models["1"]))
+    assert isinstance(copy.grid, ResidualGrid) or copy.grid is None
+    assert copy.to_dict() == calib.eta["gemm"].models["1"].to_dict()

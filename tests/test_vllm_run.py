@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import needs_shared
 
 from kernelsight.engine_args import create_engine_config
 from kernelsight.loadgen.vllm_run import engine_args_from_run
@@ -14,7 +15,7 @@ from kernelsight.simcore.engine_config import EngineArgs
 RUN = Path(__file__).resolve().parents[2] / "shared" / "data" / "e2e" / "llmservingsim_rtx4090_llama31_8b"
 
 
-@pytest.mark.skipif(not RUN.is_dir(), reason="shared data not available")
+@needs_shared(RUN)
 def test_the_shared_run_is_simulated_with_what_vllm_resolved():
     meta = json.loads((RUN / "meta.json").read_text())
     args = engine_args_from_run(meta, hardware="rtx-4090")

@@ -20,7 +20,6 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 import numpy as np
@@ -37,16 +36,60 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _SYNTH_LOW_ID = 100
 
 
-@dataclass(slots=True)
 class SampleRequest:
-    prompt_token_ids: list[int] | None  # exact ids when known (trace with input_tok_ids, random)
-    prompt_len: int
-    expected_output_len: int
-    arrival_offset_s: float | None = None  # trace datasets carry their own timing
-    prompt: str | None = None  # text, when the dataset has text
-    # The same ids as an int64 array when the dataset built them that way: the simulator hashes prompt
-    # blocks with numpy, and converting 10,000 long Python lists would cost it more than the rest of a step.
-    token_array: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """One request of a workload: its prompt (ids and/or text), lengths and, for traces, its own arrival offset.
+
+    ``prompt_token_ids``: exact ids when known (trace with input_tok_ids, random). ``token_array``: the same ids as an
+    int64 array when the dataset built them that way: the simulator hashes prompt blocks with numpy, and converting
+    10,000 long Python lists would cost it more than the rest of a step. A sample made by ``from_array`` keeps only
+    the array and makes the list the first time ``prompt_token_ids`` is read (``kernelsight simulate`` never does).
+    """
+
+    __slots__ = ("_ids", "_lazy_ids", "prompt_len", "expected_output_len", "arrival_offset_s", "prompt", "token_array")
+
+    def __init__(self, prompt_token_ids: list[int] | None, prompt_len: int, expected_output_len: int,
+                 arrival_offset_s: float | None = None, prompt: str | None = None,
+                 token_array: np.ndarray | None = None) -> None:
+        self._ids = prompt_token_ids
+        self._lazy_ids = False
+        self.prompt_len = prompt_len
+        self.expected_output_len = expected_output_len
+        self.arrival_offset_s = arrival_offset_s    # trace datasets carry their own timing
+        self.prompt = prompt                        # text, when the dataset has text
+        self.token_array = token_array
+
+    @classmethod
+    def from_array(cls, ids: np.ndarray, expected_output_len: int) -> SampleRequest:
+        """A sample whose ids are ``ids``; ``prompt_token_ids`` is ``ids.tolist()``, made when first read."""
+        s = cls(None, len(ids), expected_output_len, token_array=ids)
+        s._lazy_ids = True
+        return s
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        if self._lazy_ids:
+            self._ids = self.token_array.tolist()
+            self._lazy_ids = False
+        return self._ids
+
+    @prompt_token_ids.setter
+    def prompt_token_ids(self, ids: list[int] | None) -> None:
+        self._ids, self._lazy_ids = ids, False
+
+    def _key(self) -> tuple:
+        return (self.prompt_token_ids, self.prompt_len, self.expected_output_len, self.arrival_offset_s, self.prompt)
+
+    def __eq__(self, other: object) -> bool:      # as the dataclass it was: every field but token_array
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]   # mutable, compared by value (as a dataclass with eq)
+
+    def __repr__(self) -> str:
+        return (f"SampleRequest(prompt_token_ids={self.prompt_token_ids!r}, prompt_len={self.prompt_len!r}, "
+                f"expected_output_len={self.expected_output_len!r}, arrival_offset_s={self.arrival_offset_s!r}, "
+                f"prompt={self.prompt!r})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,21 +143,29 @@ def random_dataset(
     output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
     offsets = rng.integers(0, vocab_size, size=num_prompts)
 
-    requests: list[SampleRequest] = []
-    for i in range(num_prompts):
-        body_len = int(input_lens[i])
-        # Consecutive ids from a per-request offset: cheap, and distinct bodies across requests.
-        body = (int(offsets[i]) + i + np.arange(body_len)) % vocab_size
-        arr = np.concatenate((prefix, body)) if prefix_len else body
-        requests.append(
-            SampleRequest(
-                prompt_token_ids=arr.tolist(),
-                prompt_len=len(arr),
-                expected_output_len=int(output_lens[i]),
-                token_array=arr,
-            )
-        )
-    return requests
+    # Request i's body is consecutive ids from a per-request offset, (offsets[i] + i + j) % vocab_size for j <
+    # input_lens[i] (cheap, and distinct bodies across requests), after the shared prefix: built for every request at
+    # once in one flat int64 array, each request's prompt a view of its own stretch.
+    seg_lens = input_lens.astype(np.int64) + prefix_len
+    ends = np.cumsum(seg_lens)
+    total = int(ends[-1]) if num_prompts else 0
+    seg_starts = ends - seg_lens
+    # flat[seg_starts[i] + p] = base[i] + p (mod vocab_size) for p ≥ prefix_len, built in place as the running sum of
+    # its steps (1 within a prompt, the jump to the next prompt's base at its start): one array of the total size
+    base = offsets.astype(np.int64) + np.arange(num_prompts, dtype=np.int64) - prefix_len
+    flat = np.ones(total, dtype=np.int64)
+    if num_prompts:
+        flat[0] = base[0]
+        flat[seg_starts[1:]] = base[1:] - base[:-1] - seg_lens[:-1] + 1
+    np.cumsum(flat, out=flat)
+    flat %= vocab_size
+    if prefix_len:
+        pos = np.arange(total, dtype=np.int64) - np.repeat(seg_starts, seg_lens)    # position within the prompt
+        in_prefix = pos < prefix_len
+        flat[in_prefix] = prefix.astype(np.int64)[pos[in_prefix]]
+    out_lens = output_lens.tolist()
+    starts, stops = seg_starts.tolist(), ends.tolist()
+    return [SampleRequest.from_array(flat[a:b], n) for a, b, n in zip(starts, stops, out_lens, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------

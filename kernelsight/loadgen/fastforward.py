@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -356,9 +357,14 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
                  replicas: int = 1, *, max_concurrency: int | None = None, ignore_eos: bool = True,
                  record_timeline: bool = False,
                  on_finished: Callable[[int], None] | None = None,
-                 watch: RunWatch | None = None) -> FastForwardResult:
+                 watch: RunWatch | None = None, processes: int | None = 1) -> FastForwardResult:
     """``replicas`` independent engines of ``config`` behind a round-robin router: the i-th request in arrival
     order goes to engine ``i mod replicas``.
+
+    ``processes``: the engines run in this many worker processes (None: one per usable CPU; at most one per engine;
+    1: all in this one). Each engine is the same computation wherever it runs, so the merged result is the one
+    process's, bit for bit (but ``wall_s``); ``on_finished`` then hears of an engine's requests when it ends. A run
+    with a ``watch`` runs in this process.
 
     The simulator has no shared front end, so this is the model of data parallelism and replicas alike: no
     load-aware routing, no cross-replica prefix cache, ``max_concurrency`` split evenly between the engines.
@@ -387,14 +393,21 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
     wall0 = time.perf_counter()
     results = []
     stopped_at_s = None
+    workers = min(replica_workers(processes), sum(1 for idx in parts if idx))
+    done = (_run_parts_in_processes(config, samples, arrivals_s, parts, workers, conc, ignore_eos, record_timeline,
+                                    on_finished)
+            if workers > 1 and watch is None else None)
     for r, idx in enumerate(parts):
         if not idx:
             continue
-        part_watch = None if watch is None else _IndexedWatch(watch, idx)
-        res = run_fast_forward(config, [samples[i] for i in idx], [arrivals_s[i] for i in idx],
-                               max_concurrency=conc, ignore_eos=ignore_eos,
-                               record_timeline=record_timeline and r == 0, on_finished=on_finished,
-                               watch=part_watch)
+        if done is not None:
+            res = done[r]
+        else:
+            part_watch = None if watch is None else _IndexedWatch(watch, idx)
+            res = run_fast_forward(config, [samples[i] for i in idx], [arrivals_s[i] for i in idx],
+                                   max_concurrency=conc, ignore_eos=ignore_eos,
+                                   record_timeline=record_timeline and r == 0, on_finished=on_finished,
+                                   watch=part_watch)
         for i, rec in zip(idx, res.records, strict=False):   # a stopped engine holds records of those sent
             records[i] = rec
         results.append((len(idx), res))
@@ -420,6 +433,51 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
         finish_reasons=reasons, timeline=results[0][1].timeline,
         spec_decode=results[0][1].spec_decode,   # engine 0's, as the timeline
         stopped_at_s=stopped_at_s)
+
+
+def replica_workers(processes: int | None) -> int:
+    """``processes`` as a count: None is one per usable CPU."""
+    if processes is not None:
+        return max(1, processes)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:       # not Linux
+        return os.cpu_count() or 1
+
+
+# a worker process's run: (config, samples, arrivals, max_concurrency, ignore_eos), sent once per worker
+_WORKER_RUN: tuple | None = None
+
+
+def _init_replica_worker(run: tuple) -> None:
+    global _WORKER_RUN
+    _WORKER_RUN = run
+
+
+def _run_replica_part(idx: list[int], record_timeline: bool) -> FastForwardResult:
+    assert _WORKER_RUN is not None
+    config, samples, arrivals_s, conc, ignore_eos = _WORKER_RUN
+    return run_fast_forward(config, [samples[i] for i in idx], [arrivals_s[i] for i in idx], max_concurrency=conc,
+                            ignore_eos=ignore_eos, record_timeline=record_timeline)
+
+
+def _run_parts_in_processes(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
+                            parts: list[list[int]], workers: int, conc: int | None, ignore_eos: bool,
+                            record_timeline: bool, on_finished: Callable[[int], None] | None
+                            ) -> dict[int, FastForwardResult]:
+    """Each non-empty part's ``run_fast_forward`` in a pool of ``workers`` processes, by replica index."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(workers, initializer=_init_replica_worker,
+                             initargs=((config, samples, arrivals_s, conc, ignore_eos),)) as pool:
+        futures = {pool.submit(_run_replica_part, idx, record_timeline and r == 0): r
+                   for r, idx in enumerate(parts) if idx}
+        done = {}
+        for f in as_completed(futures):
+            res = done[futures[f]] = f.result()
+            if on_finished is not None:
+                on_finished(len(res.records))
+    return done
 
 
 class _IndexedWatch:

@@ -251,9 +251,10 @@ def list_calibrations() -> list[str]:
 
 
 @functools.cache
-def _calibration_software(file_name: str) -> tuple[tuple[str, str], ...]:
+def _calibration_header(file_name: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(tier, software) of a bundled calibration file."""
     data = _read_json(_package_dir("calibration").joinpath(file_name))
-    return tuple(sorted((str(k), str(v)) for k, v in data.get("software", {}).items()))
+    return str(data["tier"]), tuple(sorted((str(k), str(v)) for k, v in data.get("software", {}).items()))
 
 
 def calibration_stacks(hardware: str) -> list[tuple[str, str]]:
@@ -264,7 +265,7 @@ def calibration_stacks(hardware: str) -> list[tuple[str, str]]:
     names = sorted(p.name for p in _package_dir("calibration").iterdir()
                    if p.name == default or p.name.startswith(calibration_file_name(canonical, "x")[:-len("x.json")]))
     names.sort(key=lambda n: n != default)
-    return [(dict(_calibration_software(n)).get("vllm", ""), n) for n in names]
+    return [(dict(_calibration_header(n)[1]).get("vllm", ""), n) for n in names]
 
 
 def pick_calibration_stack(stacks: list[tuple[str, str]], vllm_version: str | None) -> tuple[str, str] | None:
@@ -298,6 +299,13 @@ def read_calibration_file(path: str | os.PathLike[str]) -> Calibration:
         raise ValueError(f"{p}: not a kernelsight calibration file (no {exc.args[0]!r} entry)") from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"{p}: not a kernelsight calibration file ({exc})") from None
+
+
+def bundled_calibration_summaries(hardware: str) -> list[tuple[str, dict[str, str]]]:
+    """(tier, software) of each of a GPU's bundled calibrations, the default first (:func:`calibration_stacks`), read
+    without building their η models (what ``kernelsight profiles`` lists); empty when the GPU ships none."""
+    return [(_calibration_header(file)[0], dict(_calibration_header(file)[1]))
+            for _, file in calibration_stacks(hardware)]
 
 
 def load_calibration(hardware: str, path: str | os.PathLike[str] | None = None,

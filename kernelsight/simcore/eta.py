@@ -11,7 +11,7 @@ file. Evaluation only: fitting is :mod:`kernelsight.calibrate.fit`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -242,6 +242,44 @@ class LogPolyEta:
         return d
 
 
+class _Deferred:
+    """A residual lattice or tree ensemble of a calibration file, decoded when first used: a run prices a few of a
+    table's variants, and decoding all of them was most of the start-up's calibration load. It stands for the object
+    (attributes, calls, equality; it pickles and copies as the object itself)."""
+
+    __slots__ = ("_build", "_data", "_obj")
+
+    def __init__(self, build: Callable[[dict[str, Any]], Any], data: dict[str, Any]) -> None:
+        self._build, self._data, self._obj = build, data, None
+
+    def _get(self) -> Any:
+        obj = self._obj
+        if obj is None:       # two threads may both build it: the same object, one of them kept
+            obj = self._obj = self._build(self._data)
+        return obj
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._get()(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return self._get() == (other._get() if isinstance(other, _Deferred) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple:
+        return (_same, (self._get(),))
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
 def _logpoly_from_dict(d: dict[str, Any]) -> LogPolyEta:
     g = d.get("grid")
     return LogPolyEta(
@@ -253,10 +291,10 @@ def _logpoly_from_dict(d: dict[str, Any]) -> LogPolyEta:
         float(d.get("lo", 0.01)),
         float(d.get("hi", 1.5)),
         None if d.get("overhead_s") is None else float(d["overhead_s"]),
-        None if g is None else grid_from_dict(g),
+        None if g is None else _Deferred(grid_from_dict, g),   # type: ignore[arg-type]
         None if d.get("zlo") is None else tuple(float(x) for x in d["zlo"]),
         None if d.get("zhi") is None else tuple(float(x) for x in d["zhi"]),
-        None if d.get("trees") is None else ResidualTrees.from_dict(d["trees"]),
+        None if d.get("trees") is None else _Deferred(ResidualTrees.from_dict, d["trees"]),   # type: ignore[arg-type]
     )
 
 
