@@ -12,7 +12,11 @@
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
     python benchmarks/build_calibrations.py [--data ../shared/data/kernels] [--only GPU ...] [--comm-only]
-        [--fp4-only] [--software-only]
+        [--fp4-only] [--moe-only] [--software-only]
+
+``--moe-only`` refits only the FusedMoE family (``moe_gemm``: one η model per expert format, per vLLM kernel where
+several ran) of every measured GPU on all its MoE rows (``moe.csv.gz``) and transfers it to every cross-generation
+file from the cross-generation sources' fits, as a full build does; everything else stays as stored.
 
 ``--fp4-only`` refits only the NVFP4 GEMM variant of the FP4-measured GPUs (the RTX PRO 6000: on all its NVFP4 rows,
 as a full build does — a fit's variants are fitted independently of each other) into their bundled files, then adds
@@ -45,7 +49,7 @@ from kernelsight.calibrate.evaluate import (  # noqa: E402
     measured_gpu_dirs,
 )
 from kernelsight.calibrate.fit.comm import fit_comm  # noqa: E402
-from kernelsight.calibrate.fit.eta import fit_family  # noqa: E402
+from kernelsight.calibrate.fit.eta import family_overheads, fit_family  # noqa: E402
 from kernelsight.calibrate.fit.transfer import (  # noqa: E402
     FP4_TRANSFER_SOURCES,
     NVFP4_KEY,
@@ -196,6 +200,44 @@ def _rewrite_software(data: Path, out_dir: Path) -> int:
     return 0
 
 
+def _rebuild_moe(data: Path, out_dir: Path) -> int:
+    """The FusedMoE family (``moe_gemm``) of every bundled file, as a full build writes it: a measured GPU's fitted
+    on all its MoE rows, a cross-generation file's transferred from the cross-generation sources' fits; the rest of
+    each file unchanged."""
+    measured = {name: folder for folder, name in measured_gpu_dirs(data).items()}
+    sources: list[tuple[Calibration, HardwareSpec]] = []
+    for name, folder in measured.items():
+        path = out_dir / f"{name}.json"
+        calib = read_calibration_file(path)
+        hw = load_hardware(name)
+        moe = data / folder / "moe.csv.gz"
+        if not moe.is_file():
+            continue
+        t0 = time.perf_counter()
+        table = read_table(moe, "moe_gemm")
+        model, eta_max, _ = fit_family("moe_gemm", table.columns, hw, residual_grid=True)
+        calib.eta["moe_gemm"] = model
+        calib.overhead_s.update({k: v for k, v in family_overheads(calib).items() if k == "moe_gemm"})
+        calib.eta_max = max(calib.eta_max, eta_max)
+        path.write_text(json.dumps(calib.to_dict()))
+        print(f"{name}: moe_gemm fitted on {len(table)} rows in {time.perf_counter() - t0:.0f} s")
+        if name in CROSS_GENERATION_SOURCES:
+            sources.append((calib, hw))
+    for name in list_hardware():
+        if name in measured:
+            continue
+        path = out_dir / f"{name}.json"
+        calib = read_calibration_file(path)
+        hw = load_hardware(name)
+        moved = cross_generation_calibration(hw, sources)
+        calib.eta["moe_gemm"] = moved.eta["moe_gemm"]
+        calib.overhead_s["moe_gemm"] = moved.overhead_s["moe_gemm"]
+        calib.eta_max = max(calib.eta_max, moved.eta_max)
+        path.write_text(json.dumps(calib.to_dict()))
+        print(f"{name}: moe_gemm transferred")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
@@ -207,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="refit only the collective models of the bundled files and keep the rest as stored")
     ap.add_argument("--fp4-only", action="store_true",
                     help="add only the transferred NVFP4 GEMM variant to the bundled cross-generation files")
+    ap.add_argument("--moe-only", action="store_true",
+                    help="refit only the FusedMoE family (moe_gemm) of the bundled files and keep the rest as stored")
     ap.add_argument("--software-only", action="store_true",
                     help="rewrite only the record of the software each bundled file's kernels were timed under")
     args = ap.parse_args(argv)
@@ -217,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         return _rebuild_comm(args.data, args.output_dir)
     if args.fp4_only:
         return _add_fp4_variants(args.data, args.output_dir)
+    if args.moe_only:
+        return _rebuild_moe(args.data, args.output_dir)
     only = None if args.only is None else {load_hardware(g).name for g in args.only}
 
     # every GPU folder of the schema whose name is a bundled profile: the cross-generation sources (A100, H100,

@@ -216,7 +216,7 @@ def mape_table(
 #: Per family, the columns that tell its variants apart (format, KV-cache dtype, collective library); the
 #: ``kernel`` column (the vLLM kernel that ran) is appended when present.
 VARIANT_COLUMNS = {"gemm": ("dtype",), "attn_prefill": ("kv_dtype",), "attn_decode": ("kv_dtype",),
-                   "comm": ("backend",)}
+                   "comm": ("backend",), "moe_gemm": ("dtype",)}
 
 
 def variant_labels(table: Table) -> np.ndarray:

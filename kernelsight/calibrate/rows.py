@@ -33,7 +33,7 @@ from kernelsight.simcore.roofline import roofline_s
 
 Columns = Mapping[str, np.ndarray]
 
-KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode")
+KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "moe_gemm")
 #: Bytes per element of the dtype names a measurement's ``kv_dtype`` may hold ("auto": vLLM's name for the model's
 #: own 16-bit dtype).
 ELEMENT_BYTES = {
@@ -49,7 +49,7 @@ ELEMENT_BYTES = {
     "float": 4.0,
 }
 #: Which feature selects the sub-model (categorical variant) per family.
-SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5}
+SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5, "moe_gemm": 4}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,6 +109,12 @@ def _row_kernel(family: str, key: tuple) -> K.Kernel:
             element_bytes(kv_dtype),
             window=int(window) or None,
         )
+    if family == "moe_gemm":
+        dtype, tokens, hidden, inter, topk, experts, tp, ep, distribution = key
+        # the rank holds inter / tp of every expert (TP) or experts / ep whole experts (EP); the routing relation
+        # gives its token-slots and touched experts, as for a serving step
+        return K.fused_moe_kernel(int(tokens), int(hidden), int(inter) // max(int(tp), 1), int(topk), int(experts),
+                                  dtype, int(ep), distribution)
     raise ValueError(f"no kernel mapping for family {family!r}")
 
 
@@ -116,6 +122,8 @@ _KEY_COLUMNS = {
     "gemm": ("dtype", "m", "n", "k"),
     "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
     "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
+    "moe_gemm": ("dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+                 "moe_ep_size", "distribution"),
 }
 
 
@@ -133,7 +141,7 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
         inverse[i] = uniq.setdefault(key, len(uniq))
     kernels = [_row_kernel(family, key) for key in uniq]
     if not kernels:
-        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7}[family]
+        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "moe_gemm": 7}[family]
         z = np.zeros(0)
         return KernelRows(family, z, z, z, np.zeros(0, dtype=str), np.zeros((0, nf)), np.zeros(0, dtype=str))
     flops = np.array([k.flops for k in kernels])[inverse]
@@ -201,6 +209,8 @@ def rows_time_s(calib: Calibration, family: str, rows: KernelRows, roof_s: np.nd
     t = roof_s / eta + ovh
     if family == "attn_decode" and calib.decode_cta_bytes_per_s:
         t = np.maximum(t, decode_floor_rows_s(rows, hw, calib.decode_cta_bytes_per_s))
+    if family == "moe_gemm":   # the touched experts' weights stream from DRAM: never faster than the roofline
+        t = np.maximum(t, roof_s)
     return t
 
 

@@ -154,7 +154,11 @@ def retarget(
     """
     if isinstance(model, LogPolyEta):
         fam = "gemm" if model.basis == "gemm" else family
-        dev = device_constants(fam, variant if fam == "gemm" else "2", target)
+        if fam in ("gemm", "moe_gemm"):   # the format's balance and bytes (MoE: the format code, bf16 if none)
+            key = variant if variant is not None else "0"
+        else:
+            key = "2"
+        dev = device_constants(fam, key, target)
         ovh = model.overhead_s
         if "l2_spill_center" in model.device:  # decode's L2 step, fitted in units of the source's L2: carries over
             dev["l2_spill_center"] = model.device["l2_spill_center"]
