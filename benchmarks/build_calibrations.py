@@ -214,7 +214,7 @@ def _rebuild_moe(data: Path, out_dir: Path) -> int:
         if not moe.is_file():
             continue
         t0 = time.perf_counter()
-        table = read_table(moe, "moe_gemm")
+        table = read_measurements(data / folder)["moe_gemm"]   # token scope as the folder's release timed it
         model, eta_max, _ = fit_family("moe_gemm", table.columns, hw, residual_grid=True)
         calib.eta["moe_gemm"] = model
         calib.overhead_s.update({k: v for k, v in family_overheads(calib).items() if k == "moe_gemm"})

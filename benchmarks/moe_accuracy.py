@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernelsight.calibrate.fit.eta import fit_family  # noqa: E402
 from kernelsight.calibrate.fit.transfer import cross_generation_calibration  # noqa: E402
-from kernelsight.calibrate.measurements import Table, read_table  # noqa: E402
+from kernelsight.calibrate.measurements import Table, read_measurements  # noqa: E402
 from kernelsight.calibrate.rows import kernel_rows, roofline_rows_s, rows_time_s  # noqa: E402
 from kernelsight.profiles import bundled_hardware_name, load_hardware  # noqa: E402
 from kernelsight.simcore.calibration import Calibration, default_calibration  # noqa: E402
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     folders = moe_folders(args.data)
-    tables = {f: read_table(args.data / f / "moe.csv.gz", FAMILY) for f in folders}
+    tables = {f: read_measurements(args.data / f)[FAMILY] for f in folders}
     hws = {f: load_hardware(n) for f, n in folders.items()}
     # one folder per GPU among the sources: the release-specific folders are judged, never transferred from
     sources = {f for f in folders if "@" not in f}

@@ -32,7 +32,7 @@ FAMILIES: tuple[str, ...] = tuple(SCHEMA)
 #: File name stem per family where it is not the family's name: the shared MoE tables are ``moe.csv.gz`` (one
 #: FusedMoE layer forward each), priced as the ``moe_gemm`` kernel family.
 FILE_STEMS: dict[str, str] = {"moe_gemm": "moe"}
-_STRING_COLUMNS = frozenset({"dtype", "kv_dtype", "kernel", "op", "backend", "distribution"})
+_STRING_COLUMNS = frozenset({"dtype", "kv_dtype", "kernel", "op", "backend", "distribution", "token_scope"})
 #: Format column per family whose values the kernel model must know.
 _FORMAT_COLUMN = {"gemm": "dtype", "attn_prefill": "kv_dtype", "attn_decode": "kv_dtype", "moe_gemm": "dtype"}
 #: Formats real measurement sets hold that the kernel model has no roofline for yet, and why. Reading with
@@ -182,16 +182,32 @@ def read_measurements(path: str | Path, skipped: dict[str, int] | None = None) -
     if not path.is_dir():
         raise FileNotFoundError(f"no measurement file or directory at {path}")
     out: dict[str, Table] = {}
+    rank_tokens = measurement_software(path).get("vllm") in RANK_TOKEN_MOE_RELEASES
     for fam in FAMILIES:
         stem = FILE_STEMS.get(fam, fam)
         files = sorted(p for p in path.iterdir() if p.is_file() and p.name in (f"{stem}.csv", f"{stem}.csv.gz"))
         for p in files:
             t = read_table(p, fam, skipped)
+            if fam == "moe_gemm" and rank_tokens:
+                t = with_token_scope(t, "rank")
             out[fam] = t if fam not in out else concat_tables(out[fam], t)
     if not out:
         names = ", ".join(FILE_STEMS.get(f, f) + ".csv[.gz]" for f in FAMILIES)
         raise ValueError(f"{path}: no measurement files ({names})")
     return out
+
+
+#: vLLM releases whose shared MoE tables were timed with only the rank's tokens entering the layer
+#: (``calibrate.rows.RANK_TOKENS``): the A100 folder's.
+RANK_TOKEN_MOE_RELEASES = ("0.14.0",)
+
+
+def with_token_scope(table: Table, scope: str) -> Table:
+    """The MoE table with a ``token_scope`` column (``rank``: only the tokens that picked the rank's experts were
+    timed entering the layer)."""
+    cols = dict(table.columns)
+    cols["token_scope"] = np.full(len(table), scope)
+    return Table(table.family, cols, table.header + ("token_scope",), [r + [scope] for r in table.raw])
 
 
 def describe_skipped(skipped: dict[str, int]) -> list[str]:

@@ -110,11 +110,11 @@ def _row_kernel(family: str, key: tuple) -> K.Kernel:
             window=int(window) or None,
         )
     if family == "moe_gemm":
-        dtype, tokens, hidden, inter, topk, experts, tp, ep, distribution = key
+        dtype, tokens, hidden, inter, topk, experts, tp, ep, distribution, *scope = key
         # the rank holds inter / tp of every expert (TP) or experts / ep whole experts (EP); the routing relation
         # gives its token-slots and touched experts, as for a serving step
         return K.fused_moe_kernel(int(tokens), int(hidden), int(inter) // max(int(tp), 1), int(topk), int(experts),
-                                  dtype, int(ep), distribution)
+                                  dtype, int(ep), distribution, rank_tokens_only=scope == [RANK_TOKENS])
     raise ValueError(f"no kernel mapping for family {family!r}")
 
 
@@ -127,12 +127,21 @@ _KEY_COLUMNS = {
 }
 
 
+#: Key columns a family's table may carry: the MoE tables' ``token_scope`` (see :data:`RANK_TOKENS`).
+_OPTIONAL_KEY_COLUMNS = {"moe_gemm": ("token_scope",)}
+#: ``token_scope`` of MoE rows timed with only the tokens that picked the rank's experts entering the layer (the
+#: measurement harness behind the shared A100 tables, vLLM 0.14: there the 8 picks of a lone token all land on
+#: the timed rank — 223 µs at EP 8 against 219 µs at EP 1 —, where the 0.19 / 0.24 tables time every token
+#: entering and only the rank's share of the picks computed — 37-56 µs).
+RANK_TOKENS = "rank"
+
+
 def kernel_rows(family: str, cols: Columns) -> KernelRows:
     """Map measured rows to kernels via the step model's constructors (deduplicated: shapes repeat).
 
     The ``kernel`` column (the vLLM kernel that ran), when present, is carried along as ``KernelRows.kernel``.
     """
-    names = _KEY_COLUMNS[family]
+    names = _KEY_COLUMNS[family] + tuple(c for c in _OPTIONAL_KEY_COLUMNS.get(family, ()) if c in cols)
     n = len(cols[names[0]])
     keys = list(zip(*(cols[c].tolist() for c in names), strict=True))
     uniq: dict[tuple, int] = {}

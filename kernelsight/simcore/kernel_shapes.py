@@ -254,18 +254,21 @@ MOE_FORMATS: dict[int, tuple[str, float, float]] = {
 
 def fused_moe_kernel(tokens: int, hidden: int, inter: int, top_k: int, num_experts: int, fmt: str,
                      ep_size: int = 1, distribution: str = DEFAULT_EXPERT_ROUTING, act_bytes: float = 2.0,
-                     count: int = 1, load_imbalance: float | None = None, name: str = "moe_experts") -> Kernel:
+                     count: int = 1, load_imbalance: float | None = None, name: str = "moe_experts",
+                     rank_tokens_only: bool = False) -> Kernel:
     """One vLLM FusedMoE layer forward on the busiest rank: gate_up grouped GEMM (2·``inter`` × ``hidden`` per
     expert), SiLU·mul, down grouped GEMM (``hidden`` × ``inter``), over the token-slots and experts the routing
     relation gives that rank (:func:`~kernelsight.simcore.moe_routing.routing_load`). ``tokens`` enter the layer
     (the whole EP group's under expert parallelism), ``inter`` is one rank's slice (TP-split experts),
-    ``load_imbalance`` (given) overrides the derived busiest-rank share.
+    ``load_imbalance`` (given) overrides the derived busiest-rank share. ``rank_tokens_only``: only the tokens
+    that picked the rank's experts enter, each with min(top_k, E/ep) local picks (how some measurement harnesses
+    time an EP rank; vLLM's own layer sees every token).
 
-    FLOPs: 2 · slots · 3 · hidden · inter. Bytes: the touched experts' weights once, each of the rank's slots'
-    GEMM operands (the gate_up input in the format's input width, its 2·inter outputs, the down GEMM's input and
-    hidden-wide output), and the layer-wide elementwise traffic over *all* ``tokens·top_k`` slots, which vLLM's
-    fused_experts runs whatever the rank holds (the activation reads 2·inter and writes inter per slot, the
-    top-k sum reads each slot's hidden-wide output, the input is read once). Tiles: per touched expert its rows in
+    FLOPs: 2 · slots · 3 · hidden · inter. Bytes: the touched experts' weights once, each of the rank's slots' GEMM
+    inputs (hidden and inter wide, in the format's input width), and the traffic over *all* ``tokens·top_k`` slots,
+    which vLLM's fused_experts moves whatever the rank holds: both GEMMs write every slot's output rows (zeros
+    for a slot whose expert is on another rank: 2·inter and hidden wide), the activation reads 2·inter and writes
+    inter per slot, the top-k sum reads each slot's hidden-wide output. Tiles: per touched expert its rows in
     64/128-row tiles, times both GEMMs' column tiles and k-blocks. η features: (slots per touched expert, hidden,
     inter, touched experts, format code, all slots, most loaded expert's slots ÷ the mean: the skew whose longest
     row block a grouped GEMM's last wave waits for)."""
@@ -278,6 +281,10 @@ def fused_moe_kernel(tokens: int, hidden: int, inter: int, top_k: int, num_exper
         slots, most = load.mean_slots * load_imbalance, most * scale
         active = min(max(num_experts // max(ep_size, 1), 1), max(active, min(slots, 1.0)))
     all_slots = float(tokens * top_k)
+    if rank_tokens_only:
+        local_k = min(top_k, max(num_experts // max(ep_size, 1), 1))
+        slots = math.ceil(slots / local_k) * local_k
+        all_slots = slots
     per_expert = slots / active if active > 0 else 0.0
     h, i = float(hidden), float(inter)
     flops, bytes_moved, tiles = moe_layer_quantities(per_expert, h, i, active, all_slots, w, a_in, act_bytes)
@@ -291,9 +298,8 @@ def moe_layer_quantities(per_expert: float, hidden: float, inter: float, active:
     """(FLOPs, bytes, tiles) of one FusedMoE layer on a rank (see :func:`fused_moe_kernel`); scalars or arrays."""
     slots = per_expert * active
     flops = 6.0 * slots * hidden * inter
-    gemm_bytes = active * 3.0 * hidden * inter * weight_bytes + slots * (
-        hidden * in_bytes + 2.0 * inter * act_bytes + inter * in_bytes + hidden * act_bytes)
-    layer_bytes = all_slots * (3.0 * inter + hidden) * act_bytes
+    gemm_bytes = active * 3.0 * hidden * inter * weight_bytes + slots * (hidden + inter) * in_bytes
+    layer_bytes = all_slots * (5.0 * inter + 2.0 * hidden) * act_bytes
     tile_m = np.where(per_expert <= _GEMM_TILE_SMALL_M, _GEMM_TILE_SMALL_M, _GEMM_TILE)
     tiles = (np.ceil(per_expert / tile_m) * active
              * (np.ceil(2.0 * inter / _GEMM_TILE) * np.ceil(hidden / _GEMM_K_BLOCK)
