@@ -112,6 +112,7 @@ def test_the_shared_moe_rows_map_onto_the_step_models_kernel(shared_data: Path):
     assert (roof > 0).all() and set(rows.variant) <= {str(c) for c in K.MOE_FORMAT_CODES.values()}
     # measured layers are slower than their roofline (the relation does not overstate the work)
     assert np.mean(sub["latency_us"] * 1e-6 >= roof) > 0.95   # a few small ones run from L2
+    # the tables time L2-warm repeats: the row predictor may go below the DRAM roofline where they did (η > 1)
     calib = default_calibration(hw.name)
     calib.eta["moe_gemm"], calib.eta_max = ConstantEta(3.0), 3.0
-    assert (rows_time_s(calib, "moe_gemm", rows, roof, hw) >= roof).all()
+    assert (rows_time_s(calib, "moe_gemm", rows, roof, hw) < roof).any()

@@ -218,8 +218,6 @@ def rows_time_s(calib: Calibration, family: str, rows: KernelRows, roof_s: np.nd
     t = roof_s / eta + ovh
     if family == "attn_decode" and calib.decode_cta_bytes_per_s:
         t = np.maximum(t, decode_floor_rows_s(rows, hw, calib.decode_cta_bytes_per_s))
-    if family == "moe_gemm":   # the touched experts' weights stream from DRAM: never faster than the roofline
-        t = np.maximum(t, roof_s)
     return t
 
 

@@ -78,8 +78,6 @@ def _moe_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
         _log(bytes_moved / dev["l2_bytes"]),
         layer_bytes / bytes_moved,
         _log(np.maximum(np.asarray(F[:, 6], dtype=float), 1.0)) if F.shape[1] > 6 else np.zeros(len(F)),
-        # the launch grid of a grouped GEMM sized for every slot (fused_experts pads for all T·k, local or not)
-        _log((np.ceil(all_slots / 64.0) * (np.ceil(2.0 * i / 64.0) + np.ceil(h / 64.0)) + 1.0) / dev["num_sms"]),
     ])
 
 
@@ -87,8 +85,8 @@ def _moe_terms(pe: Any, h: Any, i: Any, active: Any, all_slots: Any, dev: dict[s
     """(FLOPs, GEMM bytes, layer-wide elementwise bytes, tiles), as ``kernel_shapes.moe_layer_quantities``."""
     slots = pe * active
     a_in, w = dev["in_bytes"], dev["weight_bytes"]
-    gemm_bytes = active * 3.0 * h * i * w + slots * (h + i) * a_in
-    layer_bytes = all_slots * (5.0 * i + 2.0 * h) * 2.0
+    gemm_bytes = active * 3.0 * h * i * w + slots * (h * a_in + 4.0 * i + i * a_in + 2.0 * h)
+    layer_bytes = all_slots * (3.0 * i + h) * 2.0
     tile_m = np.where(pe <= 64, 64.0, 128.0)
     tiles = np.ceil(pe / tile_m) * active * (np.ceil(2.0 * i / 128.0) * np.ceil(h / 64.0)
                                              + np.ceil(h / 128.0) * np.ceil(i / 64.0))
@@ -325,7 +323,7 @@ BASES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "moe": (
         _moe_basis,
         ("log_slots_per_expert", "log_hidden", "log_inter", "log_experts", "log_ai_over_balance",
-         "log_tiles_per_sm", "log_bytes_over_l2", "layer_bytes_share", "log_expert_skew", "log_grid_per_sm"),
+         "log_tiles_per_sm", "log_bytes_over_l2", "layer_bytes_share", "log_expert_skew"),
     ),
     "gemm": (
         _gemm_basis,

@@ -242,7 +242,9 @@ class StepModel:
         t = max(roof / eta + overhead_s, (k.bytes_moved - self._l2_bytes) / self._dram_bytes_per_s)
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
-        if k.family == K.MOE_GEMM:   # the touched experts' weights stream from DRAM: never below the roofline
+        if k.family == K.MOE_GEMM:
+            # a serving step's MoE layers each read other experts' weights, cold in L2: never below the DRAM
+            # roofline (the MoE tables repeat one layer, L2-warm, and η > 1 fits their fastest rows)
             t = max(t, roof)
         if k.impl and k.dtype == "fp8":
             t = max(self._fp8_linear_s(k, t), roof)
