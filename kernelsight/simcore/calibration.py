@@ -141,12 +141,13 @@ LEGACY_MOE_ETA = ConstantEta(0.6)
 
 
 def calibration_from_dict(d: dict[str, Any]) -> Calibration:
+    hardware, tier = d["hardware"], d["tier"]
     eta = {k: eta_model_from_dict(v) for k, v in d["eta"].items()}
     if "moe_gemm" in d["eta"] and _bases(d["eta"]["moe_gemm"]) - {"moe"}:
         eta["moe_gemm"] = LEGACY_MOE_ETA
     return Calibration(
-        hardware=d["hardware"],
-        tier=d["tier"],
+        hardware=hardware,
+        tier=tier,
         eta=eta,
         overhead_s={k: float(v) for k, v in d["overhead_s"].items()},
         eta_max=float(d.get("eta_max", 1.0)),
