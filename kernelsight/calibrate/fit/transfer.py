@@ -200,6 +200,8 @@ def transfer_family(
 ) -> EtaModel | None:
     picked = [(c.eta[family], w, h) for (c, h), w in zip(sources, weights, strict=True) if family in c.eta
               and not (family == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)]
+    if family == "moe_gemm":
+        picked = moe_sources(picked, target)
     if not picked:
         return None
     total = sum(w for _, w, _ in picked)
@@ -228,6 +230,20 @@ def transfer_family(
     variant = "0" if family in ("lm_head", "moe_gemm") else None
     members = tuple(retarget(m, family, variant, target, h) for m, _, h in picked)
     return EnsembleEta(members, tuple(w / total for _, w, _ in picked))
+
+
+def _arch(hw: HardwareSpec) -> str:
+    return f"{hw.vendor}:{hw.compute_capability.split('.')[0]}"
+
+
+def moe_sources(picked: list, target: HardwareSpec) -> list:
+    """The MoE sources a target takes its η from: those of its own architecture (vendor and compute-capability
+    major) when any was measured, else all. vLLM picks a FusedMoE kernel per architecture (the shared tables: bf16
+    Triton on Hopper and Ada, FlashInfer CUTLASS on 12.x; fp8 per-tensor FlashInfer CUTLASS on Hopper at 0.12-0.19 of
+    its roofline, Triton on Ada at ~0.8), so another architecture's η says little about the kernel the target
+    runs."""
+    same = [p for p in picked if _arch(p[2]) == _arch(target)]
+    return same or picked
 
 
 def _format_peak(hw: HardwareSpec, key: str) -> float:
@@ -339,11 +355,11 @@ def cross_generation_calibration(
         if model is not None:
             calib.eta[fam] = model
     for fam in TRANSFERRED_FAMILIES:
-        vals = [
-            (c.overhead_s[fam] * overhead_scale(h, target), w)
-            for (c, h), w in zip(sources, weights, strict=True)
-            if fam in c.overhead_s and not (fam == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)
-        ]
+        eligible = [(c, w, h) for (c, h), w in zip(sources, weights, strict=True) if fam in c.overhead_s
+                    and not (fam == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)]
+        if fam == "moe_gemm":   # the same sources as its η
+            eligible = moe_sources(eligible, target)
+        vals = [(c.overhead_s[fam] * overhead_scale(h, target), w) for c, w, h in eligible]
         if vals:
             calib.overhead_s[fam] = math.exp(sum(w * math.log(v) for v, w in vals) / sum(w for _, w in vals))
     calib.eta_max = max(c.eta_max for c, _ in sources)
