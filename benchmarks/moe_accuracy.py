@@ -6,8 +6,9 @@ routing relation says the rank touches, ÷ η per expert format and kernel, + fi
 
 * target: fit on a random 25 % of the GPU's MoE rows (``--train-fraction``), judge on the other 75 %; every folder
   of the shared layout whose GPU is a bundled profile, and the RTX PRO 6000's vLLM 0.19 folder (its own kernels).
-* leave-one-GPU-out (cross-generation): fit the MoE family on every row of the other GPUs (vLLM 0.24 folders and
-  the A100's 0.14), transfer to the held-out GPU by its spec (``calibrate.fit.transfer``), judge on its same 75 %.
+* leave-one-GPU-out (cross-generation): fit the MoE family on every row of the other GPUs (the vLLM 0.24 folders;
+  the A100's tables time only the rank's tokens and are never transferred from: ``MOE_TRANSFER_EXCLUDED``),
+  transfer to the held-out GPU by its spec (``calibrate.fit.transfer``), judge on its same 75 %.
   A format no source measured (NVFP4 outside the PRO 6000) is priced by the nearest measured format's model.
 
 Prints a table per GPU and dtype and writes JSON (default ``benchmarks/results/moe_accuracy.json``).
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernelsight.calibrate.fit.eta import fit_family  # noqa: E402
-from kernelsight.calibrate.fit.transfer import cross_generation_calibration  # noqa: E402
+from kernelsight.calibrate.fit.transfer import MOE_TRANSFER_EXCLUDED, cross_generation_calibration  # noqa: E402
 from kernelsight.calibrate.measurements import Table, read_measurements  # noqa: E402
 from kernelsight.calibrate.rows import kernel_rows, roofline_rows_s, rows_time_s  # noqa: E402
 from kernelsight.profiles import bundled_hardware_name, load_hardware  # noqa: E402
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         test = t.subset(~train)
         target = fitted(t.subset(train), hw, residual_grid=True)
         ape_t, over_roof = errors(test, hw, target)
-        others = [o for o in sorted(sources) if hws[o].name != hw.name]
+        # MOE_TRANSFER_EXCLUDED: tables timing only the rank's tokens are never transferred from
+        others = [o for o in sorted(sources) if hws[o].name != hw.name and hws[o].name not in MOE_TRANSFER_EXCLUDED]
         cross = cross_generation_calibration(hw, [(full[o], hws[o]) for o in others])
         ape_x, _ = errors(test, hw, cross)
         results[f] = {"target": breakdown(test, ape_t), "cross-generation": breakdown(test, ape_x),
