@@ -18,7 +18,12 @@
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
     python benchmarks/build_calibrations.py [--data ../shared/data/kernels] [--only GPU ...] [--comm-only]
-        [--fp4-only] [--software-only] [--layers DIR] [--layers-only]
+        [--fp4-only] [--moe-only] [--software-only] [--layers DIR] [--layers-only] [--encoder-only]
+
+``--moe-only`` refits only the FusedMoE family (``moe_gemm``: one η model per expert format, per vLLM kernel where
+several ran) of every measured GPU (and of every other software stack of one) on all its MoE rows (``moe.csv.gz``) and
+transfers it to every other file from the cross-generation sources' fits, as a full build does; everything else
+stays as stored.
 
 ``--fp4-only`` refits only the NVFP4 GEMM variant of the FP4-measured GPUs (the RTX PRO 6000: on all its NVFP4 rows,
 as a full build does — a fit's variants are fitted independently of each other) into their bundled files, then adds
@@ -292,6 +297,44 @@ def _import_layers(name: str, folder: Path, out_dir: Path) -> Calibration:
     return calib
 
 
+def _rebuild_moe(data: Path, out_dir: Path) -> int:
+    """The FusedMoE family (``moe_gemm``) of every bundled file, as a full build writes it: a measured GPU's (and each
+    of its other software stacks') fitted on all its MoE rows, every other file's transferred from the
+    cross-generation sources' fits; the rest of each file unchanged."""
+    folders = {calibration_file_name(n): (n, data / f) for f, n in measured_gpu_dirs(data).items()}
+    folders.update({calibration_file_name(n, v): (n, data / f) for f, (n, v) in other_stack_dirs(data).items()})
+    sources: list[tuple[Calibration, HardwareSpec]] = []
+    fitted: set[str] = set()
+    for file, (name, folder) in folders.items():
+        path = out_dir / file
+        if not (folder / "moe.csv.gz").is_file() or not path.is_file():
+            continue
+        calib, hw = read_calibration_file(path), load_hardware(name)
+        t0 = time.perf_counter()
+        table = read_measurements(folder)["moe_gemm"]   # token scope as the folder's release timed it
+        model, eta_max, _ = fit_family("moe_gemm", table.columns, hw, residual_grid=True)
+        calib.eta["moe_gemm"] = model
+        calib.overhead_s.update({k: v for k, v in family_overheads(calib).items() if k == "moe_gemm"})
+        calib.eta_max = max(calib.eta_max, eta_max)
+        path.write_text(json.dumps(calib.to_dict()))
+        fitted.add(file)
+        print(f"{file}: moe_gemm fitted on {len(table)} rows in {time.perf_counter() - t0:.0f} s")
+        if name in CROSS_GENERATION_SOURCES and file == calibration_file_name(name):
+            sources.append((calib, hw))
+    for path in sorted(out_dir.glob("*.json")):
+        if path.name in fitted:
+            continue
+        calib = read_calibration_file(path)
+        hw = load_hardware(calib.hardware)
+        moved = cross_generation_calibration(hw, sources)
+        calib.eta["moe_gemm"] = moved.eta["moe_gemm"]
+        calib.overhead_s["moe_gemm"] = moved.overhead_s["moe_gemm"]
+        calib.eta_max = max(calib.eta_max, moved.eta_max)
+        path.write_text(json.dumps(calib.to_dict()))
+        print(f"{path.name}: moe_gemm transferred")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
@@ -303,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="refit only the collective models of the bundled files and keep the rest as stored")
     ap.add_argument("--fp4-only", action="store_true",
                     help="add only the transferred NVFP4 GEMM variant to the bundled cross-generation files")
+    ap.add_argument("--moe-only", action="store_true",
+                    help="refit only the FusedMoE family (moe_gemm) of the bundled files and keep the rest as stored")
     ap.add_argument("--layers", type=Path, default=ROOT.parent / "shared" / "data" / "layers",
                     help="per-layer profile bundles, one folder per GPU (a GPU without kernel tables is fitted "
                          "from its profile)")
@@ -320,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         return _rebuild_comm(args.data, args.output_dir)
     if args.fp4_only:
         return _add_fp4_variants(args.data, args.output_dir)
+    if args.moe_only:
+        return _rebuild_moe(args.data, args.output_dir)
     if args.encoder_only:
         return _add_encoder(args.data, args.output_dir)
     profiled = _profiled_gpus(args.layers, set(measured_gpu_dirs(args.data).values()))

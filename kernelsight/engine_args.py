@@ -23,11 +23,11 @@ from kernelsight.simcore.engine_config import EngineArgs, EngineConfig, resolve_
 from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
     DEFAULT_ALL2ALL_BACKEND,
-    DEFAULT_EXPERT_LOAD_IMBALANCE,
 )
 from kernelsight.simcore.hardware import NODE_TOPOLOGIES, HardwareSpec
 from kernelsight.simcore.kv_transfer import LINK_KINDS, KVLink, kv_link
 from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING
 
 __all__ = ["DEFAULT_HARDWARE", "DEFAULT_MODEL", "EngineArgs", "add_engine_args", "create_engine_config",
            "engine_args_from"]
@@ -102,9 +102,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "gather every rank's tokens; the others exchange each token with its top-k experts' "
                         "ranks (all-to-all) (default: %(default)s)")
     add_topology_args(g)
-    g.add_argument("--expert-load-imbalance", type=float, default=DEFAULT_EXPERT_LOAD_IMBALANCE,
-                   help="simulator: routed tokens of the busiest expert-parallel rank over the mean; its expert "
-                        "GEMMs set the group's pace (default: %(default)s; 1 = uniform routing)")
+    g.add_argument("--expert-routing", default=DEFAULT_EXPERT_ROUTING, metavar="DIST",
+                   help="simulator: how tokens pick experts — balanced, power_law_1.01, power_law_1.2 (or "
+                        "power_law_<a>, a > 1): sets the experts a batch touches and how loaded the busiest "
+                        "expert-parallel rank is (default: %(default)s)")
+    g.add_argument("--expert-load-imbalance", type=float, default=None,
+                   help="simulator: override the busiest expert-parallel rank's routed tokens over the mean; its "
+                        "expert GEMMs set the group's pace (default: derived from --expert-routing per batch; "
+                        "1 = uniform)")
     g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's SpeculativeConfig: method ngram / eagle / eagle3 / mtp / "
                         "draft_model, num_speculative_tokens, model (draft model or EAGLE head), "
@@ -164,7 +169,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         long_prefill_token_threshold=ns.long_prefill_token_threshold, async_scheduling=ns.async_scheduling,
         calibration=ns.calibration, vllm_version=ns.vllm_version, data_parallel_size=ns.data_parallel_size,
         data_parallel_rank=ns.data_parallel_rank, enable_expert_parallel=ns.enable_expert_parallel,
-        all2all_backend=ns.all2all_backend, expert_load_imbalance=ns.expert_load_imbalance,
+        all2all_backend=ns.all2all_backend, expert_routing=ns.expert_routing,
+        expert_load_imbalance=ns.expert_load_imbalance,
         disable_custom_all_reduce=ns.disable_custom_all_reduce, node_topology=ns.node_topology,
         speculative_config=ns.speculative_config, speculative_acceptance_rates=ns.speculative_acceptance_rates)
 

@@ -19,7 +19,7 @@ from kernelsight.simcore import fp4_dispatch as F
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.engine_config import build_step_model
 from kernelsight.simcore.eta import EnsembleEta
-from kernelsight.simcore.kernels import BatchShape, PrefillChunk, linear_kernel, moe_kernels
+from kernelsight.simcore.kernels import MOE_FORMAT_CODES, BatchShape, PrefillChunk, linear_kernel, moe_kernels
 from kernelsight.simcore.memory import param_counts, weight_bytes_per_rank
 from kernelsight.simcore.model_spec import model_spec_from_hf_config
 from kernelsight.simcore.precision import resolve_precision
@@ -148,17 +148,21 @@ def test_mxfp4_quantizes_only_the_experts():
     p = resolve_precision("bfloat16", spec.quantization, compute_capability="10.0")
     assert p.weight_dtype == "bf16" and p.expert_weight_dtype == "mxfp4" and p.expert_compute_dtype == "bf16"
     assert linear_kernel("qkv_proj", 16, 5120, 2048, p).dtype == "bf16"
-    gate_up = next(k for k in moe_kernels(spec, 16, 1, p, 4) if k.name == "moe_gate_up")
-    bf16 = next(k for k in moe_kernels(spec, 16, 1, resolve_precision("bfloat16"), 4) if k.name == "moe_gate_up")
-    assert gate_up.dtype == "bf16" and gate_up.flops == bf16.flops
+    experts_k = next(k for k in moe_kernels(spec, 16, 1, p, 4) if k.name == "moe_experts")
+    bf16 = next(k for k in moe_kernels(spec, 16, 1, resolve_precision("bfloat16"), 4) if k.name == "moe_experts")
+    assert experts_k.dtype == "bf16" and experts_k.flops == bf16.flops
+    assert experts_k.features[4] == MOE_FORMAT_CODES["w4a16_mxfp4"]
     weight_share = 0.5 + 1 / 32
-    assert gate_up.bytes_moved < bf16.bytes_moved * 0.3 and gate_up.bytes_moved > bf16.bytes_moved * weight_share / 2.1
+    assert experts_k.bytes_moved < bf16.bytes_moved * 0.3
+    assert experts_k.bytes_moved > bf16.bytes_moved * weight_share / 2.1
     linear, other = param_counts(spec)
     experts = 4 * 128 * 3 * 2048 * 768
     assert weight_bytes_per_rank(spec, p, 1) == pytest.approx((linear - experts) * 2.0 + experts * weight_share
                                                               + other * 2.0)
     nv = resolve_precision("bfloat16", "nvfp4", compute_capability="10.0")
-    assert next(k for k in moe_kernels(spec, 16, 1, nv, 4) if k.name == "moe_gate_up").dtype == "fp4"   # W4A4
+    assert next(k for k in moe_kernels(spec, 16, 1, nv, 4) if k.name == "moe_experts").dtype == "fp4"   # W4A4
+    hopper = resolve_precision("bfloat16", "nvfp4", compute_capability="9.0")   # Marlin W4A16 there
+    assert next(k for k in moe_kernels(spec, 16, 1, hopper, 4) if k.name == "moe_experts").dtype == "bf16"
 
 
 # -- cross-generation: NVFP4 η from the one GPU measured in FP4 ---------------------------------------------------

@@ -329,10 +329,10 @@ def test_mtp_module_is_one_moe_mla_layer_plus_eh_proj() -> None:
     assert by_name["mtp_eh_proj"].features[:3] == (16.0, 7168.0, 2 * 7168.0)
     assert all(k.count == 1 for k in mtp)                     # one layer
     # the MTP layer is a MoE + MLA layer: the same launch as each of the model's MoE layers (count is per layer)
-    for name in ("moe_gate_up", "flash_mla_decode", "q_b_proj", "lm_head"):
+    for name in ("moe_experts", "flash_mla_decode", "q_b_proj", "lm_head"):
         ref = next(k for k in full if k.name == name)
         assert (by_name[name].flops, by_name[name].bytes_moved) == (ref.flops, ref.bytes_moved)
-        assert ref.count == {"moe_gate_up": 58, "lm_head": 1}.get(name, 61)
+        assert ref.count == {"moe_experts": 58, "lm_head": 1}.get(name, 61)
     with pytest.raises(ValueError, match="no MTP"):
         mtp_step_kernels(load_model("moonshotai/Kimi-K2-Instruct"), batch, 8, cfg.precision)
 

@@ -206,10 +206,11 @@ def test_moe_weight_traffic_counts_the_experts_a_batch_can_hit():
     assert 127.9 < K.expected_active_experts(128, 8, 1000) <= 128
     model = profiles.load_model("Qwen/Qwen3-30B-A3B")
     prec = create_engine_config(EngineArgs(model="Qwen/Qwen3-30B-A3B", hardware="h100")).precision
-    gate_up = {k.name: k for k in K.moe_kernels(model, 1, 1, prec, 1)}["moe_gate_up"]
-    expert_bytes = model.hidden_size * 2 * model.moe_intermediate_size * prec.weight_bytes_per_param
+    experts = {k.name: k for k in K.moe_kernels(model, 1, 1, prec, 1, routing="balanced")}["moe_experts"]
+    expert_bytes = model.hidden_size * 3 * model.moe_intermediate_size * prec.weight_bytes_per_param
     # a single token reads its 8 experts' weights (plus its own activations), not ~52 experts'
-    assert 8 * expert_bytes <= gate_up.bytes_moved < 8.01 * expert_bytes
+    assert experts.features[3] == 8
+    assert 8 * expert_bytes <= experts.bytes_moved < 8.05 * expert_bytes
 
 
 @pytest.mark.parametrize("hw_name", ["rtx-pro-6000", "h100-sxm", "a100-sxm", "l40s"])

@@ -44,7 +44,9 @@ def test_mtp_on_a_dp2_ep_group_makes_more_tokens_per_step_and_lowers_tpot():
     assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] > 1.5
     # both ranks drafted (their counters are summed over the group's engines)
     assert all(rank["requests"] > 0 and rank["steps"] > 0 for rank in mtp.ranks)
-    assert _tokens_per_rank_step(mtp) > 1.3 * _tokens_per_rank_step(plain)
+    # (1.25× with the MoE layers priced from their own tables, above 1.3× when the dense GEMM η priced them: the run
+    # is arrival-bound, so shorter steps leave more of them prefill-only or nearly empty; TPOT below is the payoff)
+    assert _tokens_per_rank_step(mtp) > 1.2 * _tokens_per_rank_step(plain)
     # the report's verify and drafting seconds are the group's: each rank's own work with the MoE GEMMs at the
     # group's size, plus every pass's dispatch/combine (not the rank's MoE at its own rows)
     assert spec["verify_s"] + spec["draft_s"] == pytest.approx(

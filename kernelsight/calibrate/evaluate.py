@@ -241,7 +241,7 @@ def mape_table(
 #: ``kernel`` column (the vLLM kernel that ran) is appended when present.
 VARIANT_COLUMNS = {"gemm": ("dtype",), "attn_prefill": ("kv_dtype",), "attn_decode": ("kv_dtype",),
                    "attn_encoder": ("dtype",),
-                   "comm": ("backend",)}
+                   "comm": ("backend",), "moe_gemm": ("dtype",)}
 
 
 def variant_labels(table: Table) -> np.ndarray:

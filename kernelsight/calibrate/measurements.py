@@ -1,7 +1,9 @@
 """Read kernel measurements in the shared schema (``../shared/data/README.md``).
 
-One directory describes one GPU and holds any of ``gemm``, ``attn_prefill``, ``attn_decode`` and ``comm``
-as ``<family>.csv`` or ``<family>.csv.gz``. ``latency_us`` is optional (prediction inputs lack it).
+One directory describes one GPU and holds any of ``gemm``, ``attn_prefill``, ``attn_decode``, ``comm``,
+``attn_encoder`` (a ViT's attention) and ``moe`` (the ``moe_gemm`` family: one FusedMoE layer forward per row) as
+``<name>.csv`` or ``<name>.csv.gz``.
+``latency_us`` is optional (prediction inputs lack it).
 Duplicate keys are repeated measurements: every row is kept as one sample.
 """
 
@@ -26,11 +28,17 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
     "comm": ("op", "backend", "dtype", "num_gpus", "message_bytes"),
     "attn_encoder": ("batch", "seq_len", "num_heads", "head_dim", "dtype"),
+    "moe_gemm": ("dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+                 "moe_ep_size", "distribution"),
 }
 FAMILIES: tuple[str, ...] = tuple(SCHEMA)
-_STRING_COLUMNS = frozenset({"dtype", "kv_dtype", "kernel", "op", "backend"})
+#: File name stem per family where it is not the family's name: the shared MoE tables are ``moe.csv.gz`` (one
+#: FusedMoE layer forward each), priced as the ``moe_gemm`` kernel family.
+FILE_STEMS: dict[str, str] = {"moe_gemm": "moe"}
+_STRING_COLUMNS = frozenset({"dtype", "kv_dtype", "kernel", "op", "backend", "distribution", "token_scope"})
 #: Format column per family whose values the kernel model must know.
-_FORMAT_COLUMN = {"gemm": "dtype", "attn_prefill": "kv_dtype", "attn_decode": "kv_dtype", "attn_encoder": "dtype"}
+_FORMAT_COLUMN = {"gemm": "dtype", "attn_prefill": "kv_dtype", "attn_decode": "kv_dtype", "attn_encoder": "dtype",
+                  "moe_gemm": "dtype"}
 #: Formats real measurement sets hold that the kernel model has no roofline for yet, and why. Reading with
 #: ``skipped`` leaves their rows out (counted) instead of failing the whole set; any other unknown value
 #: stays an error, since it is more likely a malformed row than a format nobody has modelled. Empty since NVFP4
@@ -67,8 +75,9 @@ class Table:
 def family_of_path(path: Path) -> str:
     """``gemm.csv.gz`` → ``gemm``; raises for files outside the schema."""
     stem = path.name.removesuffix(".gz").removesuffix(".csv")
-    for fam in FAMILIES:
-        if stem == fam or stem.startswith(fam + "_") or stem.startswith(fam + "."):
+    for fam in sorted(FAMILIES, key=len, reverse=True):   # moe_gemm before any shorter prefix
+        s = FILE_STEMS.get(fam, fam)
+        if stem == s or stem.startswith(s + "_") or stem.startswith(s + ".") or stem == fam:
             return fam
     raise ValueError(f"{path}: file name must start with one of {', '.join(FAMILIES)}")
 
@@ -139,16 +148,17 @@ _POSITIVE = {
     "attn_decode": ("batch", "num_heads", "num_kv_heads", "head_dim"),
     "comm": ("num_gpus", "message_bytes"),
     "attn_encoder": ("batch", "seq_len", "num_heads", "head_dim"),
+    "moe_gemm": ("num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"),
 }
 
 
 def _check_values(path: Path, fam: str, cols: dict[str, np.ndarray]) -> None:
     """Values the kernel model has no roofline for are an error naming them, not a traceback later."""
     from kernelsight.calibrate.rows import ELEMENT_BYTES
-    from kernelsight.simcore.kernels import GEMM_FORMAT_CODES
+    from kernelsight.simcore.kernels import GEMM_FORMAT_CODES, MOE_FORMAT_CODES
 
     known = {"gemm": GEMM_FORMAT_CODES, "attn_prefill": ELEMENT_BYTES, "attn_decode": ELEMENT_BYTES,
-             "attn_encoder": ELEMENT_BYTES}.get(fam)
+             "attn_encoder": ELEMENT_BYTES, "moe_gemm": MOE_FORMAT_CODES}.get(fam)
     if known is not None:
         col = _FORMAT_COLUMN[fam]
         bad = sorted(set(cols[col].tolist()) - set(known))
@@ -177,14 +187,32 @@ def read_measurements(path: str | Path, skipped: dict[str, int] | None = None) -
     if not path.is_dir():
         raise FileNotFoundError(f"no measurement file or directory at {path}")
     out: dict[str, Table] = {}
+    rank_tokens = measurement_software(path).get("vllm") in RANK_TOKEN_MOE_RELEASES
     for fam in FAMILIES:
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.name in (f"{fam}.csv", f"{fam}.csv.gz"))
+        stem = FILE_STEMS.get(fam, fam)
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name in (f"{stem}.csv", f"{stem}.csv.gz"))
         for p in files:
             t = read_table(p, fam, skipped)
+            if fam == "moe_gemm" and rank_tokens:
+                t = with_token_scope(t, "rank")
             out[fam] = t if fam not in out else concat_tables(out[fam], t)
     if not out:
-        raise ValueError(f"{path}: no measurement files ({', '.join(f + '.csv[.gz]' for f in FAMILIES)})")
+        names = ", ".join(FILE_STEMS.get(f, f) + ".csv[.gz]" for f in FAMILIES)
+        raise ValueError(f"{path}: no measurement files ({names})")
     return out
+
+
+#: vLLM releases whose shared MoE tables were timed with only the rank's tokens entering the layer
+#: (``calibrate.rows.RANK_TOKENS``): the A100 folder's.
+RANK_TOKEN_MOE_RELEASES = ("0.14.0",)
+
+
+def with_token_scope(table: Table, scope: str) -> Table:
+    """The MoE table with a ``token_scope`` column (``rank``: only the tokens that picked the rank's experts were
+    timed entering the layer)."""
+    cols = dict(table.columns)
+    cols["token_scope"] = np.full(len(table), scope)
+    return Table(table.family, cols, table.header + ("token_scope",), [r + [scope] for r in table.raw])
 
 
 def describe_skipped(skipped: dict[str, int]) -> list[str]:

@@ -33,7 +33,7 @@ from kernelsight.simcore.roofline import roofline_s
 
 Columns = Mapping[str, np.ndarray]
 
-KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "attn_encoder")
+KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "moe_gemm", "attn_encoder")
 #: Bytes per element of the dtype names a measurement's ``kv_dtype`` may hold ("auto": vLLM's name for the model's
 #: own 16-bit dtype).
 ELEMENT_BYTES = {
@@ -49,7 +49,7 @@ ELEMENT_BYTES = {
     "float": 4.0,
 }
 #: Which feature selects the sub-model (categorical variant) per family.
-SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5, "attn_encoder": 6}
+SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5, "moe_gemm": 4, "attn_encoder": 6}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,6 +112,12 @@ def _row_kernel(family: str, key: tuple) -> K.Kernel:
     if family == "attn_encoder":
         batch, seq, heads, hd, dtype = key
         return K.attention_encoder_kernel(int(batch), int(seq), int(heads), int(hd), element_bytes(dtype))
+    if family == "moe_gemm":
+        dtype, tokens, hidden, inter, topk, experts, tp, ep, distribution, *scope = key
+        # the rank holds inter / tp of every expert (TP) or experts / ep whole experts (EP); the routing relation
+        # gives its token-slots and touched experts, as for a serving step
+        return K.fused_moe_kernel(int(tokens), int(hidden), int(inter) // max(int(tp), 1), int(topk), int(experts),
+                                  dtype, int(ep), distribution, rank_tokens_only=scope == [RANK_TOKENS])
     raise ValueError(f"no kernel mapping for family {family!r}")
 
 
@@ -120,7 +126,19 @@ _KEY_COLUMNS = {
     "attn_prefill": ("batch", "seq_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
     "attn_decode": ("batch", "cached_len", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "window"),
     "attn_encoder": ("batch", "seq_len", "num_heads", "head_dim", "dtype"),
+    "moe_gemm": ("dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
+                 "moe_ep_size", "distribution"),
 }
+
+
+#: Key columns a family's table may carry: the MoE tables' ``token_scope`` (see :data:`RANK_TOKENS`); a prefill
+#: chunk's cached tokens (``cached_len``: a layer profile's rows).
+_OPTIONAL_KEY_COLUMNS = {"moe_gemm": ("token_scope",), "attn_prefill": ("cached_len",)}
+#: ``token_scope`` of MoE rows timed with only the tokens that picked the rank's experts entering the layer (the
+#: measurement harness behind the shared A100 tables, vLLM 0.14: there the 8 picks of a lone token all land on
+#: the timed rank — 223 µs at EP 8 against 219 µs at EP 1 —, where the 0.19 / 0.24 tables time every token
+#: entering and only the rank's share of the picks computed — 37-56 µs).
+RANK_TOKENS = "rank"
 
 
 def kernel_rows(family: str, cols: Columns) -> KernelRows:
@@ -128,9 +146,7 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
 
     The ``kernel`` column (the vLLM kernel that ran), when present, is carried along as ``KernelRows.kernel``.
     """
-    names = _KEY_COLUMNS[family]
-    if family == "attn_prefill" and "cached_len" in cols:   # chunks over a cached prefix (a layer profile's rows)
-        names = (*names, "cached_len")
+    names = _KEY_COLUMNS[family] + tuple(c for c in _OPTIONAL_KEY_COLUMNS.get(family, ()) if c in cols)
     n = len(cols[names[0]])
     keys = list(zip(*(cols[c].tolist() for c in names), strict=True))
     uniq: dict[tuple, int] = {}
@@ -139,7 +155,7 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
         inverse[i] = uniq.setdefault(key, len(uniq))
     kernels = [_row_kernel(family, key) for key in uniq]
     if not kernels:
-        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "attn_encoder": 8}[family]
+        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "moe_gemm": 7, "attn_encoder": 8}[family]
         z = np.zeros(0)
         return KernelRows(family, z, z, z, np.zeros(0, dtype=str), np.zeros((0, nf)), np.zeros(0, dtype=str))
     flops = np.array([k.flops for k in kernels])[inverse]

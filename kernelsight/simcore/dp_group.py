@@ -44,6 +44,7 @@ from kernelsight.simcore import kernels as K
 from kernelsight.simcore.engine import FIRST_TOKEN, Engine, StepResult
 from kernelsight.simcore.expert_parallel import all2all_s, ep_moe_kernels
 from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape
+from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING
 from kernelsight.simcore.spec_decode_step import SpecStepModel
 from kernelsight.simcore.step_model import EAGER, StepModel
 
@@ -112,7 +113,8 @@ class MoEGroupTiming:
     group_gpus: int            # DP × TP: the GPUs of the MoE group
     tp: int
     backend: str               # all2all backend (EP); the non-EP MoE group gathers and reduce-scatters
-    load_imbalance: float
+    load_imbalance: float | None   # busiest EP rank's share over the mean; None: from the routing distribution
+    routing: str = DEFAULT_EXPERT_ROUTING
     _cache: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
 
     def moe_and_comm_s(self, sm: StepModel, rows_per_rank: int) -> tuple[float, float]:
@@ -126,11 +128,12 @@ class MoEGroupTiming:
         # the DP ranks (each TP column in parallel); the MoE output's TP all-reduce is already in the step model
         model, dp = sm.model, self.group_gpus // self.tp
         if self.expert_parallel:
-            kernels = ep_moe_kernels(model, rows_per_rank * dp, self.group_gpus, sm.precision, self.load_imbalance)
+            kernels = ep_moe_kernels(model, rows_per_rank * dp, self.group_gpus, sm.precision, self.load_imbalance,
+                                     self.routing)
             backend = self.backend
         else:   # experts tensor-parallel over all DP×TP GPUs, every rank's rows gathered
             kernels = K.moe_kernels(model, rows_per_rank * dp, self.group_gpus, sm.precision,
-                                    model.num_moe_layers)
+                                    model.num_moe_layers, routing=self.routing)
             backend = "allgather_reducescatter"
         moe_s = sum(sm.kernel_time_s(k) for k in kernels if k.family == K.MOE_GEMM)
         comm_s = all2all_s(backend, model, rows_per_rank, dp, sm.hw, sm.calib.comm, sm.precision)

@@ -18,7 +18,6 @@ from kernelsight.simcore.engine import Engine
 from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
     DEFAULT_ALL2ALL_BACKEND,
-    DEFAULT_EXPERT_LOAD_IMBALANCE,
 )
 from kernelsight.simcore.hardware import HardwareSpec, node_topology, with_node_topology
 from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
@@ -26,6 +25,7 @@ from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.kv_transfer import KVLink, kv_link, kv_transfer_model
 from kernelsight.simcore.memory import MemoryPlan, kv_bytes_per_token, plan_memory, weight_bytes_per_rank
 from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING, power_law_alpha
 from kernelsight.simcore.mtp import MTPStepModel
 from kernelsight.simcore.precision import Precision, resolve_precision
 from kernelsight.simcore.scheduler import FCFS, PRIORITY, SchedulerConfig
@@ -76,7 +76,8 @@ class EngineArgs:
     data_parallel_rank: int | None = None   # serve one rank of the group in this process (None: all)
     enable_expert_parallel: bool = False    # MoE experts split over the DP×TP ranks, which then step together
     all2all_backend: str = DEFAULT_ALL2ALL_BACKEND
-    expert_load_imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE   # busiest EP rank's routed tokens / mean
+    expert_routing: str = DEFAULT_EXPERT_ROUTING   # how tokens pick experts (moe_routing): balanced | power_law_<a>
+    expert_load_imbalance: float | None = None   # busiest EP rank's routed tokens / mean (None: from the routing)
     speculative_config: dict[str, Any] | None = None   # vLLM's --speculative-config, as its JSON object
     speculative_acceptance_rates: tuple[float, ...] | None = None   # per-position override (kernelsight's flag)
 
@@ -162,7 +163,8 @@ class EngineConfig:
         out: dict[str, Any] = {"data_parallel_size": a.data_parallel_size,
                                "enable_expert_parallel": a.enable_expert_parallel}
         if self.expert_parallel:
-            out.update(all2all_backend=a.all2all_backend, expert_load_imbalance=a.expert_load_imbalance)
+            out.update(all2all_backend=a.all2all_backend, expert_routing=a.expert_routing,
+                       expert_load_imbalance=a.expert_load_imbalance)
         return out
 
     def args_dict(self) -> dict[str, Any]:
@@ -230,7 +232,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"data_parallel_rank must be in [0, {dp}), got {args.data_parallel_rank}")
     if args.all2all_backend not in ALL2ALL_BACKENDS:
         raise ValueError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {args.all2all_backend!r}")
-    if not args.expert_load_imbalance >= 1.0:
+    power_law_alpha(args.expert_routing)   # raises on an unknown distribution
+    if args.expert_load_imbalance is not None and not args.expert_load_imbalance >= 1.0:
         raise ValueError(f"expert_load_imbalance must be ≥ 1 (busiest rank / mean), got {args.expert_load_imbalance}")
     if args.enable_expert_parallel and tp * dp > hw.gpus_per_node:
         raise ValueError(f"expert parallelism over data_parallel_size×tensor_parallel_size={dp * tp} GPUs exceeds "
@@ -354,13 +357,15 @@ def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwar
                                         enforce_eager=cfg.args.enforce_eager,
                                         async_scheduling=cfg.args.async_scheduling,
                                         max_model_len=cfg.scheduler.max_model_len,
-                                        custom_all_reduce=not cfg.args.disable_custom_all_reduce))
+                                        custom_all_reduce=not cfg.args.disable_custom_all_reduce,
+                                        expert_routing=cfg.args.expert_routing))
         kwargs.update(spec=cfg.speculative, drafter=_drafter(cfg), baseline=baseline)
     return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                           enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling,
                           max_model_len=cfg.scheduler.max_model_len,
-                          custom_all_reduce=not cfg.args.disable_custom_all_reduce),
+                          custom_all_reduce=not cfg.args.disable_custom_all_reduce,
+                          expert_routing=cfg.args.expert_routing),
                **kwargs)
 
 
@@ -375,7 +380,8 @@ def _drafter(cfg: EngineConfig) -> StepModel | None:
                                 cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                                 enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling,
                                 max_model_len=cfg.scheduler.max_model_len,
-                                custom_all_reduce=not cfg.args.disable_custom_all_reduce))
+                                custom_all_reduce=not cfg.args.disable_custom_all_reduce,
+                                expert_routing=cfg.args.expert_routing))
 
 
 def spec_decoder(cfg: EngineConfig) -> SpecDecoder | None:
@@ -389,7 +395,7 @@ def moe_group_timing(cfg: EngineConfig) -> MoEGroupTiming | None:
         return None
     tp = a.tensor_parallel_size
     return MoEGroupTiming(cfg.expert_parallel, a.data_parallel_size * tp, tp, a.all2all_backend,
-                          a.expert_load_imbalance)
+                          a.expert_load_imbalance, a.expert_routing)
 
 
 def kv_cache_manager(cfg: EngineConfig) -> KVCacheManager | None:

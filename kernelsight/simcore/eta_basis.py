@@ -63,6 +63,36 @@ def _aligned(m: np.ndarray) -> np.ndarray:
     return ((np.mod(m, 16.0) == 0) | (np.mod(m, 1.0) != 0)).astype(float)
 
 
+def _moe_basis(F: np.ndarray, dev: dict[str, float]) -> np.ndarray:
+    """FusedMoE (slots per touched expert, hidden, inter, touched experts, code, all slots, skew) → log of the four
+    shape axes, AI/balance, tiles/SMs, bytes/L2, the layer-wide slots' share of the bytes, log skew, log of the
+    all-slot launch grid per SM."""
+    pe, h, i, active = (np.maximum(np.asarray(F[:, j], dtype=float), TINY) for j in range(4))
+    all_slots = np.asarray(F[:, 5], dtype=float) if F.shape[1] > 5 else pe * active
+    flops, gemm_bytes, layer_bytes, tiles = _moe_terms(pe, h, i, active, all_slots, dev)
+    bytes_moved = gemm_bytes + layer_bytes
+    return np.column_stack([
+        _log(pe), _log(h), _log(i), _log(active),
+        _log(flops / bytes_moved / dev["balance"]),
+        _log(np.maximum(tiles, 1.0) / dev["num_sms"]),
+        _log(bytes_moved / dev["l2_bytes"]),
+        layer_bytes / bytes_moved,
+        _log(np.maximum(np.asarray(F[:, 6], dtype=float), 1.0)) if F.shape[1] > 6 else np.zeros(len(F)),
+    ])
+
+
+def _moe_terms(pe: Any, h: Any, i: Any, active: Any, all_slots: Any, dev: dict[str, float]) -> tuple[Any, ...]:
+    """(FLOPs, GEMM bytes, layer-wide elementwise bytes, tiles), as ``kernel_shapes.moe_layer_quantities``."""
+    slots = pe * active
+    a_in, w = dev["in_bytes"], dev["weight_bytes"]
+    gemm_bytes = active * 3.0 * h * i * w + slots * (h * a_in + 4.0 * i + i * a_in + 2.0 * h)
+    layer_bytes = all_slots * (3.0 * i + h) * 2.0
+    tile_m = np.where(pe <= 64, 64.0, 128.0)
+    tiles = np.ceil(pe / tile_m) * active * (np.ceil(2.0 * i / 128.0) * np.ceil(h / 64.0)
+                                             + np.ceil(h / 128.0) * np.ceil(i / 64.0))
+    return 6.0 * slots * h * i, gemm_bytes, layer_bytes, tiles
+
+
 def _eff_ctx(ctx: np.ndarray, window: np.ndarray) -> np.ndarray:
     return np.where(window > 0, np.minimum(ctx, np.maximum(window, 1.0)), ctx)
 
@@ -141,6 +171,7 @@ CACHE_GAIN_WIDTH = 0.5
 #: benefit for weight-streaming shapes even on the L40S: η ≈ 0.8 at m ≤ 64, n = k = 4096, 32 MB of weights in a
 #: 96 MB L2, but η up to 2 for a few-MB working set). Centers tried leave-one-GPU-out: 0, −1.5, −2.5, −3.5.
 _CACHE_COLUMNS: dict[str, tuple[float, int, int | None, int | None]] = {
+    "moe": (-1.5, 6, 4, 5),
     "gemm": (-1.5, 5, 3, 4),
     "attn_prefill": (0.0, 8, 6, 7),
     "attn_decode": (0.0, 6, None, None),
@@ -273,8 +304,14 @@ def _attn_decode_basis_scalar(f: tuple[float, ...], dev: dict[str, float]) -> li
     ]
 
 
+def _moe_basis_scalar(f: tuple[float, ...], dev: dict[str, float]) -> list[float]:
+    """Pure-Python :func:`_moe_basis` of one feature tuple (same numbers)."""
+    return [float(x) for x in _moe_basis(np.asarray([f], dtype=float), dev)[0]]
+
+
 #: basis name → pure-Python single-row version (must give the same numbers as ``BASES``)
 SCALAR_BASES: dict[str, Any] = {
+    "moe": _moe_basis_scalar,
     "gemm": _gemm_basis_scalar,
     "attn_prefill": _attn_prefill_basis_scalar,
     "attn_decode": _attn_decode_basis_scalar,
@@ -283,6 +320,11 @@ SCALAR_BASES: dict[str, Any] = {
 
 #: basis name → (function, names of its log-features)
 BASES: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "moe": (
+        _moe_basis,
+        ("log_slots_per_expert", "log_hidden", "log_inter", "log_experts", "log_ai_over_balance",
+         "log_tiles_per_sm", "log_bytes_over_l2", "layer_bytes_share", "log_expert_skew"),
+    ),
     "gemm": (
         _gemm_basis,
         (
@@ -401,13 +443,28 @@ def _gemm_coords_scalar(f: tuple[float, ...]) -> list[float]:
     return [_lg(m), _lg(n), _lg(float(f[2])), 1.0 if (m % 16.0 == 0 or m % 1.0 != 0) else 0.0, *tiles]
 
 
+def _moe_coords(F: np.ndarray) -> np.ndarray:
+    """(slots per expert, hidden, inter, experts, code, all slots, skew) → log of the four shape axes, log all slots
+    (the layer's token count × top-k), then log of the rank's slots and of the skew (the trees' work counts)."""
+    pe, active = _log(F[:, 0]), _log(F[:, 3])
+    all_slots = _log(F[:, 5]) if F.shape[1] > 5 else pe + active
+    skew = _log(np.maximum(F[:, 6], 1.0)) if F.shape[1] > 6 else np.zeros(len(F))
+    return np.column_stack([pe, _log(F[:, 1]), _log(F[:, 2]), active, all_slots, pe + active, skew])
+
+
+def _moe_coords_scalar(f: tuple[float, ...]) -> list[float]:
+    return [float(x) for x in _moe_coords(np.asarray([f], dtype=float))[0]]
+
+
 #: basis → raw residual coordinates (rows × d); feature layouts as in ``kernels.py``
 RESIDUAL_COORDS: dict[str, Any] = {
+    "moe": _moe_coords,
     "gemm": _gemm_coords,
     "attn_prefill": lambda F: _attn_coords(F, 1, 3, 7, True),
     "attn_decode": lambda F: _attn_coords(F, 1, 2, 6, False),
 }
 RESIDUAL_COORDS_SCALAR: dict[str, Any] = {
+    "moe": _moe_coords_scalar,
     "gemm": _gemm_coords_scalar,
     "attn_prefill": lambda f: _attn_coords_scalar(f, 1, 3, 7, True),
     "attn_decode": lambda f: _attn_coords_scalar(f, 1, 2, 6, False),

@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from kernelsight.simcore.fp4_dispatch import FP4_BYTES_PER_ELEMENT
+from kernelsight.simcore.fp4_dispatch import FP4_BYTES_PER_ELEMENT, MXFP4, NVFP4, W4A4_KERNELS, fp4_moe_backend
+from kernelsight.simcore.gemm_dispatch import BLOCK
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.precision import Precision
 
@@ -33,3 +34,20 @@ def expert_gemm_format(model: ModelSpec, precision: Precision) -> tuple[str, flo
 
 def expert_weight_bytes_per_param(model: ModelSpec, precision: Precision) -> float:
     return expert_gemm_format(model, precision)[1]
+
+
+def moe_expert_format(model: ModelSpec, precision: Precision) -> str:
+    """The routed experts' format as the MoE kernel tables name it (``kernel_shapes.MOE_FORMAT_CODES``): the kernel
+    family vLLM's FusedMoE runs for the checkpoint on this GPU. FP8 experts: block-scaled or per-tensor as the
+    checkpoint scales them; NVFP4: W4A4 where vLLM picks an FP4 tensor-core backend (Blackwell), else Marlin's
+    weight-only path (priced as the measured weight-only int4 Marlin kernel); MXFP4 (gpt-oss): W4A16."""
+    fmt = precision.expert_weight_dtype
+    if fmt == MXFP4 or (fmt not in FP4_BYTES_PER_ELEMENT and model.expert_quantization == MXFP4):
+        return "w4a16_mxfp4"
+    if fmt == NVFP4:
+        backend = fp4_moe_backend(NVFP4, precision.compute_capability or "9.0")
+        return NVFP4 if backend in W4A4_KERNELS else "int4_wo"
+    if fmt == "fp8":
+        scheme = precision.fp8_scheme
+        return "fp8_block" if scheme is not None and scheme.weight == BLOCK else "fp8"
+    return "bf16"

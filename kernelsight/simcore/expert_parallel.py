@@ -25,6 +25,7 @@ from kernelsight.simcore import kernels as K
 from kernelsight.simcore.comm import CommModel, collective_s
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING
 from kernelsight.simcore.precision import Precision
 
 #: vLLM's ``--all2all-backend`` choices (vllm/config/parallel.py ``All2AllBackend``) and its default.
@@ -35,10 +36,6 @@ ALL2ALL_BACKENDS: tuple[str, ...] = (
 DEFAULT_ALL2ALL_BACKEND = "allgather_reducescatter"
 _GATHER_BACKENDS = ("allgather_reducescatter", "naive")
 
-#: Default ratio of the busiest rank's routed tokens to the mean (``--expert-load-imbalance``). Routing is not
-#: uniform: a few experts are popular in any batch, so one rank of an EP group gets more than its share and the
-#: group waits for it. 1.1 is a modest skew for two ranks of a 128-expert model without EPLB; 1.0 = uniform.
-DEFAULT_EXPERT_LOAD_IMBALANCE = 1.1
 
 
 def dispatch_combine_messages(backend: str, model: ModelSpec, rows_per_rank: int, ep_size: int,
@@ -71,15 +68,17 @@ def all2all_s(backend: str, model: ModelSpec, rows_per_rank: int, ep_size: int, 
 
 
 def ep_moe_kernels(model: ModelSpec, group_rows: int, ep_size: int, precision: Precision,
-                   load_imbalance: float) -> list[K.Kernel]:
+                   load_imbalance: float | None = None, routing: str = DEFAULT_EXPERT_ROUTING) -> list[K.Kernel]:
     """The MoE kernels of the busiest rank of an EP group of ``ep_size`` GPUs (DP × TP) whose data-parallel ranks
     together run ``group_rows`` (padded) distinct rows: each GPU holds whole experts, ``num_experts / ep_size`` of
-    them, and sees ``load_imbalance`` × the mean share of the routed tokens."""
+    them. How much more than the mean share of the routed tokens the busiest gets, and how many of its experts
+    they touch, follow from the ``routing`` distribution (``moe_routing.routing_load``: the default
+    ``--expert-load-imbalance``); a given ``load_imbalance`` overrides the share."""
     n_moe = model.num_moe_layers if model.is_moe else 0
     if not n_moe:
         return []
-    return K.moe_kernels(model, group_rows, 1, precision, n_moe, ep_size, load_imbalance)
+    return K.moe_kernels(model, group_rows, 1, precision, n_moe, ep_size, load_imbalance, routing)
 
 
-__all__ = ["ALL2ALL_BACKENDS", "DEFAULT_ALL2ALL_BACKEND", "DEFAULT_EXPERT_LOAD_IMBALANCE", "all2all_s",
+__all__ = ["ALL2ALL_BACKENDS", "DEFAULT_ALL2ALL_BACKEND", "all2all_s",
            "dispatch_combine_messages", "ep_moe_kernels"]

@@ -7,16 +7,18 @@ decoder with tensor-parallel degree T (all shapes per rank):
     norm → QKV GEMM → RoPE → KV-cache write → attention (prefill part, decode part) → O GEMM →
     [all-reduce] → norm → gate_up GEMM → SiLU·mul → down GEMM → [all-reduce]
 
-MoE layers replace the MLP with a router GEMM and grouped expert GEMMs (in the experts' own format:
-``expert_formats.py``). MLA models replace the attention block with ``mla.py``'s kernels. Layers of different
-attention kinds (gpt-oss's sliding-window and full layers, Llama 4's chunked-local and full layers) are priced as
-separate attention kernels. After the last layer: final norm, the LM head over the rows that sample only, and the
-sampler. The primitives (Kernel, BatchShape, one GEMM / attention kernel) live in ``kernel_shapes.py``.
+MoE layers replace the MLP with a router GEMM and vLLM's FusedMoE layer (both grouped expert GEMMs and their
+activation as one kernel model, in the experts' own format: ``expert_formats.py``; the busiest rank's load from the
+routing distribution: ``moe_routing.py``). MLA models replace the attention block with ``mla.py``'s kernels.
+Layers of different attention kinds (gpt-oss's sliding-window and full layers, Llama 4's chunked-local and full
+layers) are priced as separate attention kernels. After the last layer: final norm, the LM head over the rows that
+sample only, and the sampler. The primitives (Kernel, BatchShape, one GEMM / attention / FusedMoE kernel) live in
+``kernel_shapes.py``.
 
 η features per family (what calibration fits on):
     gemm, lm_head       (m, n, k, format code)    format code: GEMM_FORMAT_CODES (bf16 0, fp8 1, fp8_block 2,
                                                   nvfp4 4)
-    moe_gemm            (tokens per active expert, n, k, active experts)
+    moe_gemm            (token-slots per touched expert, hidden, inter per rank, touched experts, MoE format code)
     attn_prefill        (num_seqs, mean new tokens, mean context, q heads, kv heads, head_dim,
                          kv bytes per element, sliding window or 0)
     attn_decode         (num_seqs, mean context, q heads, kv heads, head_dim,
@@ -29,8 +31,7 @@ from __future__ import annotations
 
 import math
 
-from kernelsight.simcore.expert_formats import expert_gemm_format
-from kernelsight.simcore.fp4_dispatch import NVFP4_BYTES_PER_ELEMENT
+from kernelsight.simcore.expert_formats import moe_expert_format
 from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: callers use kernels.X)
     _FP32_BYTES,
     _GEMM_K_BLOCK,
@@ -50,6 +51,8 @@ from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: call
     HOST,
     KV_WRITE,
     LAUNCH,
+    MOE_FORMAT_CODES,
+    MOE_FORMATS,
     MOE_GEMM,
     NORM,
     ROPE,
@@ -62,6 +65,7 @@ from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: call
     attention_prefill_kernel,
     elementwise_kernel,
     expected_active_experts,
+    fused_moe_kernel,
     gemm_input_bytes,
     gemm_kernel,
     gemm_tiles,
@@ -69,6 +73,7 @@ from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: call
 )
 from kernelsight.simcore.mla import mla_decode_kernels, mla_prefill_kernels, mla_row_kernels
 from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING
 from kernelsight.simcore.precision import Precision
 
 
@@ -105,39 +110,21 @@ def mlp_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layer
 
 
 def moe_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_layers: int, ep_size: int = 1,
-                load_imbalance: float = 1.0) -> list[Kernel]:
-    """Router + grouped expert GEMMs: weight traffic scales with the experts actually hit.
+                load_imbalance: float | None = None, routing: str = DEFAULT_EXPERT_ROUTING) -> list[Kernel]:
+    """Router GEMM, the FusedMoE layer (``kernel_shapes.fused_moe_kernel``: both grouped expert GEMMs and their
+    activation, weight traffic of the experts actually touched), shared experts.
 
     Expert parallelism over ``ep_size`` ranks: ``m`` is then the whole group's token count (every rank's rows
-    gathered for dispatch), each rank holds ``num_experts / ep_size`` experts and the priced rank, the busiest,
-    receives ``load_imbalance`` times the mean share of the routed tokens; the router and shared experts run on
-    the rank's own ``m / ep_size`` rows. ``ep_size=1`` is the plain (TP-sharded) layer."""
-    a = precision.act_bytes
-    g, w = expert_gemm_format(model, precision)
-    # W4A4 experts read their routed activations as FP4 (+ scales); everything else as the activations' dtype
-    a_in = NVFP4_BYTES_PER_ELEMENT if g == "fp4" else a
+    gathered for dispatch), each rank holds ``num_experts / ep_size`` experts and the priced rank is the busiest
+    under the ``routing`` distribution (``moe_routing.routing_load``), or receives ``load_imbalance`` times the
+    mean share of the routed tokens when that override is given; the router and shared experts run on the rank's
+    own ``m / ep_size`` rows. ``ep_size=1`` is the plain (TP-sharded) layer."""
     h = model.hidden_size
-    e, k = model.num_experts, model.experts_per_token
-    inter = model.moe_intermediate_size // tp
-    routed = m * k
-    active = expected_active_experts(e, k, m)
-    own_m = m
-    if ep_size > 1:
-        own_m = max(m // ep_size, 1)
-        routed = routed / ep_size * load_imbalance
-        active = min(e / ep_size, active / ep_size * load_imbalance)
-    per_expert = routed / max(active, 1.0)
-    tile_m = _GEMM_TILE_SMALL_M if per_expert <= _GEMM_TILE_SMALL_M else _GEMM_TILE
-    m_tiles = math.ceil(per_expert / tile_m) * max(active, 1.0)
-    out = [gemm_kernel("moe_router", own_m, e, h, "bf16", 2.0, a, n_layers)]
-    for name, n_out, k_in in (("moe_gate_up", 2 * inter, h), ("moe_down", h, inter)):
-        flops = 2.0 * routed * n_out * k_in
-        bytes_moved = (active * k_in * n_out * w + routed * (k_in + n_out) * a if a_in == a
-                       else active * k_in * n_out * w + routed * (k_in * a_in + n_out * a))
-        tiles = int(m_tiles * math.ceil(n_out / _GEMM_TILE) * math.ceil(k_in / _GEMM_K_BLOCK))
-        out.append(Kernel(name, MOE_GEMM, flops, bytes_moved, max(tiles, 1), g,
-                          (per_expert, float(n_out), float(k_in), active), n_layers))
-    out.append(elementwise_kernel("moe_silu_and_mul", ACTIVATION, 3.0 * routed * inter * a, g, n_layers))
+    own_m = max(m // ep_size, 1) if ep_size > 1 else m
+    out = [gemm_kernel("moe_router", own_m, model.num_experts, h, "bf16", 2.0, precision.act_bytes, n_layers)]
+    out.append(fused_moe_kernel(m, h, model.moe_intermediate_size // tp, model.experts_per_token, model.num_experts,
+                                moe_expert_format(model, precision), ep_size, routing, precision.act_bytes,
+                                n_layers, load_imbalance if ep_size > 1 else None))
     if model.shared_expert_intermediate_size:
         s = model.shared_expert_intermediate_size // tp
         out += [linear_kernel("shared_expert_gate_up", own_m, 2 * s, h, precision, n_layers),
@@ -150,7 +137,8 @@ def token_kernels(model: ModelSpec, m: int, sampling_rows: int, tp: int, precisi
     return row_kernels(model, m, tp, precision) + sampling_kernels(model, sampling_rows, tp, precision)
 
 
-def row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision) -> list[Kernel]:
+def row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
+                routing: str = DEFAULT_EXPERT_ROUTING) -> list[Kernel]:
     """Kernels over every (padded) token row: embedding, the layers' non-attention work, final norm."""
     a = precision.act_bytes
     h = model.hidden_size
@@ -164,7 +152,7 @@ def row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision) -> list
     if n_dense_mlp:
         out += mlp_kernels(model, m, tp, precision, n_dense_mlp)
     if n_moe:
-        out += moe_kernels(model, m, tp, precision, n_moe)
+        out += moe_kernels(model, m, tp, precision, n_moe, routing=routing)
     out.append(elementwise_kernel("final_norm", NORM, 3.0 * m * h * a, "bf16"))
     return out
 

@@ -23,6 +23,7 @@ from kernelsight.simcore.gemm_dispatch import BLOCK_KERNELS, block_time_ratio
 from kernelsight.simcore.hardware import HardwareSpec
 from kernelsight.simcore.kernels import FAMILIES, FAMILY_INDEX, BatchShape, Kernel, PrefillChunk
 from kernelsight.simcore.model_spec import ModelSpec
+from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING
 from kernelsight.simcore.precision import Precision
 from kernelsight.simcore.roofline import kernel_roofline_s
 
@@ -84,6 +85,7 @@ class StepConfig:
     async_scheduling: bool = True     # vLLM 0.33's default: host work overlaps the GPU
     max_model_len: int = 0            # 0: the model's max_position_embeddings (vLLM's default)
     custom_all_reduce: bool = True    # not vLLM's --disable-custom-all-reduce
+    expert_routing: str = DEFAULT_EXPERT_ROUTING   # how tokens pick experts (MoE: the experts a batch touches)
 
 
 _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
@@ -130,7 +132,9 @@ def eta_lookup_features(family: str, features: tuple[float, ...]) -> tuple[float
     """Features at which η is looked up: token counts above 64 rounded up to a multiple of 16 (one less when
     not a multiple: both keep every 64/128-row tile count and the 16-alignment unchanged), mean lengths
     snapped to a 1/64-octave grid."""
-    if family in (K.GEMM, K.MOE_GEMM):
+    if family == K.MOE_GEMM:   # slots per touched expert and all slots: smooth in log-space
+        return (_snap_log(features[0]),) + features[1:5] + tuple(_snap_log(x) for x in features[5:])
+    if family == K.GEMM:
         m = features[0]
         if m > 64:
             # up to the next multiple of 16 (minus one when m is not one, so that η's alignment term stays)
@@ -239,6 +243,10 @@ class StepModel:
         t = max(roof / eta + overhead_s, (k.bytes_moved - self._l2_bytes) / self._dram_bytes_per_s)
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
+        if k.family == K.MOE_GEMM:
+            # a serving step's MoE layers each read other experts' weights, cold in L2: never below the DRAM
+            # roofline (the MoE tables repeat one layer, L2-warm, and η > 1 fits their fastest rows)
+            t = max(t, roof)
         if k.impl and k.dtype == "fp8":
             t = max(self._fp8_linear_s(k, t), roof)
         elif k.impl and k.dtype == "fp4":
@@ -336,7 +344,7 @@ class StepModel:
         rows = self._row_cache.get(m_padded)
         if rows is None:
             arr = np.zeros(self._n_families)
-            for k in K.row_kernels(self.model, m_padded, self.config.tp, self.precision):
+            for k in K.row_kernels(self.model, m_padded, self.config.tp, self.precision, self.config.expert_routing):
                 arr[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
             tp = self.config.tp
             if tp > 1:

@@ -284,7 +284,7 @@ def fit_family(
         eta_max = max(eta_max, emax)
         report.update(rep)
     # Features without the categorical entry (older tuples) mean bf16 weights / bf16 KV.
-    preferred = "0" if family == "gemm" else "2"
+    preferred = "0" if family in ("gemm", "moe_gemm") else "2"
     default = preferred if preferred in counts else max(counts, key=counts.__getitem__)
     if isinstance(prior_model, SwitchEta):
         # A variant with no rows (a GEMM format or KV dtype the sweep did not time) takes the prior's model, built
@@ -351,9 +351,8 @@ def fit_calibration(
         report.entries.update(rep)
         if fam == "gemm":
             bf16 = model.models.get("0") if isinstance(model, SwitchEta) else None
-            if bf16 is not None:  # lm_head / MoE expert GEMMs: the bf16 GEMM model on (m, n, k)
+            if bf16 is not None:  # lm_head: the bf16 GEMM model on (m, n, k)
                 calib.eta["lm_head"] = bf16
-                calib.eta["moe_gemm"] = bf16
     calib.overhead_s.update(family_overheads(calib))
     calib.eta_max = max(eta_max, 1.0) if eta_max else calib.eta_max
     # The floor is a sanity cap on time, not a fit: let it sit below the slowest η the fitted form can express
@@ -375,8 +374,9 @@ def fit_calibration(
 def _fill_from_prior(calib: Calibration, prior: Calibration, fitted: Mapping[str, FamilyFit],
                      comm: Mapping[str, CommModel]) -> None:
     """What the measurements leave out, from the prior: unmeasured kernel families (lm_head and MoE GEMMs follow
-    the GEMM family) with their fixed latency, the decode floor without decode rows, unmeasured backends."""
-    stands_for = {"lm_head": "gemm", "moe_gemm": "gemm"}
+    the GEMM family; MoE layers without MoE rows take the prior's) with their fixed latency, the decode floor
+    without decode rows, unmeasured backends."""
+    stands_for = {"lm_head": "gemm"}
     for fam, model in prior.eta.items():
         if fam == "default" or stands_for.get(fam, fam) in fitted:
             continue

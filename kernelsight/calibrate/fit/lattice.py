@@ -155,7 +155,8 @@ def fit_residual_grid(
 #: a decode kernel spreads over the SMs, so shapes with the same pair count share a coordinate and a lattice
 #: along it pools them. Seeds 0 / 1, decode: A100 6.57 / 6.73 → 6.18 / 6.41 %, L40S 7.65 / 7.70 → 7.28 / 7.46 %,
 #: H100 3.18 / 3.29 → 3.17 / 3.23 %. (The prefill analogue, seqs × q heads, won on two GPUs and lost on the A100.)
-GRID_DIMS = {"gemm": (0, 1, 2, 3), "attn_prefill": (0, 1, 2, 3, 4, 5), "attn_decode": (7, 1, 6, 3, 4, 5)}
+GRID_DIMS = {"gemm": (0, 1, 2, 3), "moe_gemm": (0, 2, 3, 4), "attn_prefill": (0, 1, 2, 3, 4, 5),
+             "attn_decode": (7, 1, 6, 3, 4, 5)}
 #: Families fitted on another family's lattice layout (a ViT's attention has the prefill kernel's features).
 GRID_LAYOUT_OF = {"attn_encoder": "attn_prefill"}
 #: Largest |log(measured / smooth)| a lattice is fitted to (outliers beyond it are clipped).
@@ -168,11 +169,12 @@ GRID_FIT_CLIP = 2.0
 _OCT2 = -math.log(2.0) / 2.0
 GRID_MIN_GAPS = {
     "gemm": (_OCT2, _OCT2, _OCT2, 0.0),
+    "moe_gemm": (_OCT2, 0.0, _OCT2, _OCT2),
     "attn_prefill": (0.0, 0.0, 0.6, 0.6, 0.0, 0.0),
     "attn_decode": (0.0, 0.0, 0.6, 0.0, 0.0, 0.0),
 }
 #: Second-difference penalty weight per family (same selection as the gaps).
-GRID_SMOOTH = {"gemm": 0.3, "attn_prefill": 0.1, "attn_decode": 0.1}
+GRID_SMOOTH = {"gemm": 0.3, "moe_gemm": 0.3, "attn_prefill": 0.1, "attn_decode": 0.1}
 #: Coarse sub-lattices fitted before the full one (attention: (seqs, tokens, window) and (heads, head_dim,
 #: window)): they pool the broad trends over many rows, so the sparse 6-D lattice only adds interactions.
 GRID_STAGES: dict[str, tuple[tuple[int, ...], ...]] = {

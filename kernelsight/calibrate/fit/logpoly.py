@@ -44,6 +44,9 @@ def device_constants(family: str, variant: str, hw: HardwareSpec) -> dict[str, f
             weight_bytes=operand_bytes,
             out_bytes=2.0,
         )
+    elif family == "moe_gemm":
+        compute, w, a_in = K.MOE_FORMATS.get(int(float(variant)), K.MOE_FORMATS[0])
+        dev.update(balance=hw.peak_flops_per_s(compute) / hw.usable_mem_bytes_per_s, in_bytes=a_in, weight_bytes=w)
     else:
         dev["balance"] = hw.peak_flops_per_s("bf16") / hw.usable_mem_bytes_per_s
     return dev
@@ -51,7 +54,7 @@ def device_constants(family: str, variant: str, hw: HardwareSpec) -> dict[str, f
 
 def basis_name(family: str) -> str:
     # a ViT's attention has the prefill kernel's feature layout (kernel_shapes.attention_encoder_kernel)
-    return {"gemm": "gemm", "lm_head": "gemm", "moe_gemm": "gemm", "attn_encoder": "attn_prefill"}.get(family, family)
+    return {"gemm": "gemm", "lm_head": "gemm", "moe_gemm": "moe", "attn_encoder": "attn_prefill"}.get(family, family)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -106,6 +106,11 @@ OVERHEAD_CLOCK_EXPONENT = 0.5
 DECODE_FLOOR_CLOCK_EXPONENT = 0.5
 TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm",
                                          "attn_encoder")
+#: GPUs whose MoE model is not transferred: the shared A100 MoE tables time only the tokens that picked the rank's
+#: experts (``calibrate.rows.RANK_TOKENS``), so their fit never sees the layer-wide traffic of every token that a
+#: vLLM rank carries under EP; leave-one-GPU-out on H100 bf16 MoE rows: 31 % from the A100 alone before that was
+#: modelled, 155 % after (its η extrapolated), 23 / 21 % from the L40S / RTX PRO 6000 alone.
+MOE_TRANSFER_EXCLUDED: tuple[str, ...] = ("a100-sxm",)
 #: The bundled target-measured calibrations whose tables hold NVFP4 GEMM rows: the sources of rule 9.
 FP4_TRANSFER_SOURCES: tuple[str, ...] = ("rtx-pro-6000",)
 #: The gemm switch key of the NVFP4 (W4A4) format.
@@ -156,7 +161,11 @@ def retarget(
     """
     if isinstance(model, LogPolyEta):
         fam = "gemm" if model.basis == "gemm" else family
-        dev = device_constants(fam, variant if fam == "gemm" else "2", target)
+        if fam in ("gemm", "moe_gemm"):   # the format's balance and bytes (MoE: the format code, bf16 if none)
+            key = variant if variant is not None else "0"
+        else:
+            key = "2"
+        dev = device_constants(fam, key, target)
         ovh = model.overhead_s
         if "l2_spill_center" in model.device:  # decode's L2 step, fitted in units of the source's L2: carries over
             dev["l2_spill_center"] = model.device["l2_spill_center"]
@@ -191,7 +200,10 @@ def transfer_family(
     weights: Sequence[float],
     target: HardwareSpec,
 ) -> EtaModel | None:
-    picked = [(c.eta[family], w, h) for (c, h), w in zip(sources, weights, strict=True) if family in c.eta]
+    picked = [(c.eta[family], w, h) for (c, h), w in zip(sources, weights, strict=True) if family in c.eta
+              and not (family == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)]
+    if family == "moe_gemm":
+        picked = moe_sources(picked, target)
     if not picked:
         return None
     total = sum(w for _, w, _ in picked)
@@ -220,6 +232,20 @@ def transfer_family(
     variant = "0" if family in ("lm_head", "moe_gemm") else None
     members = tuple(retarget(m, family, variant, target, h) for m, _, h in picked)
     return EnsembleEta(members, tuple(w / total for _, w, _ in picked))
+
+
+def _arch(hw: HardwareSpec) -> str:
+    return f"{hw.vendor}:{hw.compute_capability.split('.')[0]}"
+
+
+def moe_sources(picked: list, target: HardwareSpec) -> list:
+    """The MoE sources a target takes its η from: those of its own architecture (vendor and compute-capability
+    major) when any was measured, else all. vLLM picks a FusedMoE kernel per architecture (the shared tables: bf16
+    Triton on Hopper and Ada, FlashInfer CUTLASS on 12.x; fp8 per-tensor FlashInfer CUTLASS on Hopper at 0.12-0.19 of
+    its roofline, Triton on Ada at ~0.8), so another architecture's η says little about the kernel the target
+    runs."""
+    same = [p for p in picked if _arch(p[2]) == _arch(target)]
+    return same or picked
 
 
 def _format_peak(hw: HardwareSpec, key: str) -> float:
@@ -343,11 +369,11 @@ def cross_generation_calibration(
         if model is not None:
             calib.eta[fam] = model
     for fam in TRANSFERRED_FAMILIES:
-        vals = [
-            (c.overhead_s[fam] * overhead_scale(h, target), w)
-            for (c, h), w in zip(sources, weights, strict=True)
-            if fam in c.overhead_s
-        ]
+        eligible = [(c, w, h) for (c, h), w in zip(sources, weights, strict=True) if fam in c.overhead_s
+                    and not (fam == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)]
+        if fam == "moe_gemm":   # the same sources as its η
+            eligible = moe_sources(eligible, target)
+        vals = [(c.overhead_s[fam] * overhead_scale(h, target), w) for c, w, h in eligible]
         if vals:
             calib.overhead_s[fam] = math.exp(sum(w * math.log(v) for v, w in vals) / sum(w for _, w in vals))
     calib.eta_max = max(c.eta_max for c, _ in sources)
