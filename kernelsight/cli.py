@@ -251,7 +251,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
     from kernelsight.calibrate.evaluate import CROSS_GENERATION_SOURCES
-    from kernelsight.calibrate.fit.transfer import FP4_TRANSFER_SOURCES, borrowed_kernels
+    from kernelsight.calibrate.fit.transfer import FP4_TRANSFER_SOURCES, borrowed_kernels, moe_source_names
     from kernelsight.server.bundled_tokenizer import family_for
     from kernelsight.simcore.attention_dispatch import kernel_lineage
     from kernelsight.simcore.precision import resolve_precision
@@ -269,11 +269,13 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
               f"aliases: {', '.join(hw.aliases)}  calibration: {tier}")
         if any(t == "cross-generation" for t, _ in stacks):
             # what it borrows: no GPU of the same kernels measured, every source weighted by spec similarity
-            borrowed = borrowed_kernels(hw, [profiles.load_hardware(g) for g in CROSS_GENERATION_SOURCES])
+            source_hws = [profiles.load_hardware(g) for g in CROSS_GENERATION_SOURCES]
+            borrowed = borrowed_kernels(hw, source_hws)
             fp4 = [g for g in FP4_TRANSFER_SOURCES if g != name] if hw.fp4_flops_per_s else []
+            moe = moe_source_names(hw, source_hws)
             print(f"  {'':<14} runs {kernel_lineage(hw)}; borrows from "
                   + ", ".join(f"{g} {w:.2f} ({lineage})" for g, w, lineage in borrowed)
-                  + (f"; NVFP4 GEMMs from {', '.join(fp4)}" if fp4 else ""))
+                  + f"; MoE from {', '.join(moe)}" + (f"; NVFP4 GEMMs from {', '.join(fp4)}" if fp4 else ""))
     print("models:")
     for mid in profiles.list_models():
         try:

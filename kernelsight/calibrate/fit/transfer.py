@@ -248,6 +248,13 @@ def moe_sources(picked: list, target: HardwareSpec) -> list:
     return same or picked
 
 
+def moe_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec]) -> list[str]:
+    """The GPUs (of ``sources``) a cross-generation calibration of ``target`` takes its MoE η from (as
+    :func:`transfer_family` picks them: not the excluded, then :func:`moe_sources`)."""
+    picked = [(None, 1.0, h) for h in sources if h.name != target.name and h.name not in MOE_TRANSFER_EXCLUDED]
+    return [h.name for _, _, h in moe_sources(picked, target)]
+
+
 def _format_peak(hw: HardwareSpec, key: str) -> float:
     """Peak FLOP/s of the GEMM format behind a switch key (GEMM_FORMAT_CODES) on ``hw``."""
     code = int(float(key))
