@@ -319,6 +319,11 @@ class GenerateCall:
     # -- the answer ---------------------------------------------------------------------------
     async def _serve(self, sub: Submission, bridge: EngineBridge, views: list[_SeqView], sp: Sampling,
                      ids: list[int]) -> AsyncIterator[pb.GenerateResponse]:
+        if (self.request.stream and len(views) == 1 and self.fault is None and not sp.stops
+                and not sp.stop_token_ids and sp.logprobs is None and sp.prompt_logprobs is None):
+            async for msg in self._serve_lean(sub, bridge, ids):
+                yield msg
+            return
         stream = self.request.stream
         first_sent: set[int] = set()
         held: list[pb.GenerateResponse] = []
@@ -366,6 +371,51 @@ class GenerateCall:
                 bridge.release(sub)
             else:
                 bridge.abort(sub)       # the client went away (or the stream was cut): blocks freed now
+
+    async def _serve_lean(self, sub: Submission, bridge: EngineBridge, ids: list[int]
+                          ) -> AsyncIterator[pb.GenerateResponse]:
+        """The common stream (one choice; no stop strings, stop ids, logprobs or fault): the released ids as they
+        are, with no text kept (the general path decodes each token for stop strings). Same messages."""
+        seq = sub.seqs[0]
+        toks = seq.tokens
+        n_prompt = len(ids)
+        consumed = 0
+        finished = False
+        try:
+            while True:
+                await sub.event.wait()
+                sub.event.clear()
+                released, done = seq.released, seq.finished
+                if released > consumed or done:
+                    new_ids = toks[consumed:released]
+                    consumed = released
+                    r = seq.req
+                    cached = max(r.num_cached_tokens, 0) if r is not None else 0
+                    msg = pb.GenerateResponse()
+                    chunk = msg.chunk
+                    chunk.token_ids.extend(new_ids)
+                    chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens = n_prompt, len(new_ids), cached
+                    yield msg
+                    if done:
+                        end = pb.GenerateResponse()
+                        c = end.complete
+                        c.output_ids.extend(new_ids)
+                        c.finish_reason = seq.finish_reason or "stop"
+                        c.prompt_tokens, c.completion_tokens, c.cached_tokens = n_prompt, len(new_ids), cached
+                        if self.kv_role.hold_kv and bridge.kv_agent is not None:
+                            host, port = self.notify_address or ("127.0.0.1", 0)
+                            params = bridge.kv_agent.response_params(seq.seq_id, host, port)
+                            if params is not None:
+                                c.kv_transfer_params_json = json.dumps(params, separators=(",", ":"))
+                        yield end
+                        break
+            finished = True
+        finally:
+            self.inflight.remove(self.rid, sub)
+            if finished:
+                bridge.release(sub)
+            else:
+                bridge.abort(sub)
 
     def _stop_token(self, bridge: EngineBridge, v: _SeqView, before: int, sp: Sampling) -> int | None:
         """A generated id in ``stop_token_ids`` ends the choice after it (vLLM: stop_reason = the id)."""
