@@ -373,3 +373,62 @@ def test_serve_parses_vllms_grpc_flags():
 def test_grpc_with_replica_processes_is_one_line(capsys):
     err = cli_one_line_error(capsys, ["serve", "--grpc", "--replicas", "2", "--replica-processes", "2"])
     assert "--replica-processes" in err
+
+
+def test_admission_limit_and_sleep_are_unavailable(srv, stub):
+    import dataclasses
+
+    opts = srv.state.opts
+    srv.state.opts = dataclasses.replace(opts, max_num_queued_reqs=0)     # --max-num-queued-reqs 0: all refused
+    try:
+        code, details = _code(stub, _gen(rid="refused"))
+    finally:
+        srv.state.opts = opts
+    assert code == grpc.StatusCode.UNAVAILABLE and "currently busy" in details
+    srv.call(srv.state.sleep.sleep, 1)                                    # sleep mode: refused the same way
+    try:
+        code, details = _code(stub, _gen(rid="asleep"))
+        assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT_S).is_paused
+    finally:
+        srv.call(srv.state.sleep.wake_up, None)
+    assert code == grpc.StatusCode.UNAVAILABLE and "sleeping" in details
+    _wait_idle(srv)
+
+
+# -- P/D over gRPC, and the admission limit ---------------------------------------------------------------
+@pytest.mark.slow        # two more servers (~3 s)
+def test_prefill_decode_over_grpc_and_the_admission_limit():
+    """A gateway's P/D legs over gRPC: the prefill instance keeps the blocks and answers NIXL's params in its
+    ``complete``; the decode instance pulls them (its announcement, to the prefill's HTTP app, frees them). The
+    decode instance's --max-num-queued-reqs 1 refuses a second request with UNAVAILABLE, as vLLM's 503."""
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    common = [*ARGS, "--lateness-warn-ms", "0"]
+    p_cfg = json.dumps({**nixl, "engine_id": "prefill-0"})
+    with GrpcServerThread([*common, "--kv-transfer-config", p_cfg]) as p, \
+            GrpcServerThread([*common, "--kv-transfer-config", json.dumps(nixl), "--max-num-queued-reqs", "1"]) as d, \
+            grpc.insecure_channel(p.grpc_target) as pch, grpc.insecure_channel(d.grpc_target) as dch:
+        pstub, dstub = pb_grpc.VllmEngineStub(pch), pb_grpc.VllmEngineStub(dch)
+        info = pstub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT_S)
+        assert (info.kv_connector, info.kv_role, info.kv_engine_id) == ("NixlConnector", "kv_both", "prefill-0")
+        leg = pb.GenerateRequest(request_id="p1", tokenized=pb.TokenizedInput(input_ids=PROMPT), stream=False,
+                                 sampling_params=pb.SamplingParams(max_tokens=1, ignore_eos=True),
+                                 kv_transfer_params_json=json.dumps({"do_remote_decode": True}))
+        (m,) = list(pstub.Generate(leg, timeout=TIMEOUT_S))
+        params = json.loads(m.complete.kv_transfer_params_json)
+        assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "prefill-0"
+        assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", p.port)     # its HTTP app
+        assert len(params["remote_block_ids"][0]) == len(PROMPT) // 16
+        assert p.call(lambda: p.bridge.engine.num_held) == 1
+        dec = pb.GenerateRequest(request_id="d1", tokenized=pb.TokenizedInput(input_ids=PROMPT), stream=True,
+                                 sampling_params=pb.SamplingParams(max_tokens=8, ignore_eos=True),
+                                 kv_transfer_params_json=json.dumps(params))
+        first = dstub.Generate(dec, timeout=TIMEOUT_S)
+        assert next(first).HasField("chunk")
+        # one request in flight on the decode instance: the next is refused (vLLM's QueueOverflowError)
+        code, details = _code(dstub, _gen(rid="over", max_tokens=4))
+        assert code == grpc.StatusCode.UNAVAILABLE and "currently busy" in details
+        assert list(first)[-1].complete.finish_reason == "length"
+        t_end = time.monotonic() + 10                  # the pull's announcement reaches the prefill side
+        while p.call(lambda: p.bridge.engine.num_held) and time.monotonic() < t_end:
+            time.sleep(0.01)
+        assert p.call(lambda: p.bridge.engine.num_held) == 0
