@@ -63,6 +63,8 @@ def cmd_serve_grpc(ns: argparse.Namespace) -> int:
         raise ValueError("--grpc serves its --replicas in one process: leave out --replica-processes")
     host = ns.host or "0.0.0.0"
     http_port = http_port_of(ns)
+    for sock in bind_listeners(host, ns.port, ns.replicas):    # a taken gRPC port is one line before any build
+        sock.close()
     socks = bind_listeners(host, http_port, ns.replicas) if http_port else []
     try:
         apps, config = build_server_apps(ns)
