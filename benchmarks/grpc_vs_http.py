@@ -52,6 +52,17 @@ def running(base_url: str) -> float:
                                                       text, re.MULTILINE))
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the machine record beside the numbers."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def prompt(rng: random.Random) -> list[int]:
     return [rng.randrange(1000, 120000) for _ in range(PROMPT_LEN)]
 
@@ -169,12 +180,13 @@ def main() -> int:
         ps = [p for p in phases if p["front_end"] == ("http" if kind.startswith("HTTP") else "grpc")]
         print(f"| {kind} | {sum(p['tokens_per_s'] for p in ps) / len(ps):.0f} | {us:.1f} | "
               f"{sum(p['steal_s'] for p in ps):.2f} |")
-    print(f"\ngRPC / HTTP server CPU per token at {args.streams} streams: {ratio:.3f}")
+    print(f"\ngRPC / HTTP server CPU per token at {args.streams} streams: {ratio:.3f} "
+          f"({cpu_model()}, {os.cpu_count()} CPUs; steal {sum(p['steal_s'] for p in phases):.2f} s in all)")
     path = write_result("grpc_vs_http", {
         "streams": args.streams, "output_len": args.output_len, "prompt_len": PROMPT_LEN, "seconds": args.seconds,
         "warmup_s": args.warmup_s, "phases": phases, "http_cpu_us_per_token": round(http_us, 2),
         "grpc_cpu_us_per_token": round(grpc_us, 2), "grpc_over_http_cpu_per_token": round(ratio, 3),
-        "steal_s_total": round(sum(p["steal_s"] for p in phases), 2)})
+        "steal_s_total": round(sum(p["steal_s"] for p in phases), 2), "cpu_model": cpu_model()})
     print(f"wrote {path}")
     return 0
 
