@@ -240,6 +240,23 @@ def _injected(srv, fault: str) -> float:
     return float(m.group(1))
 
 
+def test_timeout_fault_never_answers_and_holds_nothing(srv, stub):
+    from kernelsight.server.admissions import admissions_pending
+
+    before = _injected(srv, "timeout")
+    call = stub.Generate(_gen(rid="hung"), metadata=(("x-kernelsight-fault", "timeout"),), timeout=TIMEOUT_S)
+    t_end = time.monotonic() + 10
+    while _injected(srv, "timeout") == before and time.monotonic() < t_end:     # until the server holds it
+        time.sleep(0.01)
+    assert _injected(srv, "timeout") == before + 1
+    assert srv.call(admissions_pending) == 0          # held outside the engine: the engine loops do not wait for it
+    call.cancel()                                     # the client gives up, as its own timeout would
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    _wait_idle(srv)
+
+
 def test_stream_abort_fault_cuts_the_stream_and_frees_the_blocks(srv, stub):
     got = []
     with pytest.raises(grpc.RpcError) as info:

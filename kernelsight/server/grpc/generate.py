@@ -182,17 +182,17 @@ class GenerateCall:
         self.kv_role: TransferRole = NO_TRANSFER
         self.fault: str | None = None
         self.fault_at = 1
+        self._scope: dict[str, Any] = {}      # the admission token (``admissions``), as an HTTP request's scope
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
         arrival_wall_s = time.perf_counter()       # the bridge stamps the arrival from this (the HTTP read clock)
         self.inflight.last_receive_unix_s = time.time()
-        scope: dict[str, Any] = {}
-        admission_started(scope)       # the engine loops wait for it before a step, as for an HTTP request
+        admission_started(self._scope)     # the engine loops wait for it before a step, as for an HTTP request
         try:
             await turn_gate().wait(first=True)
             sub, bridge, views, sp, ids = await self._admit(arrival_wall_s)
         finally:
-            admission_done(scope)
+            admission_done(self._scope)
         async for msg in self._serve(sub, bridge, views, sp, ids):
             yield msg
 
@@ -304,6 +304,7 @@ class GenerateCall:
 
     async def _fail_before_engine(self, fault: str) -> None:
         if fault == "timeout":
+            admission_done(self._scope)       # held outside the engine: the engine loops stop waiting for it
             # a hung replica never answers: held until the client gives up (cancelling this task), at most
             # timeout_s, then the stream ends as a dropped connection does for a gRPC client
             with contextlib.suppress(asyncio.TimeoutError):
