@@ -139,6 +139,7 @@ def test_health_model_info_server_info_and_loads(srv, stub):
     assert (info.max_context_length, info.vocab_size, info.served_model_name) == (MAX_MODEL_LEN, m.vocab_size, "m")
     assert info.is_generation and list(info.architectures) == [m.architecture]
     assert list(info.eos_token_ids) == list(m.eos_token_ids)
+    assert info.tokenizer_path == info.model_path == m.name          # the bundled tokenizer: the model's id
     si = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT_S)
     assert si.server_type == "vllm-grpc" and si.block_size == srv.config.scheduler.block_size
     assert si.data_parallel_size == 1 and si.model_dtype.startswith("torch.")

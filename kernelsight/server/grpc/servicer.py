@@ -161,7 +161,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         return pb.GetModelInfoResponse(
             model_path=state.opts.model_root, is_generation=not state.opts.pooling,
             max_context_length=state.max_model_len, vocab_size=m.vocab_size, supports_vision=False,
-            served_model_name=state.model_name, tokenizer_path=state.tok.source.where, model_type=m.model_type,
+            served_model_name=state.model_name, tokenizer_path=_tokenizer_path(state), model_type=m.model_type,
             architectures=[m.architecture], eos_token_ids=list(m.eos_token_ids), pad_token_id=pad or 0,
             bos_token_id=m.bos_token_id or 0, max_req_input_len=state.max_model_len)
 
@@ -272,6 +272,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         await context.send_initial_metadata(())     # the subscription is live from here: the client may proceed
         async for batch in KvEventStream(pubs[0]).batches():
             yield batch
+
+
+def _tokenizer_path(state: ServerState) -> str:
+    """vLLM's ``model_config.tokenizer``: a local tokenizer's directory, else the model's id (a bundled
+    tokenizer is the model's own; GetTokenizer serves its files either way)."""
+    src = state.tok.source
+    return src.where if src.kind == "hf" else state.opts.model_root
 
 
 def _status(f: RpcFailure) -> tuple[grpc.StatusCode, str]:
