@@ -450,3 +450,23 @@ def test_prefill_decode_over_grpc_and_the_admission_limit():
         while p.call(lambda: p.bridge.engine.num_held) and time.monotonic() < t_end:
             time.sleep(0.01)
         assert p.call(lambda: p.bridge.engine.num_held) == 0
+
+
+@pytest.mark.slow        # one more server (~2 s)
+def test_embed_on_an_embedding_model_is_the_http_vector():
+    with GrpcServerThread([*ARGS, "--convert", "embed", "--record-timings"]) as s, \
+            grpc.insecure_channel(s.grpc_target) as ch:
+        stub = pb_grpc.VllmEngineStub(ch)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT_S)
+        assert not info.is_generation
+        r = stub.Embed(pb.EmbedRequest(request_id="e1", tokenized=pb.TokenizedInput(input_ids=PROMPT)),
+                       timeout=TIMEOUT_S)
+        assert r.prompt_tokens == 64 and r.embedding_dim == s.config.model.hidden_size == len(r.embedding)
+        assert s.bridge.timings["e1"]["token_times_s"]                    # after its simulated prefill
+        http = httpx.post(f"{s.base_url}/v1/embeddings", json={"model": "m", "input": PROMPT}, timeout=TIMEOUT_S)
+        assert http.status_code == 200, http.text
+        assert list(r.embedding) == pytest.approx(http.json()["data"][0]["embedding"], abs=1e-6)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Embed(pb.EmbedRequest(request_id="e2"), timeout=TIMEOUT_S)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "EmbedRequest requires tokenized input"
