@@ -206,6 +206,10 @@ def test_bad_prompts_are_invalid_argument_and_the_server_goes_on(srv, stub):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot be empty" in details
     code, details = _code(stub, pb.GenerateRequest(request_id="none"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+    mm = _gen()
+    mm.media_refs.items.add(url="https://example.com/cat.png")
+    code, details = _code(stub, mm)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a multimodal model" in details
     code, details = _code(stub, pb.GenerateRequest(request_id="kv", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                                    kv_transfer_params_json="{not json"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "kv_transfer_params_json" in details

@@ -199,6 +199,9 @@ class GenerateCall:
     # -- checks and submission ----------------------------------------------------------------
     async def _prompt(self, sp: Sampling) -> list[int]:
         state, req = self.state, self.request
+        if req.HasField("mm_inputs") or req.extra_mm_inputs or req.HasField("media_refs"):
+            raise bad_request(f"{state.config.model.architecture} is not a multimodal model: it takes no "
+                              f"multimodal inputs (mm_inputs, media_refs)")
         kind = req.WhichOneof("input")
         if kind == "tokenized":
             ids = list(req.tokenized.input_ids)
