@@ -31,6 +31,7 @@ MAX_MODEL_LEN = 2048
 ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--time-scale", "20", "--seed", "0", "--served-model-name", "m"]
 PROMPT = list(range(1000, 1064))          # 64 prompt ids
 TIMEOUT_S = 30
+LONG = MAX_MODEL_LEN - 2 * len(PROMPT)     # ~0.5 s of decoding at --time-scale 20: in flight while a test acts
 
 
 @pytest.fixture(scope="module")
@@ -144,14 +145,16 @@ def test_health_model_info_server_info_and_loads(srv, stub):
     assert si.server_type == "vllm-grpc" and si.block_size == srv.config.scheduler.block_size
     assert si.data_parallel_size == 1 and si.model_dtype.startswith("torch.")
     # loads while a request runs: the engine's own counts
-    it = stub.Generate(_gen(rid="loaded", max_tokens=64, ignore_eos=True), timeout=TIMEOUT_S)
+    it = stub.Generate(_gen(rid="loaded", max_tokens=LONG, ignore_eos=True), timeout=TIMEOUT_S)
     next(it)                                                   # its first token is out: it is running
     loads = stub.GetLoads(pb.GetLoadsRequest(), timeout=TIMEOUT_S)
     assert loads.dp_rank_count == 1 and loads.version
     (load,) = loads.loads
     assert load.num_running_reqs == 1 and load.num_total_reqs == 1 and 0 < load.token_usage < 1
     assert load.max_running_requests == srv.config.scheduler.max_num_seqs
-    assert list(it)[-1].complete.finish_reason == "length"
+    stub.Abort(pb.AbortRequest(request_ids=["loaded"]), timeout=TIMEOUT_S)
+    assert list(it)[-1].complete.finish_reason == "abort"
+    _wait_idle(srv)
     (load,) = stub.GetLoads(pb.GetLoadsRequest(), timeout=TIMEOUT_S).loads
     assert load.num_running_reqs == 0
     prof = stub.StartProfile(common_pb2.StartProfileRequest(), timeout=TIMEOUT_S)
@@ -164,11 +167,13 @@ def test_flush_cache(srv, stub):
     r = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0), timeout=TIMEOUT_S)
     assert r.success
     # refused while a request holds blocks (0: one attempt), and a bad timeout is INVALID_ARGUMENT
-    it = stub.Generate(_gen(rid="holding", max_tokens=64, ignore_eos=True), timeout=TIMEOUT_S)
+    it = stub.Generate(_gen(rid="holding", max_tokens=LONG, ignore_eos=True), timeout=TIMEOUT_S)
     next(it)
     r = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0), timeout=TIMEOUT_S)
     assert not r.success and "in flight" in r.message
+    stub.Abort(pb.AbortRequest(request_ids=["holding"]), timeout=TIMEOUT_S)
     list(it)
+    _wait_idle(srv)
     with pytest.raises(grpc.RpcError) as info:
         stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=-1), timeout=TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -274,7 +279,7 @@ def test_stream_abort_fault_cuts_the_stream_and_frees_the_blocks(srv, stub):
 
 
 def test_abort_rpc_ends_the_stream_with_abort_and_spares_the_others(srv, stub):
-    victim = stub.Generate(_gen(rid="victim", max_tokens=400, ignore_eos=True), timeout=TIMEOUT_S)
+    victim = stub.Generate(_gen(rid="victim", max_tokens=LONG, ignore_eos=True), timeout=TIMEOUT_S)
     other = stub.Generate(_gen(ids=list(range(5000, 5064)), rid="other", max_tokens=30, ignore_eos=True),
                           timeout=TIMEOUT_S)
     first = next(victim)
@@ -283,7 +288,7 @@ def test_abort_rpc_ends_the_stream_with_abort_and_spares_the_others(srv, stub):
     rest = list(victim)
     assert rest[-1].HasField("complete") and rest[-1].complete.finish_reason == "abort"
     n = len(first.chunk.token_ids) + sum(len(m.chunk.token_ids) for m in rest if m.HasField("chunk"))
-    assert n < 400
+    assert n < LONG
     out = list(other)
     assert out[-1].complete.finish_reason == "length"
     assert sum(len(m.chunk.token_ids) for m in out if m.HasField("chunk")) == 30
@@ -291,8 +296,9 @@ def test_abort_rpc_ends_the_stream_with_abort_and_spares_the_others(srv, stub):
 
 
 def test_client_cancel_frees_the_request_at_once(srv, stub):
-    call = stub.Generate(_gen(rid="gone", max_tokens=400, ignore_eos=True), timeout=TIMEOUT_S)
+    call = stub.Generate(_gen(rid="gone", max_tokens=LONG, ignore_eos=True), timeout=TIMEOUT_S)
     next(call)
+    assert srv.call(lambda: srv.bridge.num_unfinished) == 1           # still decoding when the client leaves
     call.cancel()
     _wait_idle(srv)
     assert "gone" not in srv.servicer.inflight.calls
@@ -427,7 +433,8 @@ def test_prefill_decode_over_grpc_and_the_admission_limit():
     common = [*ARGS, "--lateness-warn-ms", "0"]
     p_cfg = json.dumps({**nixl, "engine_id": "prefill-0"})
     with GrpcServerThread([*common, "--kv-transfer-config", p_cfg]) as p, \
-            GrpcServerThread([*common, "--kv-transfer-config", json.dumps(nixl), "--max-num-queued-reqs", "1"]) as d, \
+            GrpcServerThread([*common, "--kv-transfer-config", json.dumps(nixl), "--max-num-queued-reqs", "1",
+                              "--time-scale", "1"]) as d, \
             grpc.insecure_channel(p.grpc_target) as pch, grpc.insecure_channel(d.grpc_target) as dch:
         pstub, dstub = pb_grpc.VllmEngineStub(pch), pb_grpc.VllmEngineStub(dch)
         info = pstub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT_S)
@@ -442,14 +449,15 @@ def test_prefill_decode_over_grpc_and_the_admission_limit():
         assert len(params["remote_block_ids"][0]) == len(PROMPT) // 16
         assert p.call(lambda: p.bridge.engine.num_held) == 1
         dec = pb.GenerateRequest(request_id="d1", tokenized=pb.TokenizedInput(input_ids=PROMPT), stream=True,
-                                 sampling_params=pb.SamplingParams(max_tokens=8, ignore_eos=True),
+                                 sampling_params=pb.SamplingParams(max_tokens=1500, ignore_eos=True),
                                  kv_transfer_params_json=json.dumps(params))
-        first = dstub.Generate(dec, timeout=TIMEOUT_S)
+        first = dstub.Generate(dec, timeout=TIMEOUT_S)          # ~10 s of decoding in real time: still in flight
         assert next(first).HasField("chunk")
         # one request in flight on the decode instance: the next is refused (vLLM's QueueOverflowError)
         code, details = _code(dstub, _gen(rid="over", max_tokens=4))
         assert code == grpc.StatusCode.UNAVAILABLE and "currently busy" in details
-        assert list(first)[-1].complete.finish_reason == "length"
+        dstub.Abort(pb.AbortRequest(request_ids=["d1"]), timeout=TIMEOUT_S)
+        assert list(first)[-1].complete.finish_reason == "abort"
         t_end = time.monotonic() + 10                  # the pull's announcement reaches the prefill side
         while p.call(lambda: p.bridge.engine.num_held) and time.monotonic() < t_end:
             time.sleep(0.01)
