@@ -9,6 +9,8 @@ and the output tokens the engine generated (``vllm:generation_tokens_total`` in 
 clients run in this process, outside the measured one. Reported per phase: tokens/s, server CPU µs per token,
 the hypervisor's steal time (/proc/stat) and the load average; and the gRPC/HTTP ratio of CPU per token over all
 phases of each front end (the numbers move with the machine's load; the ratio is taken within the run).
+A last phase measures grpc.aio's own floor: a bare grpc.aio server (no engine, a trivial Generate that sends one
+1-token message per stream per 6 ms tick) under the same N streams, its CPU per message.
 
 Usage: python benchmarks/grpc_vs_http.py [--streams 256] [--rounds 2] [--seconds 15] [--warmup-s 4]
 Writes benchmarks/results/grpc_vs_http.json.
@@ -128,6 +130,87 @@ async def phase(kind: str, args: argparse.Namespace, pid: int, base_url: str, gr
             "steal_s": round(steal1 - steal0, 2), "loadavg_1m": round(load0, 2)}
 
 
+def floor_server(port: int) -> None:
+    """The bare grpc.aio server of the floor phase (run as a subprocess): Generate sends ``max_tokens``
+    one-token chunks, one per 6 ms tick of a shared clock, as the engine releases one token per decode step."""
+    import grpc
+    import uvloop
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+    tick = asyncio.Event()
+
+    class Bare(pb_grpc.VllmEngineServicer):
+        async def Generate(self, request, context):  # noqa: N802 - the RPC's name
+            for i in range(request.sampling_params.max_tokens):
+                await tick.wait()
+                msg = pb.GenerateResponse()
+                chunk = msg.chunk
+                chunk.token_ids.append(i)
+                chunk.prompt_tokens, chunk.completion_tokens = PROMPT_LEN, 1
+                yield msg
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_VllmEngineServicer_to_server(Bare(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        while True:
+            await asyncio.sleep(0.006)
+            tick.set()
+            await asyncio.sleep(0)
+            tick.clear()
+
+    uvloop.run(serve())
+
+
+async def floor_phase(args: argparse.Namespace, pid: int, target: str) -> dict:
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+    channel = grpc.aio.insecure_channel(target)
+    stub = pb_grpc.VllmEngineStub(channel)
+    count = 0
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        nonlocal count
+        req = pb.GenerateRequest(stream=True, sampling_params=pb.SamplingParams(max_tokens=args.output_len))
+        while not stop.is_set():
+            async for _ in stub.Generate(req):
+                count += 1
+
+    tasks = [asyncio.create_task(loop()) for _ in range(args.streams)]
+    await asyncio.sleep(args.warmup_s)
+    n0, cpu0, steal0, t0 = count, cpu_s(pid), steal_s(), time.monotonic()
+    await asyncio.sleep(args.seconds)
+    n1, cpu1, steal1, t1 = count, cpu_s(pid), steal_s(), time.monotonic()
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await channel.close()
+    return {"front_end": "grpc.aio floor", "seconds": round(t1 - t0, 2), "messages": n1 - n0,
+            "messages_per_s": round((n1 - n0) / (t1 - t0), 1), "server_cpu_s": round(cpu1 - cpu0, 2),
+            "cpu_us_per_message": round(1e6 * (cpu1 - cpu0) / (n1 - n0), 2) if n1 > n0 else None,
+            "steal_s": round(steal1 - steal0, 2)}
+
+
+def run_floor(args: argparse.Namespace) -> dict:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--floor-server", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        import grpc
+
+        grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{port}")).result(timeout=60)
+        return asyncio.run(floor_phase(args, proc.pid, f"127.0.0.1:{port}"))
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=256)
@@ -135,7 +218,12 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per phase")
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio phase")
+    ap.add_argument("--floor-server", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.floor_server is not None:
+        floor_server(args.floor_server)
+        return 0
     grpc_port = free_port()
     http_port = free_port()
     cmd = [sys.executable, "-m", "kernelsight.server", "--model", MODEL, "--hardware", "h100", "--grpc",
@@ -171,6 +259,10 @@ def main() -> int:
         ps = [p for p in phases if p["front_end"] == kind]
         return 1e6 * sum(p["server_cpu_s"] for p in ps) / sum(p["tokens"] for p in ps)
 
+    floor = None if args.no_floor else run_floor(args)
+    if floor is not None:
+        print(f"  grpc.aio floor {floor['messages_per_s']:>9.1f} msg/s  {floor['cpu_us_per_message']:>7.2f} µs "
+              f"CPU/msg  steal {floor['steal_s']:.2f} s", flush=True)
     http_us, grpc_us = per_token("http"), per_token("grpc")
     ratio = grpc_us / http_us
     print()
@@ -180,13 +272,17 @@ def main() -> int:
         ps = [p for p in phases if p["front_end"] == ("http" if kind.startswith("HTTP") else "grpc")]
         print(f"| {kind} | {sum(p['tokens_per_s'] for p in ps) / len(ps):.0f} | {us:.1f} | "
               f"{sum(p['steal_s'] for p in ps):.2f} |")
+    if floor is not None:
+        print(f"| bare grpc.aio (no engine, per message) | {floor['messages_per_s']:.0f} | "
+              f"{floor['cpu_us_per_message']:.1f} | {floor['steal_s']:.2f} |")
     print(f"\ngRPC / HTTP server CPU per token at {args.streams} streams: {ratio:.3f} "
           f"({cpu_model()}, {os.cpu_count()} CPUs; steal {sum(p['steal_s'] for p in phases):.2f} s in all)")
     path = write_result("grpc_vs_http", {
         "streams": args.streams, "output_len": args.output_len, "prompt_len": PROMPT_LEN, "seconds": args.seconds,
         "warmup_s": args.warmup_s, "phases": phases, "http_cpu_us_per_token": round(http_us, 2),
         "grpc_cpu_us_per_token": round(grpc_us, 2), "grpc_over_http_cpu_per_token": round(ratio, 3),
-        "steal_s_total": round(sum(p["steal_s"] for p in phases), 2), "cpu_model": cpu_model()})
+        "steal_s_total": round(sum(p["steal_s"] for p in phases), 2), "cpu_model": cpu_model(),
+        "grpc_aio_floor": floor})
     print(f"wrote {path}")
     return 0
 
