@@ -28,6 +28,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     ignored = ignored_flags(ns)
     if ignored:
         print(f"kernelsight serve: accepted with no effect in a simulation: {', '.join(ignored)}", file=sys.stderr)
+    if ns.grpc:      # vLLM's gRPC front end (server/grpc/launch.py), its HTTP app beside it
+        from kernelsight.server.grpc.launch import cmd_serve_grpc
+        return cmd_serve_grpc(ns)
     host = ns.host or "0.0.0.0"
     # every port first: a taken one stops the start with one line, before anything is built
     socks = bind_listeners(host, ns.port, ns.replicas)

@@ -45,6 +45,7 @@ IGNORED_BOOL_FLAGS = (
     "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint", "--disable-uvicorn-access-log",
     "--skip-tokenizer-init", "--disable-cascade-attn", "--enable-per-request-metrics",
     "--kv-cache-metrics", "--enable-log-outputs", "--enable-scale-out", "--headless",
+    "--disable-log-stats-server",
 )
 
 
@@ -56,6 +57,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server (as vllm serve)")
     s.add_argument("--host", default=None, help="bind address (default: all interfaces, as vLLM)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--grpc", action="store_true",
+                   help="serve vLLM's gRPC engine service (vllm.grpc.engine.VllmEngine) on --host:--port instead of "
+                        "the HTTP API, as `vllm serve --grpc`; the HTTP API (/metrics, /health) moves to "
+                        "--grpc-http-port")
+    s.add_argument("--grpc-http-port", type=int, default=None, metavar="PORT",
+                   help="with --grpc: the port of the HTTP API, /metrics included (default: --port + --replicas; "
+                        "0: no HTTP)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to; the first is reported (default: --model)")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory or local HF-cache id (default: the model's)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -27,7 +28,7 @@ import zmq
 from kernelsight.server.kv_events.config import KVEventsConfig, endpoint_binds, offset_endpoint
 from kernelsight.server.kv_events.hashing import ints_on_wire
 from kernelsight.server.kv_events.translate import HashTranslator
-from kernelsight.server.kv_events.wire import encode_batch
+from kernelsight.server.kv_events.wire import WireEvent, encode_batch
 from kernelsight.simcore.kv_events import KVEvent
 
 log = logging.getLogger("kernelsight.server")
@@ -60,6 +61,8 @@ class KVEventPublisher:
         self._topic = cfg.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)   # appended by the loop only
         self._seq = 0
+        # in-process subscribers (the gRPC SubscribeKvEvents streams): called with (seq, ts, events) per batch
+        self.listeners: list[Callable[[int, float, list[WireEvent]], None]] = []
         self._thread: threading.Thread | None = None
         self._stop = False
         ctx = zmq.Context.instance()
@@ -103,6 +106,8 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
         self.stats.batches += 1
         self.stats.events += len(wire)
+        for listener in self.listeners:
+            listener(seq, ts, wire)
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             return True
