@@ -115,7 +115,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "draft_model, num_speculative_tokens, model (draft model or EAGLE head), "
                         "draft_tensor_parallel_size, prompt_lookup_max/min; rejection_sample_method 'synthetic' with "
                         "synthetic_acceptance_rates or synthetic_acceptance_length sets the acceptance (default: a "
-                        "per-method default, see README)")
+                        "per-method default, see docs/serving.md)")
     g.add_argument("--speculative-acceptance-rates", type=acceptance_rates, default=None, metavar="R1,R2,...",
                    help="simulator: per-position acceptance rates of the drafts (one per speculative token, "
                         "non-increasing; vLLM's accepted_tokens_per_pos / num_drafts), overriding the default")

@@ -162,7 +162,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         "'1' for none)")
     r.add_argument("--no-early-stop", dest="early_stop", action="store_false",
                    help="simulate every point to its end (by default a run is cut short once the point provably "
-                        "fails and provably cannot be on the front; the answer is the same, see the README)")
+                        "fails and provably cannot be on the front; the answer is the same, see docs/planning.md)")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     o = p.add_argument_group("output")
     o.add_argument("--report-html", default=None, metavar="FILE.html",

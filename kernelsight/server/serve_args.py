@@ -98,7 +98,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None, metavar="JSON",
                    help="prefill/decode disaggregation, as vLLM's: {\"kv_connector\": \"NixlConnector\", \"kv_role\": "
                         "\"kv_both\"} (kv_producer/kv_consumer/kv_both; engine_id, kv_connector_extra_config, ...); "
-                        "requests' kv_transfer_params then follow the NIXL connector's protocol (README: P/D)")
+                        "requests' kv_transfer_params then follow the NIXL connector's protocol "
+                        "(docs/router-testing.md: P/D)")
     s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to this "
                         "long, then abort the rest (streams end with finish_reason \"abort\" and [DONE]); as vLLM's, "
