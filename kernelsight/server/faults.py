@@ -214,6 +214,16 @@ class FaultInjector:
             return forced
         return picked
 
+    def decide_counted(self, header: str | None) -> str | None:
+        """:meth:`decide`, with the injection counted (and a slow replica's every request), as every front end
+        (HTTP, gRPC) counts them. ValueError as :meth:`decide`."""
+        fault = self.decide(header)
+        if fault is not None:
+            self.on_inject(fault)
+        if self.config.slow:
+            self.on_inject("slow")
+        return fault
+
 
 def drop_connection(raw_send: Any) -> bool:
     """Close the client's connection now, with nothing more sent: what a router sees when a replica dies or a

@@ -362,16 +362,10 @@ class Generation:
     # -- fault injection (server/faults.py) -----------------------------------------------------------------
     def _decide_fault(self) -> str | None:
         """This request's injected fault (counted), from its X-Kernelsight-Fault header or the seeded picker."""
-        faults = self.state.faults
         try:
-            fault = faults.decide(self.request.headers.get(FAULT_HEADER))
+            return self.state.faults.decide_counted(self.request.headers.get(FAULT_HEADER))
         except ValueError as exc:
             raise bad_request(f"X-Kernelsight-Fault: {exc}") from None
-        if fault is not None:
-            faults.on_inject(fault)
-        if faults.config.slow:
-            faults.on_inject("slow")
-        return fault
 
     async def _fail_before_engine(self, fault: str) -> Response:
         """The faults that never reach the engine: an error answer, or (timeout) no answer at all."""

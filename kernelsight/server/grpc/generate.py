@@ -294,16 +294,10 @@ class GenerateCall:
     def _decide_fault(self) -> str | None:
         """This request's injected fault: the ``x-kernelsight-fault`` metadata (the HTTP header's twin) or the
         seeded picker, counted as the HTTP server counts them."""
-        faults = self.state.faults
         try:
-            fault = faults.decide(self._metadata(FAULT_HEADER))
+            return self.state.faults.decide_counted(self._metadata(FAULT_HEADER))
         except ValueError as exc:
             raise bad_request(f"X-Kernelsight-Fault: {exc}") from None
-        if fault is not None:
-            faults.on_inject(fault)
-        if faults.config.slow:
-            faults.on_inject("slow")
-        return fault
 
     async def _fail_before_engine(self, fault: str) -> None:
         if fault == "timeout":
