@@ -263,7 +263,7 @@ def calibration_stacks(hardware: str) -> list[tuple[str, str]]:
     canonical = load_hardware(hardware).name
     default = calibration_file_name(canonical)
     names = sorted(p.name for p in _package_dir("calibration").iterdir()
-                   if p.name == default or p.name.startswith(calibration_file_name(canonical, "x")[:-len("x.json")]))
+                   if p.name == default or (p.name.startswith(canonical + _STACK_SEP) and p.name.endswith(".json")))
     names.sort(key=lambda n: n != default)
     return [(dict(_calibration_header(n)[1]).get("vllm", ""), n) for n in names]
 
