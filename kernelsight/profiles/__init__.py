@@ -316,7 +316,12 @@ def load_calibration(hardware: str, path: str | os.PathLike[str] | None = None,
     if path is not None:
         return read_calibration_file(path)
     canonical = load_hardware(hardware).name
-    stack = pick_calibration_stack(calibration_stacks(canonical), vllm_version)
-    if stack is not None:
-        return calibration_from_dict(_read_json(_package_dir("calibration") / stack[1]))
+    if vllm_version:
+        stack = pick_calibration_stack(calibration_stacks(canonical), vllm_version)
+        file = stack[1] if stack is not None else None
+    else:   # the default file: no other stack's header to read (a start-up path)
+        file = calibration_file_name(canonical)
+    bundled = _package_dir("calibration") / file if file else None
+    if bundled is not None and bundled.is_file():
+        return calibration_from_dict(_read_json(bundled))
     return default_calibration(canonical)
