@@ -37,6 +37,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_jiffies() -> list[int]:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal), or []."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return []
+
+
 def steal_s() -> float:
     """CPU time the hypervisor gave to other guests (all CPUs), from /proc/stat; 0 where unavailable. On a
     shared VM it is the one disturbance no server can do anything about: reported beside every timing."""

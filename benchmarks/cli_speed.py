@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import ROOT, machine, write_result  # noqa: E402
+from _common import ROOT, cpu_jiffies, machine, write_result  # noqa: E402
 
 WORKLOADS = {
     "startup": ["simulate", "--num-prompts", "10"],
@@ -35,14 +35,6 @@ TARGET_WALL_S = {"startup": 0.4, "sim10k": 1.0}
 _CHILD = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
           "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
           "from kernelsight.cli import main; sys.exit(main(sys.argv[1:]))")
-
-
-def cpu_jiffies() -> list[int]:
-    try:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return []
 
 
 def run_once(root: str, argv: list[str]) -> tuple[float, float]:

@@ -26,18 +26,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import write_result  # noqa: E402
+from _common import cpu_jiffies, write_result  # noqa: E402
 
 from kernelsight.loadgen.report import format_table  # noqa: E402
 
 SPACE = ["--gpus", "l40s,a100,h100,h200", "--tp", "1,2", "--replicas", "1-4", "--max-num-seqs", "default,128",
          "--quantization", "none,fp8", "--kv-cache-dtype", "auto,fp8"]
 SLO = "ttft_p99_ms=1000,tpot_p99_ms=60"
-
-
-def cpu_jiffies() -> list[int]:
-    with open("/proc/stat") as f:
-        return [int(x) for x in f.readline().split()[1:9]]
 
 
 def children_cpu_s() -> float:

@@ -32,7 +32,7 @@ if "--child-root" in sys.argv:     # a comparison child: import kernelsight from
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
     sys.path.insert(0, _root)
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import ROOT, machine, write_result  # noqa: E402
+from _common import ROOT, cpu_jiffies, machine, write_result  # noqa: E402
 
 from kernelsight.engine_args import create_engine_config  # noqa: E402
 from kernelsight.loadgen.arrivals import arrival_times_s  # noqa: E402
@@ -40,15 +40,6 @@ from kernelsight.loadgen.datasets import random_dataset  # noqa: E402
 from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.report import format_table  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
-
-
-def cpu_jiffies() -> list[int]:
-    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal), or []."""
-    try:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return []
 
 
 def main() -> int:
