@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kernelsight.simcore.fp4_dispatch import fp4_format_from_quant_config
 from kernelsight.simcore.gemm_dispatch import Fp8Scheme, fp8_scheme_from_quant_config, kv_cache_dtype_from_quant_config
+from kernelsight.simcore.multimodal import VisionSpec
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -79,6 +80,8 @@ class ModelSpec:
     #: chunk of the sequence, NoPE layers (every 4th: iRoPE) attend everything
     attention_chunk_size: int | None = None
     num_chunked_layers: int = 0
+    # the vision tower of a vision-language model (None: text only; simcore/multimodal.py)
+    vision: VisionSpec | None = None
 
     @property
     def is_moe(self) -> bool:

@@ -6,6 +6,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kernelsight.simcore.multimodal import MultimodalItem
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -41,6 +43,9 @@ class Request:
     # computing it
     hold_kv: bool = False
     remote_prefill: bool = False
+    # images/videos in the prompt, in prompt order (simcore/multimodal.py): the encoder runs in the step that first
+    # schedules an item's tokens, and an item's content hash enters the hashes of the blocks it overlaps
+    mm_items: tuple[MultimodalItem, ...] = ()
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -1,0 +1,59 @@
+"""Multimodal inputs as the engine sees them: the vision tower's shape (``VisionSpec``) and each image or video in a
+prompt (``MultimodalItem``), already expanded into placeholder tokens by the model's processor.
+
+The processor (pixels -> patches -> placeholder tokens) runs before the engine, where the request is tokenized; the
+engine only needs counts: how many prompt positions an item occupies, and how many patches its encoder pass covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """A ViT-style vision encoder plus the merger/projector that maps its patches to language-model tokens."""
+
+    kind: str                       # the processor family: "qwen2_5_vl", "qwen3_vl", "llama4", ...
+    depth: int                      # ViT blocks
+    hidden_size: int                # ViT width
+    num_heads: int
+    intermediate_size: int          # ViT MLP width
+    gated_mlp: bool                 # SwiGLU-style gate+up (Qwen2.5-VL) or a plain two-GEMM MLP (Qwen3-VL, Llama 4)
+    patch_size: int                 # pixels per patch side
+    temporal_patch_size: int        # frames per patch (2 for Qwen's video-capable patch embed, 1 otherwise)
+    merge_size: int                 # patches per LM token along each side (Qwen spatial merge, Llama 4 pixel shuffle)
+    out_hidden_size: int            # the language model's hidden size: the projector's output width
+    in_channels: int = 3
+    window_size_px: int | None = None            # windowed attention (Qwen2.5-VL: 112 px windows) ...
+    full_attention_layers: tuple[int, ...] = ()  # ... except these blocks, which attend the whole image
+    num_deepstack_mergers: int = 0               # Qwen3-VL: extra mergers feeding intermediate features to the LM
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patches_per_token(self) -> int:
+        return self.merge_size * self.merge_size
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalItem:
+    """One image or video in a prompt, after its processor expanded it into placeholder tokens."""
+
+    modality: str                   # "image" | "video" | "audio"
+    offset: int                     # prompt index of its first placeholder token
+    num_tokens: int                 # prompt positions it occupies (what the LM prefills for it)
+    encoder_seq_lens: tuple[int, ...]  # patches per independent encoder sequence (one per image, or per tile)
+    mm_hash: str                    # content hash: keys the encoder cache and the prefix cache's block hashes
+    grid_thw: tuple[int, int, int] = (1, 0, 0)  # (frames, rows, cols) in patches, for models with a patch grid
+
+    @property
+    def num_patches(self) -> int:
+        """Patches the encoder runs over for this item (its compute and encoder-cache size)."""
+        return sum(self.encoder_seq_lens)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
