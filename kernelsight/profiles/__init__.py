@@ -28,6 +28,7 @@ __all__ = [
     "list_models",
     "load_hardware",
     "load_model",
+    "load_preprocessor_config",
     "model_config_path",
 ]
 
@@ -230,6 +231,23 @@ def load_model(model: str) -> ModelSpec:
         f"unknown model {model!r}: not bundled, not a local directory with config.json, and not in the "
         f"local HuggingFace cache ({hf_hub_cache_dir()}). Bundled: {', '.join(list_models())}"
     )
+
+
+def load_preprocessor_config(model: str) -> dict[str, Any] | None:
+    """The model's image processor config (HF ``preprocessor_config.json``): bundled beside its config, or next to
+    the config.json of a local directory / the HF cache; None when there is none (a text-only model, or a VLM whose
+    processor defaults then apply). Never touches the network."""
+    for entry in _model_index()["models"]:
+        ids = {entry["id"].lower(), *(a.lower() for a in entry.get("aliases", ()))}
+        for vid, variant in entry.get("variants", {}).items():
+            ids |= {vid.lower(), *(a.lower() for a in variant.get("aliases", ()))}
+        if model.strip().lower() in ids:
+            return _read_json(_package_dir("models").joinpath(entry["preprocessor"])) if entry.get("preprocessor") \
+                else None
+    path = _local_config(model) or _hf_cache_config(model.strip())
+    if path is not None and path.with_name("preprocessor_config.json").is_file():
+        return _read_json(path.with_name("preprocessor_config.json"))
+    return None
 
 
 # -- calibrations ---------------------------------------------------------------------------------

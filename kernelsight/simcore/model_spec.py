@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kernelsight.simcore.fp4_dispatch import fp4_format_from_quant_config
 from kernelsight.simcore.gemm_dispatch import Fp8Scheme, fp8_scheme_from_quant_config, kv_cache_dtype_from_quant_config
-from kernelsight.simcore.multimodal import VisionSpec
+from kernelsight.simcore.multimodal import VisionSpec, vision_spec_from_hf_config
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -120,11 +120,19 @@ _MOE_ARCHS = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeFo
                         "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
                         "Llama4ForConditionalGeneration", "Llama4ForCausalLM"})
 _LLAMA4_ARCHS = frozenset({"Llama4ForConditionalGeneration", "Llama4ForCausalLM"})
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_DENSE_ARCHS | _MOE_ARCHS))
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_DENSE_ARCHS | _MOE_ARCHS | {
+    "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration"}))
 _DEEPSEEK_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"})
 # Qwen gates its sliding window behind use_sliding_window; Mistral-family uses it whenever it is set.
 _QWEN_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM",
                          "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+# Vision-language wrappers whose language model is one of the text architectures above: the LM is parsed as that
+# architecture (from the nested text_config where the wrapper has one) and the vision tower into ModelSpec.vision.
+_VL_TEXT_ARCHS = {"Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+                  "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                  "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+                  "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM"}
 
 
 def _unsupported(name: str, arch: str, why: str) -> UnsupportedArchitectureError:
@@ -160,11 +168,19 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     """
     archs = config.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else str(config.get("model_type", "<none>"))
-    if arch in _LLAMA4_ARCHS and isinstance(config.get("text_config"), dict):
-        # the multimodal config nests the language model's; the vision tower (~1% of Scout's weights) is left out
-        config = {**config["text_config"], "architectures": archs,
-                  "torch_dtype": config.get("torch_dtype") or config["text_config"].get("torch_dtype"),
+    reported_arch = arch
+    try:
+        vision = vision_spec_from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _unsupported(name, arch, f"vision_config: {exc}") from None
+    if (arch in _LLAMA4_ARCHS or arch in _VL_TEXT_ARCHS) and isinstance(config.get("text_config"), dict):
+        # the multimodal config nests the language model's; the vision tower is parsed apart (``vision``)
+        text = config["text_config"]
+        config = {**text, "architectures": archs,
+                  "torch_dtype": config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype")
+                  or text.get("dtype"),
                   "quantization_config": config.get("quantization_config")}
+    arch = _VL_TEXT_ARCHS.get(arch, arch)
     if not (isinstance(archs, list) and archs):
         raise _unsupported(name, arch, "config.json has no 'architectures' entry")
     if arch not in _DENSE_ARCHS and arch not in _MOE_ARCHS:
@@ -298,7 +314,7 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
 
     return ModelSpec(
         name=name,
-        architecture=arch,
+        architecture=reported_arch,
         model_type=str(config.get("model_type", "")),
         hidden_size=hidden,
         num_layers=num_layers,
@@ -329,4 +345,5 @@ def model_spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         expert_quantization=expert_quant,
         attention_chunk_size=chunk_size,
         num_chunked_layers=num_chunked,
+        vision=vision,
     )

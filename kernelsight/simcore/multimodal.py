@@ -57,3 +57,72 @@ class MultimodalItem:
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+
+def _vision_int(vc: dict, key: str, default: int | None = None) -> int:
+    value = vc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"key {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _text_hidden_size(config: dict) -> int | None:
+    text = config.get("text_config")
+    value = (text if isinstance(text, dict) else config).get("hidden_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def vision_spec_from_hf_config(config: dict) -> VisionSpec | None:
+    """The vision tower of a HF ``config.json`` (its ``vision_config``), or None for a text-only model. Pure.
+
+    Known: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Llama 4. A config whose architecture takes images in a
+    way not modelled here raises ValueError rather than being served as text-only.
+    """
+    archs = config.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs else ""
+    vc = config.get("vision_config")
+    if not isinstance(vc, dict):
+        return None
+    if arch in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                "Qwen3VLMoeForConditionalGeneration"):
+        qwen3 = arch != "Qwen2_5_VLForConditionalGeneration"
+        patch = _vision_int(vc, "patch_size", 16 if qwen3 else 14)
+        window = None if qwen3 else vc.get("window_size")
+        return VisionSpec(
+            kind="qwen3_vl" if qwen3 else "qwen2_5_vl",
+            depth=_vision_int(vc, "depth"),
+            hidden_size=_vision_int(vc, "hidden_size"),
+            num_heads=_vision_int(vc, "num_heads"),
+            intermediate_size=_vision_int(vc, "intermediate_size"),
+            gated_mlp=not qwen3,              # Qwen2.5-VL: SwiGLU gate/up/down; Qwen3-VL: linear_fc1/fc2
+            patch_size=patch,
+            temporal_patch_size=_vision_int(vc, "temporal_patch_size", 2),
+            merge_size=_vision_int(vc, "spatial_merge_size", 2),
+            out_hidden_size=_vision_int(vc, "out_hidden_size", _text_hidden_size(config)),
+            in_channels=_vision_int(vc, "in_channels", 3),
+            window_size_px=int(window) if isinstance(window, int) and window > 0 else None,
+            full_attention_layers=tuple(int(i) for i in vc.get("fullatt_block_indexes") or ()) if not qwen3 else (),
+            num_deepstack_mergers=len(vc.get("deepstack_visual_indexes") or ()) if qwen3 else 0,
+        )
+    if arch == "Qwen2VLForConditionalGeneration":
+        embed = _vision_int(vc, "embed_dim")
+        return VisionSpec(
+            kind="qwen2_vl", depth=_vision_int(vc, "depth"), hidden_size=embed,
+            num_heads=_vision_int(vc, "num_heads"),
+            intermediate_size=int(embed * float(vc.get("mlp_ratio", 4))), gated_mlp=False,
+            patch_size=_vision_int(vc, "patch_size", 14), temporal_patch_size=_vision_int(vc, "temporal_patch_size", 2),
+            merge_size=_vision_int(vc, "spatial_merge_size", 2),
+            out_hidden_size=_vision_int(vc, "hidden_size", _text_hidden_size(config)),
+            in_channels=_vision_int(vc, "in_channels", 3))
+    if arch == "Llama4ForConditionalGeneration":
+        ratio = float(vc.get("pixel_shuffle_ratio", 0.5))
+        if not 0 < ratio <= 1 or round(1 / ratio) != 1 / ratio:
+            raise ValueError(f"pixel_shuffle_ratio {ratio!r} is not 1/n")
+        return VisionSpec(
+            kind="llama4", depth=_vision_int(vc, "num_hidden_layers"), hidden_size=_vision_int(vc, "hidden_size"),
+            num_heads=_vision_int(vc, "num_attention_heads"), intermediate_size=_vision_int(vc, "intermediate_size"),
+            gated_mlp=False, patch_size=_vision_int(vc, "patch_size"), temporal_patch_size=1,
+            merge_size=round(1 / ratio),        # pixel shuffle 0.5: 2x2 patches per LM token
+            out_hidden_size=_vision_int({"h": _text_hidden_size(config)}, "h"),
+            in_channels=_vision_int(vc, "num_channels", 3))
+    raise ValueError(f"{arch or 'this architecture'}'s vision tower is not modelled")
