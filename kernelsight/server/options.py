@@ -5,10 +5,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from kernelsight.server.integrations.faults import FaultConfig
 from kernelsight.server.integrations.kv_events.config import KVEventsConfig
 from kernelsight.server.integrations.kv_transfer import KVTransferConfig
+
+DEFAULT_LIMIT_PER_PROMPT = 999        # vLLM's default per modality
+
+
+@dataclass(frozen=True)
+class MediaOptions:
+    """The serve flags of images in prompts."""
+
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_LIMIT_PER_PROMPT)
 
 
 @dataclass
@@ -52,6 +68,7 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False      # with tool_call_parser: tool_choice "auto" is allowed
     tool_call_parser: str | None = None
     pooling: bool = False                      # --runner pooling / --convert embed: an embedding model's routes
+    media: MediaOptions = field(default_factory=MediaOptions)   # images in prompts: limits, processor kwargs, fetch
 
 
 def env_allows_lora_updates() -> bool:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args, add_kv_link_args
 from kernelsight.server.integrations.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
 from kernelsight.server.integrations.kv_events.config import parse_kv_events_config
 from kernelsight.server.integrations.kv_transfer import parse_kv_transfer_config
-from kernelsight.server.options import ServerOptions, env_allows_lora_updates
+from kernelsight.server.options import MediaOptions, ServerOptions, env_allows_lora_updates
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"
 SERVE_DESCRIPTION = ("A drop-in `vllm serve`: same flags and wire format; tokens are released when the simulated "
@@ -27,9 +28,9 @@ IGNORED_VALUE_FLAGS = (
     "--distributed-executor-backend",
     "--generation-config", "--override-generation-config", "--allowed-origins", "--allowed-methods",
     "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
-    "--middleware", "--reasoning-parser", "--hf-overrides", "--limit-mm-per-prompt",
+    "--middleware", "--reasoning-parser", "--hf-overrides",
     "--api-server-count", "--stream-interval", "--max-log-len", "--response-role", "--max-lora-rank",
-    "--lora-dtype", "--max-cpu-loras", "--max-seq-len-to-capture", "--worker-cls", "--mm-processor-kwargs",
+    "--lora-dtype", "--max-cpu-loras", "--max-seq-len-to-capture", "--worker-cls",
     "--override-pooler-config", "--structured-outputs-config",
     "--sse-keep-alive-interval", "--fingerprint-mode", "--max-num-partial-prefills",
     "--performance-mode", "--quantization-param-path", "--model-impl",
@@ -68,6 +69,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model name(s) the API answers to; the first is reported (default: --model)")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory or local HF-cache id (default: the model's)")
     s.add_argument("--chat-template", default=None, help="Jinja chat template (a file path or the template itself)")
+    s.add_argument("--limit-mm-per-prompt", type=parse_limit_mm_per_prompt, default=None, metavar="JSON",
+                   help="most images (videos, ...) one prompt may carry, as vLLM: '{\"image\": 4}' (default: 999 "
+                        "each); more are refused with vLLM's 400")
+    s.add_argument("--mm-processor-kwargs", type=parse_mm_processor_kwargs, default=None, metavar="JSON",
+                   help="the image processor's overrides, as vLLM: e.g. '{\"max_pixels\": 802816}' for Qwen-VL "
+                        "(min_pixels, max_pixels, size), '{\"max_patches\": 4}' for Llama 4")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="serve file:// image URLs from under this directory (default: refused, as vLLM)")
+    s.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="fetch http(s) image URLs only from these hosts (default: any; the fetch timeout is "
+                        "VLLM_IMAGE_FETCH_TIMEOUT seconds, default 5)")
     s.add_argument("--api-key", nargs="+", default=None, help="require `Authorization: Bearer KEY` on /v1 (env "
                                                                "VLLM_API_KEY also works)")
     s.add_argument("--uvicorn-log-level", default="info",
@@ -226,6 +238,34 @@ def fault_config_from(ns: argparse.Namespace) -> FaultConfig:
                        slow_factor=ns.fault_slow_factor, stall_s=ns.fault_stall_s, timeout_s=ns.fault_timeout_s)
 
 
+def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
+    """``--limit-mm-per-prompt`` as vLLM takes it: JSON ``{"image": 4, "video": 0}`` (a modality's value may also be
+    ``{"count": N, ...}``)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--limit-mm-per-prompt takes JSON, e.g. '{{\"image\": 4}}' ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError("--limit-mm-per-prompt takes a JSON object, e.g. '{\"image\": 4}'")
+    out = {}
+    for modality, value in data.items():
+        count = value.get("count") if isinstance(value, dict) else value
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count >= 0, got {value!r}")
+        out[str(modality)] = count
+    return out
+
+
+def parse_mm_processor_kwargs(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--mm-processor-kwargs takes JSON, e.g. '{{\"max_pixels\": 802816}}' ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError("--mm-processor-kwargs takes a JSON object")
+    return data
+
+
 def serve_parser(prog: str = "kernelsight serve") -> OneLineParser:
     """A stand-alone parser of ``serve``'s flags (what follows ``kernelsight serve``)."""
     p = OneLineParser(prog=prog, description=SERVE_DESCRIPTION)
@@ -286,4 +326,8 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         kv_transfer_link=ns.kv_transfer_link, kv_transfer_bandwidth_gbps=ns.kv_transfer_bandwidth_gbps,
         kv_transfer_latency_us=ns.kv_transfer_latency_us,
         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-        pooling=ns.runner == "pooling" or ns.convert == "embed" or ns.task in ("embed", "embedding"))
+        pooling=ns.runner == "pooling" or ns.convert == "embed" or ns.task in ("embed", "embedding"),
+        media=MediaOptions(limit_mm_per_prompt=ns.limit_mm_per_prompt or {},
+                           mm_processor_kwargs=ns.mm_processor_kwargs or {},
+                           allowed_local_media_path=ns.allowed_local_media_path,
+                           allowed_media_domains=tuple(ns.allowed_media_domains or ())))

@@ -11,6 +11,8 @@ from typing import Any
 
 from fastapi import Request
 
+from kernelsight.multimodal import MultimodalProcessor, processor_for_model
+from kernelsight.profiles import load_preprocessor_config
 from kernelsight.server.engine.bridge import EngineBridge
 from kernelsight.server.engine.lockstep import LockstepDriver
 from kernelsight.server.integrations.faults import (
@@ -71,6 +73,11 @@ class ServerState:
         self.logprobs = LogprobSynth(tok)
         self.faults = FaultInjector(opts.faults, self.metrics.on_fault)
         self.sleep = SleepMode()
+        # images in prompts: the model's processor (None for a text-only model, which refuses them)
+        self.mm_processor: MultimodalProcessor | None = processor_for_model(
+            config.model, load_preprocessor_config(config.args.model), opts.media.mm_processor_kwargs)
+        if self.mm_processor is not None and config.model.vision is not None:
+            self.metrics.bind_mm_cache(config.model.vision)
         self.apply_replica_faults()
 
     def configure_faults(self, config: FaultConfig, reseed: bool) -> None:

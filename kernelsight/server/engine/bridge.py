@@ -47,6 +47,7 @@ from kernelsight.server.model.output_tokens import OutputTokens
 from kernelsight.server.model.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_engine
+from kernelsight.simcore.multimodal import MultimodalItem
 from kernelsight.simcore.request import FinishReason, Request
 
 log = logging.getLogger("kernelsight.server")
@@ -273,13 +274,15 @@ class EngineBridge:
                keys: list[int] | None = None, echo_output: bool = False, label: str | None = None,
                arrival_wall_s: float | None = None, hold_kv: bool = False,
                remote_prefill: bool = False, outputs: list[list[int]] | None = None,
-               output_pieces: list[str] | None = None) -> Submission:
+               output_pieces: list[str] | None = None,
+               mm_items: list[tuple[MultimodalItem, ...]] | None = None) -> Submission:
         """Queue one engine request per prompt (each fanning out into n sequences).
 
         ``arrival_wall_s``: perf_counter() when the request reached the server (default: now). The time it then
         spent waiting for parsing and validation (behind a burst of others) is queueing in the simulated timeline.
         ``outputs``: per prompt, the token ids its sequences emit (a structured output or tool call drawn up front);
         ``output_pieces``: their texts when decoding them one by one is not exact (``output_tokens.exact_pieces``).
+        ``mm_items``: per prompt, its images (placeholders already expanded in the prompt).
         """
         eng = self.engine
         v = self.virtual_now()
@@ -303,7 +306,7 @@ class EngineBridge:
             seq_ids = eng.add_request(eid, prompt, mt, min_tokens=min(min_tokens, mt), ignore_eos=ignore_eos, n=n,
                                       priority=priority, arrival_s=arrival, extra_keys=extra_keys,
                                       output_token_ids=outs[0] if n == 1 else None, hold_kv=hold_kv,
-                                      remote_prefill=remote_prefill)
+                                      remote_prefill=remote_prefill, mm_items=mm_items[p] if mm_items else ())
             ids.append(eid)
             for i, sid in enumerate(seq_ids):
                 req = eng.get_request(sid)

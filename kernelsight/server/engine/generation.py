@@ -36,6 +36,7 @@ from kernelsight.server.wire.errors import APIError, bad_request, sse_error_even
 from kernelsight.server.wire.jsonio import dumps, json_response
 from kernelsight.server.wire.protocol.version import MAX_STOP_STRINGS
 from kernelsight.server.wire.sse import SSEResponse, await_or_disconnect, watch_disconnect
+from kernelsight.simcore.multimodal import MultimodalItem
 
 
 def request_base(request: Request, body_id: str | None) -> str:
@@ -189,6 +190,7 @@ class Generation:
         self.fixed_output: list[int] | None = None   # the token ids every choice emits (structured outputs, tools)
         self.engine_error: APIError | None = None     # refused by the engine's parameter checks (structured outputs)
         self.fast_ok = True               # False: a caller re-renders the chunks (no stream fast path)
+        self.mm_items: list[tuple[MultimodalItem, ...]] | None = None   # per prompt: its images (chat)
         # tokens in logprobs as "token_id:<id>": the request's field, else the server flag
         as_ids = getattr(req, "return_tokens_as_token_ids", None)
         self.lp_as_ids: bool = state.opts.return_tokens_as_token_ids if as_ids is None else bool(as_ids)
@@ -329,7 +331,8 @@ class Generation:
                             arrival_wall_s=self.request.scope.get(RECV_KEY),
                             outputs=[fixed] * len(prompts) if fixed is not None else None,
                             output_pieces=exact_pieces(self.state.tok, fixed) if fixed is not None else None,
-                            hold_kv=self.kv_role.hold_kv, remote_prefill=self.kv_role.source is not None)
+                            hold_kv=self.kv_role.hold_kv, remote_prefill=self.kv_role.source is not None,
+                            mm_items=self.mm_items)
         if self.kv_role.source is not None:
             bridge.kv_agent.expect_pull(sub.seqs[0].seq_id, self.kv_role.source)
         admission_done(self.request.scope)

@@ -23,6 +23,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from kernelsight.multimodal.cache import ProcessorCache, processed_item_bytes
+from kernelsight.simcore.multimodal import MultimodalItem, VisionSpec
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -224,6 +227,27 @@ class ServerMetrics:
 
     def on_admission_rejected(self, reason: str) -> None:
         self.admission_rejections.labels(self._model_name, reason).inc()
+
+    def bind_mm_cache(self, vision: VisionSpec) -> None:
+        """vLLM's multimodal cache counters (a model that takes images): queries and hits in processed items, on
+        the processor cache (``kernelsight.multimodal.cache``) the front end keeps."""
+        labels = ["model_name", "engine"]
+        eng = self._engine_labels[0]
+        self._mm_vision = vision
+        self._mm_cache = ProcessorCache()
+        self._mm_queries = Counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of "
+                                   "queried items.", labels, registry=self.registry).labels(self._model_name, eng)
+        self._mm_hits = Counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.",
+                                labels, registry=self.registry).labels(self._model_name, eng)
+
+    def on_mm_items(self, items: tuple[MultimodalItem, ...]) -> None:
+        """A request's images went through the processor: one query each, a hit when its content was seen."""
+        if getattr(self, "_mm_cache", None) is None:
+            return
+        for item in items:
+            self._mm_queries.inc()
+            if self._mm_cache.query(item.mm_hash, processed_item_bytes(item, self._mm_vision)):
+                self._mm_hits.inc()
 
     def on_fault(self, fault_type: str) -> None:
         self.injected_faults.labels(self._model_name, fault_type).inc()

@@ -68,6 +68,15 @@ def _system_text(req: _Base) -> str:
     return "".join(parts)
 
 
+def _image_source_url(source: Any) -> str:
+    """An Anthropic image block's source as the URL of a chat image part (base64 data becomes a data URL)."""
+    if isinstance(source, dict) and source.get("type") == "base64":
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source.get('data') or ''}"
+    if isinstance(source, dict) and source.get("type") == "url":
+        return str(source.get("url") or "")
+    return ""
+
+
 def _messages(req: _Base) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = _system_text(req)
@@ -82,10 +91,14 @@ def _messages(req: _Base) -> list[dict[str, Any]]:
             out.append({"role": role, "content": content})
             continue
         texts, calls = [], []
+        images: list[dict[str, Any]] = []      # image blocks become chat image_url parts, as vLLM converts them
         for b in content or []:
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text" and b.get("text"):
                 texts.append(b["text"])
+                images.append({"type": "text", "text": b["text"]})
+            elif kind == "image":
+                images.append({"type": "image_url", "image_url": {"url": _image_source_url(b.get("source"))}})
             elif kind == "tool_use":
                 calls.append({"id": b.get("id") or "call", "type": "function",
                               "function": {"name": b.get("name") or "", "arguments": json.dumps(b.get("input") or {})}})
@@ -100,7 +113,9 @@ def _messages(req: _Base) -> list[dict[str, Any]]:
                 else:
                     texts.append(f"Tool result: {result or ''}")
         msg: dict[str, Any] = {"role": role}
-        if texts:
+        if any(p["type"] == "image_url" for p in images):
+            msg["content"] = images
+        elif texts:
             msg["content"] = "".join(texts) if len(texts) == 1 else "\n".join(texts)
         if calls:
             msg["tool_calls"] = calls

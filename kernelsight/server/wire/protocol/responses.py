@@ -46,6 +46,21 @@ def _text_of(content: Any) -> str:
     return ""
 
 
+def _content_of(content: Any) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or chat content parts when it holds ``input_image`` parts."""
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        parts: list[dict[str, Any]] = []
+        for p in content:
+            if not isinstance(p, dict):
+                continue
+            if p.get("type") == "input_image":
+                parts.append({"type": "image_url", "image_url": {"url": p.get("image_url") or ""}})
+            elif p.get("type") in ("input_text", "output_text", "text"):
+                parts.append({"type": "text", "text": str(p.get("text", ""))})
+        return parts
+    return _text_of(content)
+
+
 def to_chat_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items as chat messages: messages, function calls (assistant tool calls) and their outputs
     (tool messages); reasoning items are dropped."""
@@ -56,7 +71,7 @@ def to_chat_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message" or (kind is None and "role" in item):
             role = item.get("role", "user")
-            out.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"))})
+            out.append({"role": "system" if role == "developer" else role, "content": _content_of(item.get("content"))})
         elif kind == "function_call":
             out.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": item.get("call_id", ""), "type": "function",

@@ -10,7 +10,8 @@ from fastapi.responses import Response
 
 from kernelsight.server.engine.generation import check_sampling, request_base, stop_list
 from kernelsight.server.engine.turns import turn_gate
-from kernelsight.server.model.prompts import encode_prompt, normalize_messages, too_many_chars
+from kernelsight.server.model.media import expand_images, image_layouts, split_chat_media
+from kernelsight.server.model.prompts import encode_prompt, too_many_chars
 from kernelsight.server.model.tool_calls import chat_generation, check_auto_tools
 from kernelsight.server.state import ServerState, server_state
 from kernelsight.server.wire.body import parse_body
@@ -43,21 +44,32 @@ async def run_chat(state: ServerState, request: Request, req: ChatCompletionRequ
     check_auto_tools(state, req)
     if not req.messages:
         raise bad_request("messages must be a non-empty list.", "messages")
-    messages = normalize_messages(req.messages)
+    template = req.chat_template or state.opts.chat_template
+    # images: counted and refused (text-only model, too many) before anything else; placeholders in the messages
+    media = split_chat_media(req.messages, state.mm_processor, state.model_name, state.opts.media,
+                             template or state.tok.chat_template)
+    messages = media.messages
     try:
         kwargs = req.chat_template_kwargs
         if req.tools and req.tool_choice != "none":      # the template sees the tools, as vLLM renders them
             kwargs = {"tools": req.tools, **(kwargs or {})}
         text = state.tok.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
-                                     req.chat_template or state.opts.chat_template, kwargs)
+                                     template, kwargs)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's input
         raise bad_request(f"Error applying the chat template: {exc}") from None
     if len(text) > state.max_chars:
         raise too_many_chars(state, len(text))
     ids = await encode_prompt(state.tok, text, req.add_special_tokens)
+    mm_items = None
+    if media.urls:        # fetched, sized and expanded: the prompt holds each image's tokens, as vLLM's
+        layouts, hashes = await image_layouts(media.urls, state.mm_processor, state.opts.media)
+        ids, items = expand_images(ids, state.mm_processor, layouts, hashes)
+        mm_items = [items]
+        state.metrics.on_mm_items(items)
     gen = chat_generation(state, request, req, rid or "chatcmpl-" + request_base(request, req.request_id), lora,
                           stops, messages, ids)
     gen.fast_ok = fast_ok
+    gen.mm_items = mm_items
     gen.echo_text = _chat_echo(messages) if req.echo else None
     gen.lp_k = (req.top_logprobs or 0) if req.logprobs else None
     gen.plp_k = req.prompt_logprobs

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kernelsight.server.engine.chat_relay import chat_chunks, chat_json, chat_request, chat_stream, passed_headers
-from kernelsight.server.model.prompts import encode_prompt, normalize_messages
+from kernelsight.server.model.media import expand_images, image_layouts, split_chat_media
+from kernelsight.server.model.prompts import encode_prompt
 from kernelsight.server.state import server_state
 from kernelsight.server.wire.body import parse_body
 from kernelsight.server.wire.errors import APIError
@@ -164,11 +165,19 @@ async def count_tokens(request: Request) -> Response:
         kwargs = chat_req.chat_template_kwargs
         if chat_req.tools and chat_req.tool_choice != "none":
             kwargs = {"tools": chat_req.tools, **(kwargs or {})}
-        text = state.tok.render_chat(normalize_messages(chat_req.messages), True, False,
-                                     state.opts.chat_template, kwargs)
+        media = split_chat_media(chat_req.messages, state.mm_processor, state.model_name, state.opts.media,
+                                 state.opts.chat_template or state.tok.chat_template)
+        text = state.tok.render_chat(media.messages, True, False, state.opts.chat_template, kwargs)
     except APIError as exc:
         return anthropic_error(exc)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's input
         return anthropic_error(APIError(f"Error applying the chat template: {exc}"))
-    n = len(await encode_prompt(state.tok, text, False))
+    ids = await encode_prompt(state.tok, text, False)
+    if media.urls:        # the images' tokens, as the prompt the engine gets holds them
+        try:
+            layouts, hashes = await image_layouts(media.urls, state.mm_processor, state.opts.media)
+            ids = expand_images(ids, state.mm_processor, layouts, hashes)[0]
+        except APIError as exc:
+            return anthropic_error(exc)
+    n = len(ids)
     return json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})

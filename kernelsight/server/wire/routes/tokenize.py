@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kernelsight.server.model.prompts import encode_prompt, normalize_messages
+from kernelsight.server.model.media import expand_images, image_layouts, split_chat_media
+from kernelsight.server.model.prompts import encode_prompt
 from kernelsight.server.state import server_state
 from kernelsight.server.wire.body import parse_body
 from kernelsight.server.wire.errors import bad_request
@@ -23,15 +24,20 @@ async def tokenize(request: Request) -> Response:
     req: TokenizeRequest = await parse_body(request, TokenizeRequest)
     state.check_model(req.model)
     if req.messages is not None:
+        template = req.chat_template or state.opts.chat_template
+        media = split_chat_media(req.messages, state.mm_processor, state.model_name, state.opts.media,
+                                 template or tok.chat_template)
         try:
-            text = tok.render_chat(normalize_messages(req.messages), req.add_generation_prompt,
-                                   req.continue_final_message, req.chat_template or state.opts.chat_template,
-                                   req.chat_template_kwargs)
+            text = tok.render_chat(media.messages, req.add_generation_prompt,
+                                   req.continue_final_message, template, req.chat_template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error is the client's input (an empty list was a 500)
             # vLLM's tokenize handler answers its preprocessing errors as a 400 "{error} {cause}"
             raise bad_request(f"{exc} {exc.__cause__}") from None
         # no length limit on /tokenize (as in vLLM): a huge text is encoded off the loop, or every stream would stall
         ids = await encode_prompt(tok, text, bool(req.add_special_tokens))
+        if media.urls:      # each image counts its expanded placeholder tokens, as the engine's prompt holds them
+            layouts, hashes = await image_layouts(media.urls, state.mm_processor, state.opts.media)
+            ids = expand_images(ids, state.mm_processor, layouts, hashes)[0]
     elif req.prompt is not None:
         ids = await encode_prompt(tok, req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
     else:
