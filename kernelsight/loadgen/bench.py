@@ -233,10 +233,15 @@ async def _lateness_sample(base_url: str, headers: dict[str, str]) -> LatenessSa
 
 
 def _build_spec(i: int, s: SampleRequest, *, url: str, chat: bool, model: str, ignore_eos: bool,
-                headers: dict[str, str], id_prefix: str, decode: Any, extra_body: dict | None) -> RequestSpec:
+                headers: dict[str, str], id_prefix: str, decode: Any, extra_body: dict | None,
+                mm_seed: int = 0) -> RequestSpec:
     if chat:
         prompt = s.prompt if s.prompt is not None else decode(s.prompt_token_ids or [])
         payload = chat_payload(model, prompt, s.expected_output_len, ignore_eos, extra_body)
+        if s.mm_sizes:        # random-mm: the images after the text, as vllm bench sends them
+            from kernelsight.loadgen.mm_dataset import image_parts
+
+            payload["messages"][0]["content"].extend(image_parts(s, mm_seed, i))
     else:
         # text datasets send their text (as vLLM does); token-id prompts go as ids: no decode/re-encode drift
         prompt_val: str | list[int] = s.prompt if s.prompt is not None else list(s.prompt_token_ids or [])
@@ -249,7 +254,7 @@ async def run_bench(base_url: str, samples: Sequence[SampleRequest], arrivals_s:
                     time_scale: float = 1.0, decode: Any = None, count_tokens: Any = None,
                     headers: dict[str, str] | None = None, extra_body: dict | None = None,
                     scrape_interval_s: float | None = None, progress: bool = False,
-                    request_id_prefix: str | None = None) -> BenchRun:
+                    request_id_prefix: str | None = None, mm_seed: int = 0) -> BenchRun:
     """Send ``samples`` at ``arrivals_s`` (the server's seconds; divided by ``time_scale`` for the wall
     schedule) and measure every response."""
     if endpoint not in ENDPOINTS:
@@ -260,7 +265,8 @@ async def run_bench(base_url: str, samples: Sequence[SampleRequest], arrivals_s:
     id_prefix = request_id_prefix if request_id_prefix is not None else f"bench-{uuid.uuid4().hex[:8]}-"
     # Payloads are built up front so the sending loop does nothing but wait and dispatch.
     specs = [_build_spec(i, s, url=base_url + endpoint, chat=chat, model=model, ignore_eos=ignore_eos,
-                         headers=hdrs, id_prefix=id_prefix, decode=decode, extra_body=extra_body)
+                         headers=hdrs, id_prefix=id_prefix, decode=decode, extra_body=extra_body,
+                         mm_seed=mm_seed)
              for i, s in enumerate(samples)]
     order = sorted(range(len(samples)), key=lambda i: arrivals_s[i])
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -426,6 +432,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     tok = resolve_tokenizer(model, ns.tokenizer, base_url=base_url, model_root=root, headers=headers)
     wl = build_workload(ns, tok.vocab_size, lambda: tok)
     backend = ENDPOINTS[ns.endpoint]
+    if ns.dataset_name == "random-mm" and backend != "openai-chat":
+        raise ValueError("Multi-modal content (images) is only supported on the chat endpoint: pass "
+                         "--endpoint /v1/chat/completions (or --backend openai-chat)")
 
     def count_tokens(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))
@@ -436,7 +445,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         base_url, wl.samples, wl.arrivals_s, model=served, endpoint=ns.endpoint, max_concurrency=ns.max_concurrency,
         ignore_eos=wl.ignore_eos, time_scale=ns.time_scale, decode=tok.decode, count_tokens=count_tokens,
         headers=headers, extra_body=extra_body, scrape_interval_s=ns.scrape_metrics, progress=ns.progress,
-        request_id_prefix=ns.request_id_prefix))
+        request_id_prefix=ns.request_id_prefix, mm_seed=ns.seed))
     stats = compute_bench_metrics(run.records, max(run.duration_s, 1e-9), percentile_metrics=mopts.percentile_metrics,
                                   percentiles=mopts.percentiles, goodput_slos_ms=mopts.goodput_slos_ms)
     header = result_header(backend=backend, endpoint_type=backend, model_id=model, tokenizer_id=ns.tokenizer or

@@ -45,7 +45,8 @@ class SampleRequest:
     the array and makes the list the first time ``prompt_token_ids`` is read (``kernelsight simulate`` never does).
     """
 
-    __slots__ = ("_ids", "_lazy_ids", "prompt_len", "expected_output_len", "arrival_offset_s", "prompt", "token_array")
+    __slots__ = ("_ids", "_lazy_ids", "prompt_len", "expected_output_len", "arrival_offset_s", "prompt", "token_array",
+                 "mm_sizes", "mm_items")
 
     def __init__(self, prompt_token_ids: list[int] | None, prompt_len: int, expected_output_len: int,
                  arrival_offset_s: float | None = None, prompt: str | None = None,
@@ -57,6 +58,8 @@ class SampleRequest:
         self.arrival_offset_s = arrival_offset_s    # trace datasets carry their own timing
         self.prompt = prompt                        # text, when the dataset has text
         self.token_array = token_array
+        self.mm_sizes: list[tuple[int, int]] | None = None   # images (width, height) sent with the prompt (random-mm)
+        self.mm_items: tuple = ()          # their MultimodalItems in the prompt, once expanded for the engine
 
     @classmethod
     def from_array(cls, ids: np.ndarray, expected_output_len: int) -> SampleRequest:

@@ -161,7 +161,11 @@ class _Sender:
             rid = f"ff-{i}"
             self.trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]), index=i)
             prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
-            self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s)
+            if s.mm_items:
+                self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s,
+                                 mm_items=s.mm_items)
+            else:
+                self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s)
             self.in_flight += 1
 
     def take_events(self, events: Sequence[Any], rank: int | None = None, ends: list[float] | None = None) -> bool:

@@ -21,9 +21,9 @@ from kernelsight.loadgen.datasets import SampleRequest
 __all__ = ["DATASETS", "Workload", "MetricOptions", "add_workload_args", "add_report_args", "build_workload",
            "metric_options", "result_header", "default_ignore_eos"]
 
-DATASETS = ("random", "sharegpt", "prefix-repetition", "trace", "custom")
+DATASETS = ("random", "random-mm", "sharegpt", "prefix-repetition", "trace", "custom")
 # vllm bench serve forces ignore_eos for random prompts; a trace's output lengths are exact by definition.
-_IGNORE_EOS_BY_DEFAULT = ("random", "trace")
+_IGNORE_EOS_BY_DEFAULT = ("random", "random-mm", "trace")
 
 
 def _dataset_name(text: str) -> str:
@@ -31,6 +31,24 @@ def _dataset_name(text: str) -> str:
     if name not in DATASETS:
         raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(DATASETS)})")
     return name
+
+
+def _mm_limit(text: str) -> dict[str, int]:
+    from kernelsight.loadgen.mm_dataset import parse_limit
+
+    try:
+        return parse_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mm_buckets(text: str) -> dict[tuple[int, int, int], float]:
+    from kernelsight.loadgen.mm_dataset import parse_bucket_config
+
+    try:
+        return parse_bucket_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, with_seed: bool = True) -> None:
@@ -58,6 +76,17 @@ def add_workload_args(p: argparse.ArgumentParser, *, with_seed: bool = True) -> 
                    help="random dataset: lengths uniform in [L·(1−r), L·(1+r)] (default: 0)")
     g.add_argument("--random-prefix-len", type=non_negative_int, default=0,
                    help="random dataset: tokens of one prefix shared by all prompts (default: 0)")
+    g.add_argument("--random-mm-base-items-per-request", type=non_negative_int, default=1,
+                   help="random-mm: images per request around which the count is drawn (default: 1)")
+    g.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0,
+                   help="random-mm: images per request uniform in [floor(n·(1−r)), ceil(n·(1+r))], r in [0, 1] "
+                        "(default: 0)")
+    g.add_argument("--random-mm-limit-mm-per-prompt", type=_mm_limit, default=None, metavar="JSON",
+                   help="random-mm: most items per modality in one request (default: '{\"image\": 255, "
+                        "\"video\": 1}')")
+    g.add_argument("--random-mm-bucket-config", type=_mm_buckets, default=None, metavar="DICT",
+                   help="random-mm: {(height, width, frames): probability, ...} of image sizes (frames 1) "
+                        "(default: '{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}')")
     g.add_argument("--sharegpt-output-len", type=positive_int, default=None,
                    help="sharegpt: fixed output length (default: the reference completion's token count)")
     g.add_argument("--prefix-repetition-prefix-len", type=non_negative_int, default=256,
@@ -172,7 +201,7 @@ def _need_file(ns: argparse.Namespace) -> str:
 
 def build_workload(ns: argparse.Namespace, vocab_size: int, get_tokenizer: Callable[[], Any]) -> Workload:
     """Samples and arrival offsets from the workload flags. ``get_tokenizer()`` is called only for the
-    datasets that need one (sharegpt, custom)."""
+    datasets that need one (sharegpt, custom, random-mm)."""
     from kernelsight.loadgen import datasets as ds
     from kernelsight.loadgen.arrivals import arrival_times_s
 
@@ -190,6 +219,10 @@ def build_workload(ns: argparse.Namespace, vocab_size: int, get_tokenizer: Calla
         template = None if ns.skip_chat_template else _chat_wrapper(tok)
         samples = ds.custom_dataset(_need_file(ns), ns.num_prompts, tok, ns.seed, output_len=ns.custom_output_len,
                                     do_oversample=do_oversample, chat_template=template)
+    elif name == "random-mm":
+        from kernelsight.loadgen.mm_dataset import random_mm_dataset
+
+        samples = random_mm_dataset(ns, vocab_size, get_tokenizer())
     elif name == "prefix-repetition":
         samples = ds.prefix_repetition_dataset(
             ns.num_prompts, ns.prefix_repetition_prefix_len, ns.prefix_repetition_suffix_len,

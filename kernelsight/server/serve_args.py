@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
 
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args, add_kv_link_args
+from kernelsight.multimodal.options import parse_limit_mm_per_prompt, parse_mm_processor_kwargs
 from kernelsight.server.integrations.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
 from kernelsight.server.integrations.kv_events.config import parse_kv_events_config
 from kernelsight.server.integrations.kv_transfer import parse_kv_transfer_config
@@ -236,34 +236,6 @@ def fault_config_from(ns: argparse.Namespace) -> FaultConfig:
         types = LLM_D_FAULTS if ns.failure_injection_rate is not None else REQUEST_FAULTS
     return FaultConfig(rate=rate or 0.0, types=types, seed=ns.seed if ns.fault_seed is None else ns.fault_seed,
                        slow_factor=ns.fault_slow_factor, stall_s=ns.fault_stall_s, timeout_s=ns.fault_timeout_s)
-
-
-def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
-    """``--limit-mm-per-prompt`` as vLLM takes it: JSON ``{"image": 4, "video": 0}`` (a modality's value may also be
-    ``{"count": N, ...}``)."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--limit-mm-per-prompt takes JSON, e.g. '{{\"image\": 4}}' ({exc.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError("--limit-mm-per-prompt takes a JSON object, e.g. '{\"image\": 4}'")
-    out = {}
-    for modality, value in data.items():
-        count = value.get("count") if isinstance(value, dict) else value
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count >= 0, got {value!r}")
-        out[str(modality)] = count
-    return out
-
-
-def parse_mm_processor_kwargs(text: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--mm-processor-kwargs takes JSON, e.g. '{{\"max_pixels\": 802816}}' ({exc.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError("--mm-processor-kwargs takes a JSON object")
-    return data
 
 
 def serve_parser(prog: str = "kernelsight serve") -> OneLineParser:

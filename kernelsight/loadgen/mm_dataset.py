@@ -1,0 +1,197 @@
+"""``--dataset-name random-mm``: vLLM bench's random multimodal workload (random text + synthetic images), for
+``bench`` (which sends real images) and ``simulate`` (which builds the same prompts and ``MultimodalItem``s without
+encoding a pixel).
+
+vLLM's semantics (``RandomMultiModalDataset``):
+- items per request are uniform in ``[floor(n(1-r)), ceil(n(1+r))]`` (n = ``--random-mm-base-items-per-request``,
+  r = ``--random-mm-num-mm-items-range-ratio`` in [0, 1]), the maximum clamped to the sum of the per-modality limits
+  (``--random-mm-limit-mm-per-prompt``, default ``{"image": 255, "video": 1}``);
+- each item's (height, width, frames) is drawn from ``--random-mm-bucket-config`` (probabilities; zero entries
+  dropped, the rest renormalised; frames 1 = an image, > 1 a video); a modality at its limit has its buckets removed;
+- the chat message is ``[{"type": "text", "text": prompt}, *images]``.
+
+Differences, on purpose: the images are flat PNGs with the request and item index written into their first pixels
+(distinct content, so distinct hashes, as vLLM's random-pixel JPEGs are), cheap to make and small on the wire;
+only images are sent (a video bucket is refused, as this server simulates no video). The text is kernelsight's
+``random`` dataset's ids over the tokenizer's text vocabulary (its special tokens excluded, as vLLM does).
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import io
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kernelsight.loadgen.datasets import SampleRequest, random_dataset
+
+DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 255, "video": 1}
+DEFAULT_BUCKET_CONFIG = {(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}
+
+
+def parse_bucket_config(text: str) -> dict[tuple[int, int, int], float]:
+    """``--random-mm-bucket-config`` as vLLM takes it: a Python dict literal ``{(h, w, frames): p, ...}``."""
+    try:
+        data = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as exc:
+        raise ValueError(f"--random-mm-bucket-config: not a dict literal ({exc})") from None
+    if not isinstance(data, dict) or not data:
+        raise ValueError("--random-mm-bucket-config takes a dict {(height, width, frames): probability, ...}")
+    out = {}
+    for key, p in data.items():
+        if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(v, int) and v > 0 for v in key)):
+            raise ValueError(f"--random-mm-bucket-config: key {key!r} is not (height, width, frames) of positive ints")
+        if not isinstance(p, int | float) or p < 0:
+            raise ValueError("Bucket config values must be non-negative.")
+        out[key] = float(p)
+    return out
+
+
+def parse_limit(text: str) -> dict[str, int]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--random-mm-limit-mm-per-prompt takes JSON, e.g. '{{\"image\": 3}}' ({exc.msg})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, int) and v >= 0 for v in data.values()):
+        raise ValueError("--random-mm-limit-mm-per-prompt takes a JSON object of counts, e.g. '{\"image\": 3}'")
+    return {str(k): int(v) for k, v in data.items()}
+
+
+def _modality(cfg: tuple[int, int, int]) -> str:
+    return "image" if cfg[2] == 1 else "video"
+
+
+def _normalize(bucket: dict[tuple[int, int, int], float]) -> dict[tuple[int, int, int], float]:
+    bucket = {k: v for k, v in bucket.items() if v > 0}
+    if not bucket:
+        raise ValueError("Got invalid bucket config. Bucket config values must be non-zero.")
+    total = sum(bucket.values())
+    return {k: v / total for k, v in bucket.items()}
+
+
+def item_count_range(base: int, ratio: float, limits: dict[str, int],
+                     bucket: dict[tuple[int, int, int], float]) -> tuple[int, int, dict[str, int]]:
+    """(min, max) items per request and the limits of the modalities the buckets use, as vLLM derives them."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError("num_mm_items_range_ratio must be in [0, 1].")
+    for k in bucket:
+        if _modality(k) not in limits:
+            raise ValueError(f"Modality {_modality(k)} is not in limit_mm_per_prompt: {list(limits)}")
+    used = {_modality(k) for k in _normalize(bucket)}
+    limits = {k: v for k, v in limits.items() if k in used}
+    if not limits:
+        raise ValueError("No valid limits for modalities present in bucket_config.")
+    hi = min(sum(limits.values()), math.ceil(base * (1 + ratio)))
+    lo = max(0, math.floor(base * (1 - ratio)))
+    if lo > hi:
+        raise ValueError(f"Min num mm items is greater than max mm items: {lo} > {hi}")
+    return lo, hi, limits
+
+
+def sample_items(rng: np.random.Generator, lo: int, hi: int, bucket: dict[tuple[int, int, int], float],
+                 limits: dict[str, int]) -> list[tuple[int, int, int]]:
+    """One request's items (height, width, frames), drawn as vLLM's ``get_mm_item_iterator`` draws them."""
+    n = int(rng.integers(lo, hi + 1))
+    out: list[tuple[int, int, int]] = []
+    if n == 0:
+        return out
+    counts = {_modality(k): 0 for k in bucket}
+    probs = _normalize(bucket)
+    while len(out) < n:
+        keys = list(probs)
+        cfg = keys[int(rng.choice(len(keys), p=list(probs.values())))]
+        mod = _modality(cfg)
+        if counts[mod] < limits[mod]:
+            counts[mod] += 1
+            out.append(cfg)
+        else:
+            probs = {k: (0.0 if _modality(k) == mod else v) for k, v in probs.items()}
+            if all(v == 0 for v in probs.values()):
+                break
+            probs = _normalize(probs)
+    return out
+
+
+def _text_vocab(tok: Any, vocab_size: int) -> int:
+    """Ids below the tokenizer's first added (special) token: random text never spells a placeholder."""
+    inner = getattr(getattr(tok, "_tok", None), "hf", None)
+    base = None
+    if inner is not None:
+        try:
+            base = int(inner.get_vocab_size(with_added_tokens=False))
+        except (AttributeError, TypeError):
+            base = getattr(inner, "vocab_size", None)
+    return min(vocab_size, base) if base else vocab_size
+
+
+def random_mm_dataset(ns: Any, vocab_size: int, tok: Any) -> list[SampleRequest]:
+    """The samples: each with its prompt text and ``mm_sizes`` [(width, height), ...] (images only)."""
+    limits = ns.random_mm_limit_mm_per_prompt or dict(DEFAULT_LIMIT_MM_PER_PROMPT)
+    bucket = ns.random_mm_bucket_config or dict(DEFAULT_BUCKET_CONFIG)
+    lo, hi, limits = item_count_range(ns.random_mm_base_items_per_request, ns.random_mm_num_mm_items_range_ratio,
+                                      limits, bucket)
+    if any(_modality(k) == "video" for k, v in bucket.items() if v > 0):
+        raise ValueError("--dataset-name random-mm: only image buckets (frames 1) are simulated; drop the video "
+                         "buckets from --random-mm-bucket-config")
+    text_vocab = _text_vocab(tok, vocab_size)
+    base = random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
+                          text_vocab, ns.seed, ns.random_prefix_len)
+    rng = np.random.default_rng([ns.seed, 0x6D6D])      # its own stream: the text draws stay the random dataset's
+    out = []
+    for s in base:
+        ids = s.prompt_token_ids or []
+        text = tok.decode(ids)
+        sample = SampleRequest(None, len(ids), s.expected_output_len, prompt=text)
+        sample.mm_sizes = [(w, h) for h, w, _ in sample_items(rng, lo, hi, bucket, limits)]
+        out.append(sample)
+    return out
+
+
+def synthetic_png(width: int, height: int, key: Sequence[int]) -> bytes:
+    """A flat PNG of the given size whose first pixels spell ``key`` (distinct keys, distinct bytes)."""
+    from PIL import Image
+
+    img = Image.new("RGB", (width, height), (128, 128, 128))
+    raw = b"".join(int(k).to_bytes(8, "little", signed=False) for k in key)
+    for p in range(min((len(raw) + 2) // 3, width * height)):
+        chunk = raw[3 * p:3 * p + 3].ljust(3, b"\0")
+        img.putpixel((p % width, p // width), tuple(chunk))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_parts(sample: SampleRequest, seed: int, index: int) -> list[dict[str, Any]]:
+    """The chat content parts of a sample's images, as data URLs (bench)."""
+    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        synthetic_png(w, h, (seed, index, j))).decode()}} for j, (w, h) in enumerate(sample.mm_sizes or ())]
+
+
+def materialize_for_engine(samples: Sequence[SampleRequest], tok: Any, processor: Any, model: str, seed: int) -> None:
+    """Give each sample the token ids and ``MultimodalItem``s the server would give the engine for it (simulate):
+    the chat template over ``[text, image, ...]``, encoded, each image's placeholder expanded by the model's
+    processor; the content hash is derived from (seed, request, item) since no bytes exist."""
+    from kernelsight.multimodal import expand_prompt
+    from kernelsight.multimodal.hashing import synthetic_hash
+
+    inner = getattr(tok, "_tok", None)
+    if inner is None or not hasattr(inner, "render_chat"):
+        raise ValueError("simulate --dataset-name random-mm needs the model's tokenizer and chat template "
+                         "(bundled, --tokenizer DIR, or the HF cache)")
+    for i, s in enumerate(samples):
+        sizes = s.mm_sizes or []
+        parts = [{"type": "text", "text": s.prompt or ""}] + [{"type": "image"}] * len(sizes)
+        text = inner.render_chat([{"role": "user", "content": parts}])
+        ids = tok.encode(text, add_special_tokens=False)
+        layouts = [processor.layout(w, h) for w, h in sizes]
+        hashes = [synthetic_hash(model, "image", f"{seed}:{i}:{j}") for j in range(len(sizes))]
+        ids, items = expand_prompt(ids, processor.placeholder_id, layouts, hashes)
+        s.prompt_token_ids = ids
+        s.token_array = np.asarray(ids, dtype=np.int64)
+        s.prompt_len = len(ids)
+        s.mm_items = tuple(items)
