@@ -186,6 +186,17 @@ def test_images_reach_the_engine_as_items(srv, c):
     assert items[0].mm_hash != items[1].mm_hash and len(items[0].mm_hash) == 64
 
 
+def test_qwen3_vl_counts_32px_merged_patches_with_its_own_template():
+    with ServerThread(["--model", "Qwen/Qwen3-VL-30B-A3B-Instruct", "--max-model-len", "8192"]) as s:
+        with httpx.Client(base_url=s.base_url, timeout=30) as c:
+            tok = c.post("/tokenize", json={"messages": [{"role": "user", "content": [*TEXT, _image_part(448, 448)]}]})
+            text = c.post("/tokenize", json={"messages": [{"role": "user", "content": TEXT}]})
+            # 448 / 32 = 14 merged patches a side: 196 pads, inline after the text with start and end
+            assert tok.json()["count"] == text.json()["count"] + 196 + 2
+            ids = tok.json()["tokens"]
+            assert ids.count(151655) == 196 and ids[ids.index(151655) - 1] == 151652
+
+
 def test_text_only_model_refuses_an_image():
     with ServerThread(["--model", "Qwen/Qwen3-8B", "--max-model-len", "4096", "--served-model-name", "qwen3"]) as s:
         with httpx.Client(base_url=s.base_url, timeout=30) as c:
