@@ -49,7 +49,7 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
                     help="X prefill and Y decode engines of this configuration behind vLLM's toy-proxy semantics "
                          "(e.g. 1P1D, 2P3D): prefill with max_tokens 1, KV pulled over --kv-transfer-link, decode")
     add_kv_link_args(pd)
-    mm = p.add_argument_group("images (random-mm)")
+    mm = p.add_argument_group("images (random-mm, custom-image)")
     mm.add_argument("--mm-processor-kwargs", type=_mm_kwargs, default=None, metavar="JSON",
                     help="the image processor's overrides, as serve's (e.g. '{\"max_pixels\": 802816}')")
     p.set_defaults(func=cmd_simulate)
@@ -89,14 +89,15 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
     wl = build_workload(ns, config.model.vocab_size, tokenizer)
     samples = wl.samples
-    if ns.dataset_name == "random-mm":     # the prompts and images the server would hand its engine
+    if ns.dataset_name in ("random-mm", "custom-image"):     # the prompts and images the server gives its engine
         from kernelsight.loadgen.mm_dataset import materialize_for_engine
         from kernelsight.multimodal import processor_for_model
         from kernelsight.profiles import load_preprocessor_config
 
         processor = processor_for_model(config.model, load_preprocessor_config(ns.model), ns.mm_processor_kwargs)
         if processor is None:
-            raise ValueError(f"{config.model.name} is not a multimodal model: --dataset-name random-mm needs one")
+            raise ValueError(f"{config.model.name} is not a multimodal model: --dataset-name {ns.dataset_name} "
+                             f"needs one")
         materialize_for_engine(samples, tokenizer(), processor, config.model.name, ns.seed)
     too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
     if too_long:

@@ -107,3 +107,28 @@ def test_bench_random_mm_needs_the_chat_endpoint(capsys):
 def test_simulate_random_mm_on_a_text_only_model(capsys):
     assert main(["simulate", "--model", "Qwen/Qwen3-8B", *WORKLOAD]) == 2
     assert "Qwen/Qwen3-8B is not a multimodal model" in capsys.readouterr().err
+
+
+def test_custom_image_dataset_same_prompts_and_hashes_in_bench_and_simulate(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "img").mkdir()
+    for k, (w, h) in enumerate([(448, 448), (1000, 600), (300, 900)]):
+        Image.new("RGB", (w, h), (k * 40, 20, 20)).save(tmp_path / "img" / f"{k}.png")
+    lines = [{"prompt": f"What is in picture {k}?", "image_files": [f"img/{k}.png", "img/0.png"]} for k in range(3)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in lines))
+    wl = ["--dataset-name", "custom_image", "--dataset-path", str(data), "--num-prompts", "6",
+          "--custom-output-len", "8", "--request-rate", "20", "--seed", "2", "--save-detailed"]
+    sim_json, bench_json = tmp_path / "sim.json", tmp_path / "bench.json"
+    assert main(["simulate", *ENGINE, *wl, "--result-json", str(sim_json)]) == 0
+    with ServerThread([*ENGINE, "--allowed-local-media-path", str(tmp_path)]) as srv:
+        assert main(["bench", "--base-url", srv.base_url, "--endpoint", "/v1/chat/completions", *wl,
+                     "--result-json", str(bench_json)]) == 0
+        hits = next(float(line.rsplit(" ", 1)[1]) for line in
+                    __import__("httpx").get(srv.base_url + "/metrics").text.splitlines()
+                    if line.startswith("vllm:mm_cache_hits_total"))
+    sim, bench = json.loads(sim_json.read_text()), json.loads(bench_json.read_text())
+    assert bench["completed"] == 6 and bench["failed"] == 0
+    assert bench["input_lens"] == sim["input_lens"]
+    assert hits == 3          # 6 requests over 3 distinct files: the oversampled repeats hit the processor cache

@@ -238,7 +238,7 @@ def _build_spec(i: int, s: SampleRequest, *, url: str, chat: bool, model: str, i
     if chat:
         prompt = s.prompt if s.prompt is not None else decode(s.prompt_token_ids or [])
         payload = chat_payload(model, prompt, s.expected_output_len, ignore_eos, extra_body)
-        if s.mm_sizes:        # random-mm: the images after the text, as vllm bench sends them
+        if s.mm_sizes or s.mm_urls:     # random-mm, custom-image: the images after the text, as vllm bench
             from kernelsight.loadgen.mm_dataset import image_parts
 
             payload["messages"][0]["content"].extend(image_parts(s, mm_seed, i))
@@ -432,7 +432,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     tok = resolve_tokenizer(model, ns.tokenizer, base_url=base_url, model_root=root, headers=headers)
     wl = build_workload(ns, tok.vocab_size, lambda: tok)
     backend = ENDPOINTS[ns.endpoint]
-    if ns.dataset_name == "random-mm" and backend != "openai-chat":
+    if ns.dataset_name in ("random-mm", "custom-image") and backend != "openai-chat":
         raise ValueError("Multi-modal content (images) is only supported on the chat endpoint: pass "
                          "--endpoint /v1/chat/completions (or --backend openai-chat)")
 

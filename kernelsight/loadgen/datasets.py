@@ -46,7 +46,7 @@ class SampleRequest:
     """
 
     __slots__ = ("_ids", "_lazy_ids", "prompt_len", "expected_output_len", "arrival_offset_s", "prompt", "token_array",
-                 "mm_sizes", "mm_items")
+                 "mm_sizes", "mm_items", "mm_urls")
 
     def __init__(self, prompt_token_ids: list[int] | None, prompt_len: int, expected_output_len: int,
                  arrival_offset_s: float | None = None, prompt: str | None = None,
@@ -60,6 +60,7 @@ class SampleRequest:
         self.token_array = token_array
         self.mm_sizes: list[tuple[int, int]] | None = None   # images (width, height) sent with the prompt (random-mm)
         self.mm_items: tuple = ()          # their MultimodalItems in the prompt, once expanded for the engine
+        self.mm_urls: list[str] | None = None    # the images' URLs when they are files, not synthetic (custom-image)
 
     @classmethod
     def from_array(cls, ids: np.ndarray, expected_output_len: int) -> SampleRequest:

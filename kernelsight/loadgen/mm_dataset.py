@@ -166,8 +166,46 @@ def synthetic_png(width: int, height: int, key: Sequence[int]) -> bytes:
     return buf.getvalue()
 
 
+def custom_image_dataset(path: str, num_prompts: int, output_len: int, seed: int, *,
+                         do_oversample: bool = True) -> list[SampleRequest]:
+    """vLLM bench's ``custom_image``: a JSONL of ``{"prompt": str, "image_files": [path or URL, ...]}``; as in vLLM
+    only the first image is sent. A local path is sent as an absolute ``file://`` URL (the server needs
+    ``--allowed-local-media-path``); its size is read from its header here, so ``simulate`` needs local files."""
+    from pathlib import Path
+
+    from kernelsight.loadgen.datasets import jsonl_objects, oversample
+    from kernelsight.multimodal import image_info
+
+    base = Path(path).resolve().parent
+    out: list[SampleRequest] = []
+    for lineno, obj in jsonl_objects(path, str(path)):
+        if len(out) >= num_prompts:
+            break
+        files = obj.get("image_files")
+        if not isinstance(obj.get("prompt"), str) or not isinstance(files, list) or not files:
+            raise ValueError(f"{path} line {lineno}: expected {{\"prompt\": str, \"image_files\": [path, ...]}}")
+        first = str(files[0])
+        sample = SampleRequest(None, 0, output_len, prompt=obj["prompt"])
+        if first.startswith(("http://", "https://")):
+            sample.mm_urls, sample.mm_sizes = [first], None
+        else:
+            local = Path(first[len("file://"):] if first.startswith("file://") else first)
+            local = local if local.is_absolute() else (base / local)
+            try:
+                info = image_info(local.read_bytes())
+            except OSError as exc:
+                raise ValueError(f"{path} line {lineno}: cannot read {local} ({exc.strerror or exc})") from None
+            sample.mm_urls, sample.mm_sizes = [local.resolve().as_uri()], [(info.width_px, info.height_px)]
+        out.append(sample)
+    if not out:
+        raise ValueError(f"{path}: no request")
+    return oversample(out, num_prompts, seed) if do_oversample else out
+
+
 def image_parts(sample: SampleRequest, seed: int, index: int) -> list[dict[str, Any]]:
-    """The chat content parts of a sample's images, as data URLs (bench)."""
+    """The chat content parts of a sample's images: its files' URLs, else synthetic PNGs as data URLs (bench)."""
+    if sample.mm_urls:
+        return [{"type": "image_url", "image_url": {"url": u}} for u in sample.mm_urls]
     return [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
         synthetic_png(w, h, (seed, index, j))).decode()}} for j, (w, h) in enumerate(sample.mm_sizes or ())]
 
@@ -188,8 +226,18 @@ def materialize_for_engine(samples: Sequence[SampleRequest], tok: Any, processor
         parts = [{"type": "text", "text": s.prompt or ""}] + [{"type": "image"}] * len(sizes)
         text = inner.render_chat([{"role": "user", "content": parts}])
         ids = tok.encode(text, add_special_tokens=False)
+        if s.mm_urls and any(not u.startswith("file://") for u in s.mm_urls):
+            raise ValueError("simulate needs local image files (an http(s) image's size is unknown offline)")
         layouts = [processor.layout(w, h) for w, h in sizes]
-        hashes = [synthetic_hash(model, "image", f"{seed}:{i}:{j}") for j in range(len(sizes))]
+        if s.mm_urls:         # files: the hash the server computes from their bytes
+            from urllib.request import url2pathname
+
+            from kernelsight.multimodal.hashing import mm_content_hash
+
+            hashes = [mm_content_hash(model, "image", open(url2pathname(u[len("file://"):]), "rb").read(),
+                                      processor.kwargs) for u in s.mm_urls]
+        else:
+            hashes = [synthetic_hash(model, "image", f"{seed}:{i}:{j}") for j in range(len(sizes))]
         ids, items = expand_prompt(ids, processor.placeholder_id, layouts, hashes)
         s.prompt_token_ids = ids
         s.token_array = np.asarray(ids, dtype=np.int64)

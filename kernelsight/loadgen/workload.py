@@ -21,7 +21,7 @@ from kernelsight.loadgen.datasets import SampleRequest
 __all__ = ["DATASETS", "Workload", "MetricOptions", "add_workload_args", "add_report_args", "build_workload",
            "metric_options", "result_header", "default_ignore_eos"]
 
-DATASETS = ("random", "random-mm", "sharegpt", "prefix-repetition", "trace", "custom")
+DATASETS = ("random", "random-mm", "sharegpt", "prefix-repetition", "trace", "custom", "custom-image")
 # vllm bench serve forces ignore_eos for random prompts; a trace's output lengths are exact by definition.
 _IGNORE_EOS_BY_DEFAULT = ("random", "random-mm", "trace")
 
@@ -58,7 +58,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, with_seed: bool = True) -> 
                    help="random token prompts, ShareGPT JSON, shared-prefix prompts, a JSONL(.gz) request trace, "
                         "or a custom JSONL of prompts (default: random)")
     g.add_argument("--dataset-path", default=None,
-                   help="sharegpt: the JSON file; custom: JSONL with prompt and optional output_tokens; trace: one "
+                   help="sharegpt: the JSON file; custom: JSONL with prompt and optional output_tokens; "
+                        "custom-image: JSONL with prompt and image_files (the first is sent); trace: one "
                         "JSON per line with arrival_time_ns, input_toks, output_toks and optional input_tok_ids "
                         "(gzip or plain)")
     g.add_argument("--num-prompts", type=positive_int, default=1000,
@@ -223,6 +224,13 @@ def build_workload(ns: argparse.Namespace, vocab_size: int, get_tokenizer: Calla
         from kernelsight.loadgen.mm_dataset import random_mm_dataset
 
         samples = random_mm_dataset(ns, vocab_size, get_tokenizer())
+    elif name == "custom-image":
+        from kernelsight.loadgen.mm_dataset import custom_image_dataset
+
+        if ns.custom_output_len < 1:
+            raise ValueError(f"--dataset-name custom-image needs --custom-output-len >= 1, got {ns.custom_output_len}")
+        samples = custom_image_dataset(_need_file(ns), ns.num_prompts, ns.custom_output_len, ns.seed,
+                                       do_oversample=do_oversample)
     elif name == "prefix-repetition":
         samples = ds.prefix_repetition_dataset(
             ns.num_prompts, ns.prefix_repetition_prefix_len, ns.prefix_repetition_suffix_len,
