@@ -89,6 +89,18 @@ def test_openai_sdk_image_message_counts_the_processor_tokens(srv, c):
     assert tok["count"] == base + 258 and tok["tokens"].count(151655) == 256
 
 
+def test_request_mm_processor_kwargs_override_the_served_ones(c):
+    msgs = [{"role": "user", "content": [_image_part(896, 896), *TEXT]}]
+    full = c.post("/tokenize", json={"model": MODEL, "messages": msgs}).json()["count"]
+    # max_pixels 200704 (256 merged patches): 896x896 scales by sqrt(802816/200704) = 2 to 448x448 -> 256 tokens
+    small = c.post("/tokenize", json={"model": MODEL, "messages": msgs,
+                                      "mm_processor_kwargs": {"max_pixels": 200704}}).json()["count"]
+    assert full - small == 1024 - 256
+    bad = c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                               "mm_processor_kwargs": {"crop": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs"
+
+
 def test_anthropic_base64_image_block(c):
     data = base64.b64encode(_png(448, 448)).decode()
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [

@@ -29,7 +29,7 @@ from kernelsight.server.integrations.sleep_mode import SleepMode
 from kernelsight.server.model.logprobs import LogprobSynth
 from kernelsight.server.model.tokenizer import ServerTokenizer
 from kernelsight.server.options import ServerOptions
-from kernelsight.server.wire.errors import APIError, not_found
+from kernelsight.server.wire.errors import APIError, bad_request, not_found
 from kernelsight.server.wire.protocol.version import VLLM_VERSION
 from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, moe_group_timing
 from kernelsight.simcore.kv_transfer import kv_link
@@ -74,11 +74,24 @@ class ServerState:
         self.faults = FaultInjector(opts.faults, self.metrics.on_fault)
         self.sleep = SleepMode()
         # images in prompts: the model's processor (None for a text-only model, which refuses them)
+        self.mm_preprocessor = load_preprocessor_config(config.args.model)
         self.mm_processor: MultimodalProcessor | None = processor_for_model(
-            config.model, load_preprocessor_config(config.args.model), opts.media.mm_processor_kwargs)
+            config.model, self.mm_preprocessor, opts.media.mm_processor_kwargs)
         if self.mm_processor is not None and config.model.vision is not None:
             self.metrics.bind_mm_cache(config.model.vision)
         self.apply_replica_faults()
+
+    def request_mm_processor(self, kwargs: Any) -> MultimodalProcessor | None:
+        """The processor for one request's ``mm_processor_kwargs`` (over the served ones), as vLLM takes them."""
+        if not kwargs or self.mm_processor is None:
+            return self.mm_processor
+        if not isinstance(kwargs, dict):
+            raise bad_request("mm_processor_kwargs must be an object", "mm_processor_kwargs")
+        try:
+            return processor_for_model(self.config.model, self.mm_preprocessor,
+                                       {**self.opts.media.mm_processor_kwargs, **kwargs})
+        except ValueError as exc:
+            raise bad_request(str(exc), "mm_processor_kwargs") from None
 
     def configure_faults(self, config: FaultConfig, reseed: bool) -> None:
         """New fault settings, live (the admin endpoint): the picker, and the replica states at once."""

@@ -45,8 +45,9 @@ async def run_chat(state: ServerState, request: Request, req: ChatCompletionRequ
     if not req.messages:
         raise bad_request("messages must be a non-empty list.", "messages")
     template = req.chat_template or state.opts.chat_template
+    processor = state.request_mm_processor(getattr(req, "mm_processor_kwargs", None))
     # images: counted and refused (text-only model, too many) before anything else; placeholders in the messages
-    media = split_chat_media(req.messages, state.mm_processor, state.model_name, state.opts.media,
+    media = split_chat_media(req.messages, processor, state.model_name, state.opts.media,
                              template or state.tok.chat_template)
     messages = media.messages
     try:
@@ -62,8 +63,8 @@ async def run_chat(state: ServerState, request: Request, req: ChatCompletionRequ
     ids = await encode_prompt(state.tok, text, req.add_special_tokens)
     mm_items = None
     if media.urls:        # fetched, sized and expanded: the prompt holds each image's tokens, as vLLM's
-        layouts, hashes = await image_layouts(media.urls, state.mm_processor, state.opts.media)
-        ids, items = expand_images(ids, state.mm_processor, layouts, hashes)
+        layouts, hashes = await image_layouts(media.urls, processor, state.opts.media)
+        ids, items = expand_images(ids, processor, layouts, hashes)
         mm_items = [items]
         state.metrics.on_mm_items(items)
     gen = chat_generation(state, request, req, rid or "chatcmpl-" + request_base(request, req.request_id), lora,

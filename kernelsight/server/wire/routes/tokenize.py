@@ -25,7 +25,8 @@ async def tokenize(request: Request) -> Response:
     state.check_model(req.model)
     if req.messages is not None:
         template = req.chat_template or state.opts.chat_template
-        media = split_chat_media(req.messages, state.mm_processor, state.model_name, state.opts.media,
+        processor = state.request_mm_processor(getattr(req, "mm_processor_kwargs", None))
+        media = split_chat_media(req.messages, processor, state.model_name, state.opts.media,
                                  template or tok.chat_template)
         try:
             text = tok.render_chat(media.messages, req.add_generation_prompt,
@@ -36,8 +37,8 @@ async def tokenize(request: Request) -> Response:
         # no length limit on /tokenize (as in vLLM): a huge text is encoded off the loop, or every stream would stall
         ids = await encode_prompt(tok, text, bool(req.add_special_tokens))
         if media.urls:      # each image counts its expanded placeholder tokens, as the engine's prompt holds them
-            layouts, hashes = await image_layouts(media.urls, state.mm_processor, state.opts.media)
-            ids = expand_images(ids, state.mm_processor, layouts, hashes)[0]
+            layouts, hashes = await image_layouts(media.urls, processor, state.opts.media)
+            ids = expand_images(ids, processor, layouts, hashes)[0]
     elif req.prompt is not None:
         ids = await encode_prompt(tok, req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
     else:
