@@ -249,3 +249,16 @@ def test_http_image_url_is_fetched(srv, c):
         assert r.json()["usage"]["prompt_tokens"] == _text_only_tokens(c) + 258
     finally:
         httpd.shutdown()
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--allowed-local-media-path", "/nonexistent/media"],
+     "Invalid `--allowed-local-media-path`: The path /nonexistent/media does not exist."),
+    (["--limit-mm-per-prompt", "image=2"], "--limit-mm-per-prompt takes JSON"),
+    (["--mm-processor-kwargs", '{"num_crops": 4}'], "unsupported mm_processor_kwargs"),
+])
+def test_serve_refuses_bad_multimodal_flags_in_one_line(capsys, argv, expected):
+    from conftest import cli_one_line_error
+
+    line = cli_one_line_error(capsys, ["serve", "--model", MODEL, "--port", "0", *argv])
+    assert expected in line

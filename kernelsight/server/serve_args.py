@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args, add_kv_link_args
-from kernelsight.multimodal.options import parse_limit_mm_per_prompt, parse_mm_processor_kwargs
+from kernelsight.multimodal import options as mm_options
 from kernelsight.server.integrations.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
 from kernelsight.server.integrations.kv_events.config import parse_kv_events_config
 from kernelsight.server.integrations.kv_transfer import parse_kv_transfer_config
@@ -69,10 +70,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model name(s) the API answers to; the first is reported (default: --model)")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory or local HF-cache id (default: the model's)")
     s.add_argument("--chat-template", default=None, help="Jinja chat template (a file path or the template itself)")
-    s.add_argument("--limit-mm-per-prompt", type=parse_limit_mm_per_prompt, default=None, metavar="JSON",
+    s.add_argument("--limit-mm-per-prompt", type=_limit_mm, default=None, metavar="JSON",
                    help="most images (videos, ...) one prompt may carry, as vLLM: '{\"image\": 4}' (default: 999 "
                         "each); more are refused with vLLM's 400")
-    s.add_argument("--mm-processor-kwargs", type=parse_mm_processor_kwargs, default=None, metavar="JSON",
+    s.add_argument("--mm-processor-kwargs", type=_mm_kwargs, default=None, metavar="JSON",
                    help="the image processor's overrides, as vLLM: e.g. '{\"max_pixels\": 802816}' for Qwen-VL "
                         "(min_pixels, max_pixels, size), '{\"max_patches\": 4}' for Llama 4")
     s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
@@ -238,6 +239,20 @@ def fault_config_from(ns: argparse.Namespace) -> FaultConfig:
                        slow_factor=ns.fault_slow_factor, stall_s=ns.fault_stall_s, timeout_s=ns.fault_timeout_s)
 
 
+def _limit_mm(text: str) -> dict[str, int]:
+    try:
+        return mm_options.parse_limit_mm_per_prompt(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mm_kwargs(text: str) -> dict[str, Any]:
+    try:
+        return mm_options.parse_mm_processor_kwargs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def serve_parser(prog: str = "kernelsight serve") -> OneLineParser:
     """A stand-alone parser of ``serve``'s flags (what follows ``kernelsight serve``)."""
     p = OneLineParser(prog=prog, description=SERVE_DESCRIPTION)
@@ -275,6 +290,12 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
     if chat_template and os.path.isfile(chat_template):
         with open(chat_template, encoding="utf-8") as f:
             chat_template = f.read()
+    local_media = ns.allowed_local_media_path
+    if local_media:       # vLLM checks it at start
+        if not os.path.exists(local_media):
+            raise ValueError(f"Invalid `--allowed-local-media-path`: The path {local_media} does not exist.")
+        if not os.path.isdir(local_media):
+            raise ValueError(f"Invalid `--allowed-local-media-path`: The path {local_media} must be a directory.")
     api_keys = list(ns.api_key or [])
     if not api_keys and os.environ.get("VLLM_API_KEY"):
         api_keys = [os.environ["VLLM_API_KEY"]]
