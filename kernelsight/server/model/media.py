@@ -122,7 +122,7 @@ def split_chat_media(messages: list[dict[str, Any]], processor: MultimodalProces
             out.append({**m, "content": rendered})
         else:
             out.append({**m, "content": "\n".join([processor.placeholder_text] * n_images + ["\n".join(texts)])})
-    normalized = [m if isinstance(m.get("content"), list) and parts_format and
+    normalized = [m if isinstance(m, dict) and isinstance(m.get("content"), list) and parts_format and
                   any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
                   else normalize_messages([m])[0] for m in out]
     return ChatMedia(normalized, urls)
