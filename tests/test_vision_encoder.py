@@ -190,3 +190,12 @@ def test_the_same_image_after_different_text_is_encoded_once():
     _first_token_s(eng, "second")
     cache = eng.scheduler.encoder_cache
     assert req.num_cached_tokens == 0 and cache.num_computed == 1 and cache.num_hits == 1
+
+
+def test_the_vision_tower_takes_gpu_memory():
+    # Qwen2.5-VL-7B's tower is ~0.67B parameters: ~1.3 GB of bf16 weights fewer KV blocks than the text model
+    assert 0.6e9 < QWEN25_VL.num_params < 0.7e9
+    text, vlm = make_config(), vlm_config()
+    from kernelsight.simcore.memory import weight_bytes_per_rank
+    extra = weight_bytes_per_rank(vlm.model, vlm.precision, 1) - weight_bytes_per_rank(text.model, text.precision, 1)
+    assert extra == pytest.approx(2.0 * QWEN25_VL.num_params)

@@ -38,6 +38,17 @@ class VisionSpec:
     def patches_per_token(self) -> int:
         return self.merge_size * self.merge_size
 
+    @property
+    def num_params(self) -> int:
+        """Parameters of the tower and its merger(s) (bf16 in memory whatever the LM's format)."""
+        h, inter = self.hidden_size, self.intermediate_size
+        block = 4 * h * h + (3 if self.gated_mlp else 2) * h * inter + 4 * h
+        merged_in = self.patches_per_token * h
+        merged_hidden = self.merger_hidden_size or merged_in
+        merger = merged_in * merged_hidden + merged_hidden * self.out_hidden_size + 2 * h
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size * h
+        return patch + self.depth * block + (1 + self.num_deepstack_mergers) * merger
+
 
 @dataclass(frozen=True, slots=True)
 class MultimodalItem:
