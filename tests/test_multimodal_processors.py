@@ -120,5 +120,5 @@ def test_engine_takes_mm_items_and_refuses_bad_ranges():
     item = MultimodalItem("image", offset=2, num_tokens=256, encoder_seq_lens=(1024,), mm_hash="x",
                           grid_thw=(1, 32, 32))
     eng.add_request("a", list(range(300)), 4, mm_items=[item])
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="past the prompt"):
         eng.add_request("b", list(range(100)), 4, mm_items=[item])

@@ -22,7 +22,7 @@ import numpy as np
 from kernelsight.simcore.kernels import FAMILIES
 from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.kv_transfer import KVTransferModel
-from kernelsight.simcore.multimodal import MultimodalItem
+from kernelsight.simcore.multimodal import MultimodalItem, check_mm_items
 from kernelsight.simcore.output_len import OutputLengthModel
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
 from kernelsight.simcore.scheduler import Scheduler, SchedulerConfig
@@ -139,7 +139,7 @@ class Engine:
                     min_tokens: int = 0, ignore_eos: bool = False, n: int = 1, priority: int = 0,
                     arrival_s: float | None = None, extra_keys: tuple | None = None,
                     output_token_ids: Sequence[int] | None = None, hold_kv: bool = False,
-                    remote_prefill: bool = False, mm_items: Sequence[MultimodalItem] = ()) -> list[str]:
+                    remote_prefill: bool = False, mm_items: tuple[MultimodalItem, ...] = ()) -> list[str]:
         """Queue a request (arriving now, or at ``arrival_s`` on the virtual clock). Returns sequence ids.
 
         ``n > 1`` fans out into n sequences sharing the prompt (ids ``"{i}_{request_id}"`` as in vLLM).
@@ -147,7 +147,8 @@ class Engine:
         blocks of a length finish until ``release_held`` or the abort timeout; ``remote_prefill`` (the decode side,
         ``do_remote_prefill``) allocates the prompt's blocks on arrival, pulls the KV not cached locally over
         ``kv_transfer``'s link, then computes only the last prompt token.
-        ``mm_items``: the prompt's images/videos, in prompt order, their placeholder tokens already in the prompt.
+        ``mm_items``: the images/videos whose placeholder tokens the prompt holds, in prompt order (their encoder
+        runs in the step that first schedules their tokens; needs a model with a vision encoder).
         """
         if remote_prefill and self.kv_transfer is None:
             raise ValueError("remote prefill needs a KV transfer model (engine.kv_transfer)")
@@ -160,16 +161,11 @@ class Engine:
             raise ValueError(f"n must be at least 1, got {n}")
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if mm_items:
+            check_mm_items(mm_items, plen)
         max_len = self.config.max_model_len
         if plen >= max_len:
             raise ValueError(f"prompt of {plen} tokens does not fit max_model_len={max_len}")
-        items = tuple(mm_items)
-        end = 0
-        for item in items:       # in prompt order, inside the prompt, not overlapping
-            if item.offset < end or item.end > plen or item.num_tokens < 1:
-                raise ValueError(f"multimodal item at [{item.offset}, {item.end}) is out of order or outside the "
-                                 f"{plen}-token prompt")
-            end = item.end
         t = self.now_s if arrival_s is None else arrival_s
         cutoff = self._admit_cutoff_s()
         # immutable: block hashes are taken over it (an int array is kept as is: hashing reads it directly)
@@ -183,8 +179,8 @@ class Engine:
             if plen + length > max_len:      # the context window ends generation
                 length, reason = max_len - plen, FinishReason.LENGTH
             req = Request(sid, prompt, max_tokens, length, reason, t, priority, next(self._seq),
-                          request_id if n > 1 else None, i, extra_keys, output_token_ids, hold_kv, remote_prefill)
-            req.mm_items = items
+                          request_id if n > 1 else None, i, extra_keys, output_token_ids, hold_kv, remote_prefill,
+                          mm_items=tuple(mm_items))
             self._requests[sid] = req
             self.kv.hash_prompt(req)
             if t <= cutoff and not remote_prefill:     # a pull starts at the next step (_admit_arrivals)
