@@ -4,9 +4,9 @@ each, and the server's CPU cost per image request.
 1. For each GPU and square image side, one request (a short question after one image) on an idle simulated engine
    (``kernelsight simulate``'s fast-forward path): its prompt tokens (the processor's image tokens + the chat
    template), the simulated TTFT, and the roofline bound of the same work: the language model's prefill kernels at
-   η = 1 (every kernel's compute or memory roof, wave-quantized, summed over the prefill chunks), plus the vision
-   encoder's when the step model prices it (the lead's encoder kernels; "-" until then). The encoder's own simulated
-   time, where the step model reports it, is the breakdown's families whose name holds "encoder".
+   η = 1 (every kernel's compute or memory roof, wave-quantized, summed over the prefill chunks) plus the vision
+   encoder pass's (``StepModel.encoder_roofline_s``). The encoder's simulated time is ``StepModel.encoder_pass_s``
+   (its kernels, eager launches) for the same items.
 2. A ``kernelsight serve`` subprocess answering non-streamed chat requests of one token: server CPU seconds (utime +
    stime from /proc) per request with one unique 896x896 PNG, against the same text-only request; steal time from
    /proc/stat beside it.
@@ -36,7 +36,7 @@ from kernelsight.loadgen.mm_dataset import materialize_for_engine, synthetic_png
 from kernelsight.loadgen.tokenizer import resolve_tokenizer  # noqa: E402
 from kernelsight.multimodal import processor_for_model  # noqa: E402
 from kernelsight.profiles import load_preprocessor_config  # noqa: E402
-from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
+from kernelsight.simcore.engine_config import EngineArgs, build_step_model  # noqa: E402
 from kernelsight.simcore.kernel_shapes import BatchShape, PrefillChunk  # noqa: E402
 from kernelsight.simcore.kernels import decompose_step  # noqa: E402
 from kernelsight.simcore.roofline import kernel_roofline_s  # noqa: E402
@@ -65,6 +65,7 @@ def ttft_rows(sides: list[int]) -> list[dict]:
     for gpu in GPUS:
         config = create_engine_config(EngineArgs(model=MODEL, hardware=gpu, max_model_len=16384))
         processor = processor_for_model(config.model, load_preprocessor_config(MODEL))
+        sm = build_step_model(config)
         for side in [0, *sides]:
             s = SampleRequest(None, 0, 1, prompt=QUESTION)
             s.mm_sizes = [(side, side)] if side else []
@@ -72,11 +73,14 @@ def ttft_rows(sides: list[int]) -> list[dict]:
             res = run_fast_forward(config, [s], [0.0], ignore_eos=True)
             rec = res.records[0]
             image_tokens = sum(i.num_tokens for i in s.mm_items)
-            encoder_s = sum(v for f, v in res.breakdown_s.items() if "encoder" in f)
-            roof_s = prefill_roofline_s(config, s.prompt_len)
+            encoder_s = sm.encoder_pass_s(s.mm_items) if s.mm_items else 0.0
+            enc_roof_s = sm.encoder_roofline_s(s.mm_items) if s.mm_items else 0.0
+            lm_roof_s = prefill_roofline_s(config, s.prompt_len)
+            roof_s = lm_roof_s + enc_roof_s
             rows.append({"gpu": gpu, "image_px": side, "image_tokens": image_tokens, "prompt_tokens": s.prompt_len,
-                         "ttft_ms": round(1e3 * rec.ttft_s, 3), "lm_prefill_roofline_ms": round(1e3 * roof_s, 3),
-                         "encoder_ms": round(1e3 * encoder_s, 3) if encoder_s else None,
+                         "ttft_ms": round(1e3 * rec.ttft_s, 3), "encoder_ms": round(1e3 * encoder_s, 3),
+                         "encoder_roofline_ms": round(1e3 * enc_roof_s, 3),
+                         "lm_prefill_roofline_ms": round(1e3 * lm_roof_s, 3), "roofline_ms": round(1e3 * roof_s, 3),
                          "ttft_over_roofline": round(rec.ttft_s / roof_s, 2) if roof_s else None})
     return rows
 
@@ -119,11 +123,11 @@ def main() -> None:
     sides = [int(x) for x in ns.sides.split(",") if x.strip()]
     rows = ttft_rows(sides)
     print(f"{'gpu':<6}{'image px':>9}{'img tok':>9}{'prompt':>8}{'TTFT ms':>10}{'roofline ms':>13}{'TTFT/roof':>11}"
-          f"{'encoder ms':>12}")
+          f"{'encoder ms':>12}{'enc roof ms':>13}{'LM roof ms':>12}")
     for r in rows:
-        enc = f"{r['encoder_ms']:.2f}" if r["encoder_ms"] is not None else "-"
         print(f"{r['gpu']:<6}{r['image_px'] or 'none':>9}{r['image_tokens']:>9}{r['prompt_tokens']:>8}"
-              f"{r['ttft_ms']:>10.2f}{r['lm_prefill_roofline_ms']:>13.2f}{r['ttft_over_roofline']:>11.2f}{enc:>12}")
+              f"{r['ttft_ms']:>10.2f}{r['roofline_ms']:>13.2f}{r['ttft_over_roofline']:>11.2f}{r['encoder_ms']:>12.2f}"
+              f"{r['encoder_roofline_ms']:>13.2f}{r['lm_prefill_roofline_ms']:>12.2f}")
     cpu = cpu_rows(ns.cpu_requests) if ns.cpu_requests > 0 else None
     if cpu is not None:
         print(f"\nserver CPU per request (non-streamed chat, 1 output token, {ns.cpu_requests} each):")
