@@ -84,6 +84,11 @@ def test_openai_sdk_image_message_counts_the_processor_tokens(srv, c):
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     # the image's tokens plus <|vision_start|> and <|vision_end|>: 448 -> 256, 896 -> 1024
     assert got == {448: 256 + 2, 896: 1024 + 2}
+    stream = client.chat.completions.create(model=MODEL, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(448, 448)}}, *TEXT]}])
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens == base + 258 and usage[-1].completion_tokens == 3
     tok = c.post("/tokenize", json={"model": MODEL, "messages": [
         {"role": "user", "content": [_image_part(448, 448), *TEXT]}]}).json()
     assert tok["count"] == base + 258 and tok["tokens"].count(151655) == 256
