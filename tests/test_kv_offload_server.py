@@ -54,7 +54,8 @@ def _evict_and_return(c: httpx.Client) -> tuple[tuple[int, float], tuple[int, fl
     return first, _cached_and_ttft(c, _prompt(0))
 
 
-def test_evicted_prompt_is_loaded_from_cpu_not_recomputed():
+def test_evicted_prompt_is_loaded_from_cpu_not_recomputed(monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     with ServerThread(BASE) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as c:
         (cold, cold_ttft), (again, again_ttft) = _evict_and_return(c)
         assert cold == 0 and again == 0                  # without offloading: recomputed
@@ -77,6 +78,9 @@ def test_evicted_prompt_is_loaded_from_cpu_not_recomputed():
         # the GPU's prefix cache saw no hit (the hit was the CPU tier's)
         assert _metric(text, "vllm:prefix_cache_hits_total") == 0
         assert re.search(r'vllm:cache_config_info\{[^}]*kv_offloading_backend="native"', text)
+        # vLLM's reset with reset_external empties the CPU tier too: the prompt is recomputed
+        assert c.post("/reset_prefix_cache", params={"reset_external": "true"}).json() == {"success": True}
+        assert _cached_and_ttft(c, _prompt(0))[0] == 0
 
 
 def test_kv_events_carry_medium_cpu(monkeypatch):
