@@ -112,3 +112,23 @@ def test_kv_events_carry_medium_cpu(monkeypatch):
     assert stored <= gpu_stored
     assert {h for e in cpu_removed for h in e["block_hashes"]} <= stored
     assert all(set(e) == {"type", "block_hashes", "medium"} for e in cpu_removed)
+
+
+def test_kv_transfer_config_and_flags_combine_as_vllm():
+    from kernelsight.server.integrations.kv_transfer import parse_kv_transfer_config
+    from kernelsight.server.launch import offload_engine_args
+    from kernelsight.simcore.engine_config import EngineArgs
+
+    off = parse_kv_transfer_config(json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                               "kv_connector_extra_config": {"cpu_bytes_to_use": 2**31,
+                                                                             "block_size": 32}}))
+    args = offload_engine_args(EngineArgs(), off)
+    assert (args.kv_offloading_size_gib, args.kv_offloading_backend, args.kv_offloading_block_size) == (2.0, "native",
+                                                                                                       32)
+    # --kv-offloading-size takes the connector over (its size wins; the native connector keeps the block size)
+    args = offload_engine_args(EngineArgs(kv_offloading_size_gib=8.0), off)
+    assert (args.kv_offloading_size_gib, args.kv_offloading_block_size) == (8.0, 32)
+    nixl = parse_kv_transfer_config('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
+    assert offload_engine_args(EngineArgs(), nixl) == EngineArgs()
+    with pytest.raises(ValueError, match="MultiConnector"):
+        offload_engine_args(EngineArgs(kv_offloading_size_gib=8.0), nixl)
