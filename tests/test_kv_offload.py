@@ -145,7 +145,7 @@ def test_lru_eviction_and_capacity():
     tier.advance(2.0)
     assert tier.match(b, hb, 0, 2.0) == 0 and tier.match(a, ha, 0, 2.0) == 2 * BS
     assert tier.match(c, hc, 0, 2.0) == 2 * BS and tier.num_stored == 4 and tier.stats.evicted_blocks == 2
-    assert HostBlocksRemoved(hb, "CPU") in src.events
+    assert HostBlocksRemoved(hb[::-1], "CPU") in src.events      # a suffix goes before its prefix
 
 
 def test_blocks_being_loaded_are_not_evicted():
@@ -271,3 +271,15 @@ def test_decode_blocks_stored_when_not_prompt_only():
     while eng.has_unfinished():
         eng.step()
     assert eng.offload.num_stored == 4       # 2 prompt blocks and the 2 decode blocks filled before the last token
+
+
+def test_chunks_larger_than_gpu_blocks():
+    tier = KVOffload(OffloadConfig("native", 8 * 64 * 1000.0, 64, 8, 1000.0), LINK, BS)   # 4 GPU blocks per chunk
+    a, ha = _req("a", 8, 100)            # 8 GPU blocks = 2 chunks
+    _store(tier, a, ha, 0.0)
+    tier.advance(1.0)
+    assert tier.num_stored == 2 and tier.stats.bytes[GPU_TO_CPU] == 2 * 64 * 1000.0
+    assert tier.match(a, ha, 0, 1.0) == 128
+    assert tier.match(a, ha, 64, 1.0) == 64
+    # a GPU hit of 5 blocks leaves 48 tokens of the second chunk: less than a chunk, not loaded (as vLLM)
+    assert tier.match(a, ha, 80, 1.0) == 0

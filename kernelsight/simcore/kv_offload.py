@@ -227,8 +227,8 @@ class KVOffload:
         start = num_computed_tokens // obs
         blocks = self._blocks
         keys = self._keys(hashes, 0, n_blocks)
-        for k in keys:              # vLLM touches every block of the request before the lookup
-            if k in blocks:
+        for k in reversed(keys):    # vLLM touches every block of the request before the lookup, the first last
+            if k in blocks:         # (most recent: a prefix outlives its suffix)
                 blocks.move_to_end(k)
         hits = 0
         for k in keys[start:]:
@@ -236,11 +236,12 @@ class KVOffload:
             if b is None or b.ready_s > now_s:
                 break
             hits += 1
-        if not hits:
+        ext = (start + hits) * obs - num_computed_tokens
+        if ext < obs:               # less than an offloaded block past the GPU hit: not worth a load (as vLLM)
             return 0
         if self._keys_loading and any(k in self._keys_loading for k in keys[start:start + hits]):
             return None
-        return (start + hits) * obs - num_computed_tokens
+        return ext
 
     def start_load(self, req: Request, hashes: list[int], num_computed_tokens: int, num_load_tokens: int,
                    now_s: float) -> float:
@@ -299,14 +300,18 @@ class KVOffload:
             if n_blocks <= start:
                 continue
             hashes = hashes_of(req, (n_blocks * obs) // self.gpu_block_size)
-            keys = self._keys(hashes, start, n_blocks)
-            stored = self._prepare_store(keys)
+            keys = self._keys(hashes, 0, n_blocks)
+            stored = self._prepare_store(keys[start:])
             if stored is None:
-                self.stats.stores_skipped_blocks += len(keys)
+                self.stats.stores_skipped_blocks += n_blocks - start
                 continue
             req.num_offloaded_blocks = n_blocks
             if not stored:
                 continue
+            blocks = self._blocks
+            for k in reversed(keys):        # vLLM then touches the request's blocks, the first last
+                if k in blocks:
+                    blocks.move_to_end(k)
             begin = max(step_end_s, self.d2h_free_s)
             num_bytes = self._bytes(len(stored))
             dur = self.link.time_s(num_bytes)
@@ -323,9 +328,6 @@ class KVOffload:
         (never one of ``keys``); None (no change) when not enough can be evicted."""
         blocks = self._blocks
         new = [k for k in dict.fromkeys(keys) if k not in blocks]
-        for k in keys:
-            if k in blocks:
-                blocks.move_to_end(k)
         if not new:
             return []
         need = len(blocks) + len(new) - self.capacity
