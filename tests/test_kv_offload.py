@@ -257,6 +257,7 @@ def test_abort_while_loading_frees_everything():
     while not a2.kv_load_tokens:
         eng.step()                           # until a2's load has started
     assert a2.kv_load_tokens == 2000 and a2.block_ids     # loaded blocks held, not yet taken in
+    assert eng.num_waiting == 1 and eng.offload.num_loading == 1     # waiting for its KV, as vLLM counts it
     assert eng.abort("a2")
     while eng.has_unfinished():
         eng.step()

@@ -235,7 +235,10 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Waiting requests, those loading their prefix from the CPU tier included (vLLM keeps them in its waiting
+        queue as WAITING_FOR_REMOTE_KVS)."""
+        off = self.offload
+        return len(self.scheduler.waiting) + (off.num_loading if off is not None else 0)
 
     @property
     def next_arrival_s(self) -> float | None:
@@ -543,4 +546,4 @@ class Engine:
         st.breakdown_s += breakdown
         st.num_preemptions = self.scheduler.num_preemptions
         return StepResult(start, ends, first_index, events, tokens, len(self.scheduler.running),
-                          len(self.scheduler.waiting), self.kv.usage, breakdown)
+                          self.num_waiting, self.kv.usage, breakdown)

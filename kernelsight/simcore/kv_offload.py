@@ -188,6 +188,11 @@ class KVOffload:
         return num_tokens // self.config.block_size
 
     @property
+    def num_loading(self) -> int:
+        """Requests whose load is in flight."""
+        return len(self._loading)
+
+    @property
     def num_stored(self) -> int:
         return len(self._blocks)
 
