@@ -284,3 +284,16 @@ def test_chunks_larger_than_gpu_blocks():
     assert tier.match(a, ha, 64, 1.0) == 64
     # a GPU hit of 5 blocks leaves 48 tokens of the second chunk: less than a chunk, not loaded (as vLLM)
     assert tier.match(a, ha, 80, 1.0) == 0
+
+
+def test_loads_in_flight_are_capped():
+    tier = KVOffload(OffloadConfig("native", 16 * BS * 1000.0, BS, 16, 1000.0), LINK, BS, max_loads=1)
+    a, ha = _req("a", 2, 100)
+    b, hb = _req("b", 2, 200)
+    _store(tier, a, ha, 0.0)
+    _store(tier, b, hb, 0.0)
+    tier.advance(1.0)
+    tier.start_load(a, ha, 0, 2 * BS, 1.0)
+    assert tier.match(b, hb, 0, 1.0) is None      # vLLM's max_num_seqs loads at once: b is asked again later
+    tier.finish_load(a)
+    assert tier.match(b, hb, 0, 1.0) == 2 * BS

@@ -444,7 +444,8 @@ def attach_offload(eng: Engine, cfg: EngineConfig) -> None:
     """KV offloading: the engine's own CPU tier, its copies priced over the GPU's PCIe link (each DP rank is an
     engine with its own tier of the configured size, as each vLLM engine has its own connector)."""
     if cfg.offload is not None:
-        eng.enable_offload(KVOffload(cfg.offload, kv_link(cfg.hardware, "pcie"), cfg.scheduler.block_size))
+        eng.enable_offload(KVOffload(cfg.offload, kv_link(cfg.hardware, "pcie"), cfg.scheduler.block_size,
+                                     cfg.scheduler.max_num_seqs))
 
 
 def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:

@@ -17,15 +17,18 @@ What is modelled, after vLLM's connector:
 * **loads before the step that needs them**: the hit is allocated on the GPU and copied on a host-to-device stream
   (one copy after another) from the step it is scheduled in; the request takes no token budget until its load ends,
   then waits its turn at the head of the queue (vLLM's ``WAITING_FOR_REMOTE_KVS``, then the prepended waiting request).
-  A request whose hit is being loaded for another request waits for that load (vLLM delays it).
+  A request whose hit is being loaded for another request waits for that load (vLLM delays it), and so does every
+  request while ``max_num_seqs`` loads are in flight (vLLM's cap on concurrent loads).
 * **the CPU LRU**: blocks being loaded are not evictable; touching (a lookup, a store of the same prefix) refreshes.
 * **transfers** are priced over the GPU's PCIe link (``kv_transfer.kv_link(hw, "pcie")``: the profile's PCIe
   bandwidth per direction times a bulk-copy share, plus a copy latency): each TP rank copies its own shard over its
   own link at once, so a copy takes one rank's bytes over one link. The copies overlap compute fully.
 
+Decode blocks are stored only with ``offload_prompt_only: false``, which turns the scheduler's decode group off (each
+decode's progress is then known step by step).
+
 Not modelled: the copies' share of HBM bandwidth (they do not slow steps); host memory bandwidth shared by the ranks;
-vLLM holding a finished request's GPU blocks until its stores finish; the cap of ``max_num_seqs`` concurrent loads;
-ARC eviction (LRU only); decode blocks (``offload_prompt_only: false`` turns the decode group off and stores them).
+vLLM holding a finished request's GPU blocks until its stores finish; ARC eviction (LRU only); secondary tiers.
 
 The LMCache backend (``--kv-offloading-backend lmcache``: vLLM's ``LMCacheConnectorV1`` with its local CPU backend,
 ``lmcache.max_local_cpu_size`` = the size per rank) is priced the same way over the same link, with LMCache's own
@@ -148,8 +151,9 @@ class KVOffload:
     Keys are the simulator's block hashes of the last GPU block each offloaded block covers (chained, so a key names
     the whole prefix up to it)."""
 
-    def __init__(self, config: OffloadConfig, link: KVLink, gpu_block_size: int) -> None:
+    def __init__(self, config: OffloadConfig, link: KVLink, gpu_block_size: int, max_loads: int = 1 << 30) -> None:
         self.config = config
+        self.max_loads = max_loads   # loads in flight at most (vLLM: max_num_seqs); more wait a step
         self.link = link
         self.gpu_block_size = gpu_block_size
         self.factor = config.block_size // gpu_block_size if config.block_size % gpu_block_size == 0 else 0
@@ -225,6 +229,8 @@ class KVOffload:
     def match(self, req: Request, hashes: list[int], num_computed_tokens: int, now_s: float) -> int | None:
         """Tokens past ``num_computed_tokens`` (the GPU hit) the CPU tier can load: whole offloaded blocks, 0 for
         none; None when some of them are being loaded for another request (the request waits for that load)."""
+        if len(self._loading) >= self.max_loads:
+            return None             # vLLM's back-pressure on loads: asked again at a later step
         obs = self.config.block_size
         n_blocks = self._num_full(len(hashes) * self.gpu_block_size)
         if n_blocks * obs - num_computed_tokens < obs:
