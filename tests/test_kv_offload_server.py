@@ -73,6 +73,9 @@ def test_evicted_prompt_is_loaded_from_cpu_not_recomputed(monkeypatch):
         assert _metric(text, "vllm:kv_offload_total_bytes_total", transfer_type="CPU_to_GPU") == 20 * block
         assert _metric(text, "vllm:kv_offload_total_time_total", transfer_type="CPU_to_GPU") > 0
         assert _metric(text, "vllm:kv_offload_size_count", transfer_type="GPU_to_CPU") == 4
+        # each store is one prompt's 20 blocks (40 MiB): in the 60 MB bucket, as prometheus_client writes its bounds
+        assert _metric(text, "vllm:kv_offload_size_bucket", transfer_type="GPU_to_CPU", le="4e+07") == 0
+        assert _metric(text, "vllm:kv_offload_size_bucket", transfer_type="GPU_to_CPU", le="6e+07") == 4
         assert _metric(text, "vllm:external_prefix_cache_queries_total") == 5 * PROMPT
         assert _metric(text, "vllm:external_prefix_cache_hits_total") == PROMPT - 1
         # the GPU's prefix cache saw no hit (the hit was the CPU tier's)

@@ -22,6 +22,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -317,7 +318,7 @@ class _OffloadCollector:
         yield fam
         hist = HistogramMetricFamily("vllm:kv_offload_size", "Histogram of KV offload transfer size, in bytes.",
                                      labels=[*labels, "transfer_type"])
-        bounds = [*(str(b) for b in TRANSFER_SIZE_BUCKETS), "+Inf"]
+        bounds = [*(floatToGoString(b) for b in TRANSFER_SIZE_BUCKETS), "+Inf"]    # le="1e+06" as a Histogram
         for eng, st in zip(self._engines, snaps, strict=True):
             for kind in kinds:
                 cum, acc = [], 0
