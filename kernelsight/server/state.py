@@ -71,6 +71,8 @@ class ServerState:
         elif config.speculative is not None:
             self.metrics.bind_spec_decode([lambda b=b: b.engine.spec_decoder.stats for b in self.bridges],
                                           config.speculative.num_speculative_tokens)
+        if config.offload is not None:
+            self.metrics.bind_offload([lambda b=b: b.engine.offload.stats for b in self.bridges])
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size
@@ -151,8 +153,8 @@ def _kv_transfer_agents(config: EngineConfig, opts: ServerOptions, bridges: list
                         first_rank: int) -> list[KVTransferAgent]:
     """--kv-transfer-config: each engine prices pulls over the chosen link and gets a connector agent."""
     cfg = opts.kv_transfer
-    if cfg is None or not cfg.is_kv_transfer_instance:
-        return []
+    if cfg is None or not cfg.is_kv_transfer_instance or config.offload is not None:
+        return []           # an offloading connector is the engine's CPU tier (EngineConfig.offload), not P/D
     link = kv_link(config.hardware, opts.kv_transfer_link, bandwidth_gbps=opts.kv_transfer_bandwidth_gbps,
                    latency_s=None if opts.kv_transfer_latency_us is None else opts.kv_transfer_latency_us * 1e-6)
     agents = []
@@ -171,7 +173,8 @@ def _cache_config_info(config: EngineConfig, hash_algo: str = "sha256") -> dict[
             "gpu_memory_utilization": a.gpu_memory_utilization, "is_attention_free": False,
             "kv_sharing_fast_prefill": False, "num_cpu_blocks": None, "num_gpu_blocks": config.num_gpu_blocks,
             "num_gpu_blocks_override": a.num_gpu_blocks_override, "prefix_caching_hash_algo": hash_algo,
-            "sliding_window": None, "swap_space": 4}
+            "sliding_window": None, "swap_space": 4,
+            "kv_offloading_backend": a.kv_offloading_backend, "kv_offloading_size": a.kv_offloading_size_gib}
 
 
 def server_state(request: Request) -> ServerState:
