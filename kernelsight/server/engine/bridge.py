@@ -324,6 +324,8 @@ class EngineBridge:
                 self._seqs[sid] = seq
             if self.metrics is not None:
                 self.metrics.on_new_request(n, mt)
+                if mm_items and mm_items[p] and self.metrics.on_mm_items is not None:
+                    self.metrics.on_mm_items(mm_items[p])
         sub = Submission(ids, seqs, max(max_tokens) if max_tokens else 0)
         for s in seqs:
             self._subs_of[s.seq_id] = sub

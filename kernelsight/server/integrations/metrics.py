@@ -236,24 +236,23 @@ class ServerMetrics:
 
     def bind_mm_cache(self, vision: VisionSpec) -> None:
         """vLLM's multimodal cache counters (a model that takes images): queries and hits in processed items, on
-        the processor cache (``kernelsight.multimodal.cache``) the front end keeps."""
+        one processor cache (``kernelsight.multimodal.cache``) for the engines; each engine counts what it is given
+        (``EngineMetrics.on_mm_items``, from its bridge's submissions)."""
         labels = ["model_name", "engine"]
-        eng = self._engine_labels[0]
-        self._mm_vision = vision
-        self._mm_cache = ProcessorCache()
-        self._mm_queries = Counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of "
-                                   "queried items.", labels, registry=self.registry).labels(self._model_name, eng)
-        self._mm_hits = Counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.",
-                                labels, registry=self.registry).labels(self._model_name, eng)
+        queries = Counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.",
+                          labels, registry=self.registry)
+        hits = Counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", labels,
+                       registry=self.registry)
+        cache = ProcessorCache()
+        for eng, em in zip(self._engine_labels, self.engines, strict=True):
+            q, h = queries.labels(self._model_name, eng), hits.labels(self._model_name, eng)
 
-    def on_mm_items(self, items: tuple[MultimodalItem, ...]) -> None:
-        """A request's images went through the processor: one query each, a hit when its content was seen."""
-        if getattr(self, "_mm_cache", None) is None:
-            return
-        for item in items:
-            self._mm_queries.inc()
-            if self._mm_cache.query(item.mm_hash, processed_item_bytes(item, self._mm_vision)):
-                self._mm_hits.inc()
+            def on_items(items: tuple[MultimodalItem, ...], q=q, h=h) -> None:
+                for item in items:
+                    q.inc()
+                    if cache.query(item.mm_hash, processed_item_bytes(item, vision)):
+                        h.inc()
+            em.on_mm_items = on_items
 
     def on_fault(self, fault_type: str) -> None:
         self.injected_faults.labels(self._model_name, fault_type).inc()
@@ -365,7 +364,7 @@ class _OffloadCollector:
 class EngineMetrics:
     """Hot-path helpers for one engine's labelled children."""
 
-    __slots__ = ("m", "_last_queries", "_last_hits", "_last_preemptions", "on_release")
+    __slots__ = ("m", "_last_queries", "_last_hits", "_last_preemptions", "on_release", "on_mm_items")
 
     def __init__(self, children: dict[str, Any]) -> None:
         self.m = children
@@ -374,6 +373,8 @@ class EngineMetrics:
         self._last_preemptions = 0
         # one step released this late (wall s): the histogram's observe itself, bound once (hot path)
         self.on_release: Callable[[float], None] = children["lateness"].observe
+        # a request's images went through the processor (bound by ServerMetrics.bind_mm_cache for a VLM)
+        self.on_mm_items: Callable[[tuple[MultimodalItem, ...]], None] | None = None
 
     def bind_clock_lag(self, lag_s: Callable[[], float]) -> None:
         """Compute ``kernelsight:virtual_clock_lag_seconds`` with ``lag_s()`` at each scrape (nothing per step)."""

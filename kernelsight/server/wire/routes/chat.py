@@ -66,7 +66,6 @@ async def run_chat(state: ServerState, request: Request, req: ChatCompletionRequ
         layouts, hashes = await image_layouts(media.urls, processor, state.opts.media)
         ids, items = expand_images(ids, processor, layouts, hashes)
         mm_items = [items]
-        state.metrics.on_mm_items(items)
     gen = chat_generation(state, request, req, rid or "chatcmpl-" + request_base(request, req.request_id), lora,
                           stops, messages, ids)
     gen.fast_ok = fast_ok
