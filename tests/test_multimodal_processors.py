@@ -122,3 +122,32 @@ def test_engine_takes_mm_items_and_refuses_bad_ranges():
     eng.add_request("a", list(range(300)), 4, mm_items=[item])
     with pytest.raises(ValueError, match="past the prompt"):
         eng.add_request("b", list(range(100)), 4, mm_items=[item])
+
+
+def test_multimodal_flag_values_as_vllm_takes_them():
+    from kernelsight.multimodal.options import parse_limit_mm_per_prompt, parse_mm_processor_kwargs
+
+    assert parse_limit_mm_per_prompt('{"image": 4, "video": {"count": 1, "num_frames": 8}}') == {"image": 4,
+                                                                                                "video": 1}
+    for bad in ("image=4", "[4]", '{"image": -1}', '{"image": true}'):
+        with pytest.raises(ValueError):
+            parse_limit_mm_per_prompt(bad)
+    assert parse_mm_processor_kwargs('{"max_pixels": 802816}') == {"max_pixels": 802816}
+    with pytest.raises(ValueError):
+        parse_mm_processor_kwargs("[1]")
+
+
+def test_qwen_size_kwargs_and_min_over_max_are_handled():
+    p = _proc(QWEN25, {"size": {"shortest_edge": 3136, "longest_edge": 200704}})
+    assert p.layout(896, 896).num_tokens == 256            # capped at 200704 px = 16x16 merged patches
+    with pytest.raises(ValueError, match="must not exceed"):
+        _proc(QWEN25, {"min_pixels": 10**7, "max_pixels": 10**6})
+
+
+def test_processor_cache_hits_and_evicts_by_bytes():
+    from kernelsight.multimodal.cache import ProcessorCache
+
+    c = ProcessorCache(capacity_bytes=100)
+    assert not c.query("a", 60) and c.query("a", 60)
+    assert not c.query("b", 60)          # evicts a (least recent) to fit
+    assert not c.query("a", 60) and not c.query("huge", 101) and not c.query("huge", 101)

@@ -118,6 +118,10 @@ def test_anthropic_base64_image_block(c):
     assert m.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     counted = c.post("/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "max_tokens"}).json()
     assert counted["input_tokens"] == chat["usage"]["prompt_tokens"]
+    # a url source is fetched as an image_url part: here one vLLM refuses to fetch
+    url_block = {"type": "image", "source": {"type": "url", "url": "ftp://example.com/a.png"}}
+    bad = c.post("/v1/messages", json={**body, "messages": [{"role": "user", "content": [url_block]}]})
+    assert bad.status_code == 400 and "HTTP, data or file URL" in bad.text
 
 
 def test_responses_input_image_and_file_url(srv, c):
