@@ -72,6 +72,7 @@ def _processes(text: str) -> int | None:
 def cmd_simulate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.fastforward import TIMELINE_COLUMNS, run_replicas, write_timeline
     from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
+    from kernelsight.loadgen.mm_dataset import prepare_for_engine
     from kernelsight.loadgen.progress import Progress
     from kernelsight.loadgen.report import RANK_COLUMNS, format_report, format_table, rank_rows
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
@@ -89,16 +90,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
     wl = build_workload(ns, config.model.vocab_size, tokenizer)
     samples = wl.samples
-    if ns.dataset_name in ("random-mm", "custom-image"):     # the prompts and images the server gives its engine
-        from kernelsight.loadgen.mm_dataset import materialize_for_engine
-        from kernelsight.multimodal import processor_for_model
-        from kernelsight.profiles import load_preprocessor_config
-
-        processor = processor_for_model(config.model, load_preprocessor_config(ns.model), ns.mm_processor_kwargs)
-        if processor is None:
-            raise ValueError(f"{config.model.name} is not a multimodal model: --dataset-name {ns.dataset_name} "
-                             f"needs one")
-        materialize_for_engine(samples, tokenizer(), processor, config.model.name, ns.seed)
+    prepare_for_engine(ns, samples, config.model, tokenizer)     # images: the prompts and items the server makes
     too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) are longer than max_model_len={config.scheduler.max_model_len} "

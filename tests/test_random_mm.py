@@ -132,3 +132,29 @@ def test_custom_image_dataset_same_prompts_and_hashes_in_bench_and_simulate(tmp_
     assert bench["completed"] == 6 and bench["failed"] == 0
     assert bench["input_lens"] == sim["input_lens"]
     assert hits == 3          # 6 requests over 3 distinct files: the oversampled repeats hit the processor cache
+
+
+def test_pd_split_takes_the_images_on_both_sides(tmp_path):
+    small = [*ENGINE, "--dataset-name", "random-mm", "--num-prompts", "8", "--request-rate", "4", "--random-input-len",
+             "100", "--random-output-len", "8", "--random-mm-bucket-config", "{(448, 448, 1): 1.0}", "--seed", "1",
+             "--save-detailed"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["simulate", *small, "--result-json", str(a)]) == 0
+    assert main(["simulate", *small, "--pd", "1P1D", "--result-json", str(b)]) == 0
+    colocated, split = json.loads(a.read_text()), json.loads(b.read_text())
+    assert split["completed"] == 8 and split["input_lens"] == colocated["input_lens"]
+    # the split pays the KV pull on top of the same prefill (encoder included)
+    assert split["mean_ttft_ms"] > colocated["mean_ttft_ms"]
+
+
+def test_plan_digest_and_rerun_carry_the_images():
+    from kernelsight.loadgen.datasets import SampleRequest
+    from kernelsight.plan.point import PlanWorkload
+    from kernelsight.simcore.multimodal import MultimodalItem
+
+    def wl(h):
+        s = SampleRequest([1, 2, 3, 4], 4, 8)
+        s.mm_items = (MultimodalItem("image", 1, 2, (8,), h, (1, 2, 4)),)
+        return PlanWorkload([s], [0.0], 1.0, True, None)
+
+    assert wl("x").digest() != wl("y").digest() and wl("x").digest() == wl("x").digest()

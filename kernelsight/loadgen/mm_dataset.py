@@ -243,3 +243,20 @@ def materialize_for_engine(samples: Sequence[SampleRequest], tok: Any, processor
         s.token_array = np.asarray(ids, dtype=np.int64)
         s.prompt_len = len(ids)
         s.mm_items = tuple(items)
+
+
+MM_DATASETS = ("random-mm", "custom-image")
+
+
+def prepare_for_engine(ns: Any, samples: Sequence[SampleRequest], model: Any, get_tokenizer: Any) -> None:
+    """For an image dataset, give the samples the prompts and items the server would (``simulate``, ``plan``):
+    the model's processor from its preprocessor config and ``--mm-processor-kwargs``; nothing for the others."""
+    if ns.dataset_name not in MM_DATASETS:
+        return
+    from kernelsight.multimodal import processor_for_model
+    from kernelsight.profiles import load_preprocessor_config
+
+    processor = processor_for_model(model, load_preprocessor_config(ns.model), getattr(ns, "mm_processor_kwargs", None))
+    if processor is None:
+        raise ValueError(f"{model.name} is not a multimodal model: --dataset-name {ns.dataset_name} needs one")
+    materialize_for_engine(samples, get_tokenizer(), processor, model.name, ns.seed)

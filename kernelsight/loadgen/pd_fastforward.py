@@ -111,10 +111,12 @@ def run_pd(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: S
         inst.stalled = False
         return inst
 
-    def to_prefill(rid: str, prompt: Any, max_tokens: int, *, ignore_eos: bool, arrival_s: float) -> None:
+    def to_prefill(rid: str, prompt: Any, max_tokens: int, *, ignore_eos: bool, arrival_s: float,
+                   mm_items: tuple = ()) -> None:
         inst = pick("P")
         owner[rid] = inst
-        inst.engine.add_request(rid, prompt, 1, ignore_eos=ignore_eos, arrival_s=arrival_s, hold_kv=True)
+        inst.engine.add_request(rid, prompt, 1, ignore_eos=ignore_eos, arrival_s=arrival_s, hold_kv=True,
+                                mm_items=mm_items)
         sides[rid] = [inst.engine.get_request(rid)]
 
     sender = _Sender(samples, arrivals_s, max_concurrency, to_prefill, ignore_eos)
@@ -209,8 +211,9 @@ def _prefill_done(rid: str, reason: str | None, at_s: float, inst: _Instance, pi
     tr.rank = d.index
     s = tr.sample
     prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
+    # the images too: the decode side hashes the prompt's blocks (image keys included) to find what to pull
     d.engine.add_request(rid, prompt, s.expected_output_len, ignore_eos=sender.ignore_eos, arrival_s=at_s,
-                         remote_prefill=remote)
+                         remote_prefill=remote, mm_items=s.mm_items)
     if remote:
         arrived[rid] = at_s
     else:

@@ -174,6 +174,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
+    from kernelsight.loadgen.mm_dataset import prepare_for_engine
     from kernelsight.loadgen.tokenizer import resolve_tokenizer
     from kernelsight.loadgen.workload import build_workload
     from kernelsight.plan.cache import ResultCache, default_cache_dir
@@ -195,6 +196,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         if spec is not None:
             resolve_speculative_config(json.loads(spec), 1, model.num_mtp_layers)
     wl = build_workload(ns, model.vocab_size, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
+    prepare_for_engine(ns, wl.samples, model, lambda: resolve_tokenizer(ns.model, ns.tokenizer))
     rate = wl.request_rate
     if rate == "trace":
         last = max(wl.arrivals_s, default=0.0)
@@ -296,11 +298,20 @@ def simulate_command(ns: argparse.Namespace, chosen: dict | None) -> str:
         argv += ["--burstiness", f"{ns.burstiness:g}"]
     if ns.max_concurrency is not None:
         argv += ["--max-concurrency", str(ns.max_concurrency)]
-    if ns.dataset_name == "random":
+    if ns.dataset_name in ("random", "random-mm"):
         argv += ["--random-input-len", str(ns.random_input_len), "--random-output-len", str(ns.random_output_len),
                  "--random-range-ratio", f"{ns.random_range_ratio:g}"]
         if ns.random_prefix_len:
             argv += ["--random-prefix-len", str(ns.random_prefix_len)]
+    if ns.dataset_name == "random-mm":
+        argv += ["--random-mm-base-items-per-request", str(ns.random_mm_base_items_per_request),
+                 "--random-mm-num-mm-items-range-ratio", f"{ns.random_mm_num_mm_items_range_ratio:g}"]
+        if ns.random_mm_limit_mm_per_prompt is not None:
+            argv += ["--random-mm-limit-mm-per-prompt", json.dumps(ns.random_mm_limit_mm_per_prompt)]
+        if ns.random_mm_bucket_config is not None:
+            argv += ["--random-mm-bucket-config", repr(ns.random_mm_bucket_config)]
+    if ns.dataset_name in ("custom", "custom-image"):
+        argv += ["--custom-output-len", str(ns.custom_output_len)]
     if ns.ignore_eos is not None:
         argv.append("--ignore-eos" if ns.ignore_eos else "--no-ignore-eos")
     if ns.dataset_name == "sharegpt" and ns.sharegpt_output_len:

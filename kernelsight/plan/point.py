@@ -60,6 +60,8 @@ class PlanWorkload:
             h.update(np.asarray([s.prompt_len, s.expected_output_len], dtype=np.int64).tobytes())
             if ids is not None:
                 h.update(np.asarray(ids, dtype=np.int64).tobytes())
+            for it in s.mm_items:       # images: their placement, patches and content keys time the prefill
+                h.update(repr((it.offset, it.num_tokens, it.encoder_seq_lens, it.grid_thw, it.mm_hash)).encode())
         return h.hexdigest()
 
 
