@@ -63,7 +63,7 @@ def side_threads_cpu_s(pid: int) -> float:
 # -- the hash cost ----------------------------------------------------------------------------------------------
 def hash_cost(num_prompts: int = 1000) -> dict:
     from kernelsight.loadgen.datasets import random_dataset
-    from kernelsight.server.kv_events.hashing import hash_block_tokens, hash_function, none_hash
+    from kernelsight.server.integrations.kv_events.hashing import hash_block_tokens, hash_function, none_hash
     from kernelsight.simcore.block_hash import BlockHasher
 
     samples = random_dataset(num_prompts, 1000, 200, 0.1, 128256, seed=0)
@@ -96,8 +96,8 @@ def pipeline_cost(num_requests: int = 2000, blocks: int = 1500) -> dict:
     and without recording, then the recorded batches translated to vLLM's hashes and msgpack-encoded, all per
     output token (the server's per-token CPU is the yardstick)."""
     from kernelsight.engine_args import create_engine_config
-    from kernelsight.server.kv_events.translate import HashTranslator
-    from kernelsight.server.kv_events.wire import encode_batch
+    from kernelsight.server.integrations.kv_events.translate import HashTranslator
+    from kernelsight.server.integrations.kv_events.wire import encode_batch
     from kernelsight.simcore.engine_config import EngineArgs, build_engine
 
     cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", seed=0,

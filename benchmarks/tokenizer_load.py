@@ -21,7 +21,7 @@ from _common import write_result
 PROBE = """
 import json, sys, time
 t0 = time.perf_counter()
-from kernelsight.server.bundled_tokenizer import load_bundled
+from kernelsight.server.model.bundled_tokenizer import load_bundled
 t1 = time.perf_counter()
 tok = load_bundled(sys.argv[1])
 t2 = time.perf_counter()

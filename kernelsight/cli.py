@@ -266,7 +266,7 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
     from kernelsight.calibrate.evaluate import CROSS_GENERATION_SOURCES
     from kernelsight.calibrate.fit.transfer import FP4_TRANSFER_SOURCES, borrowed_kernels, moe_source_names
-    from kernelsight.server.bundled_tokenizer import family_for
+    from kernelsight.server.model.bundled_tokenizer import family_for
     from kernelsight.simcore.attention_dispatch import kernel_lineage
     from kernelsight.simcore.precision import resolve_precision
 

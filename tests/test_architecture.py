@@ -103,7 +103,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def room(module: str) -> str:
-    """The package (or top-level module) a module belongs to: ``kernelsight.server.routes.chat`` → ``server``."""
+    """The package (or top-level module) a module belongs to: ``kernelsight.server.wire.routes.chat`` → ``server``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from kernelsight.server import bundled_tokenizer as bt
-from kernelsight.server.tokenizer import load_tokenizer
+from kernelsight.server.model import bundled_tokenizer as bt
+from kernelsight.server.model.tokenizer import load_tokenizer
 
 SENTENCE = "This is a test sentence."
 MIXED = "Hello, 世界! Ünïcödé 12345 \n\n  spaces\tand tabs 😀"
@@ -231,7 +231,7 @@ def test_loads_offline_with_no_hf_cache_and_an_empty_build_cache(tmp_path):
     from the bundled file alone (Mixtral's, the quickest to build) and the build is cached for the next run."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
                KERNELSIGHT_CACHE_DIR=str(tmp_path / "ks"))
-    code = ("from kernelsight.server.tokenizer import load_tokenizer as L; "
+    code = ("from kernelsight.server.model.tokenizer import load_tokenizer as L; "
             "t = L('mistralai/Mixtral-8x7B-Instruct-v0.1', None, 32000); "
             "print(t.source.kind, t.encode('This is a test sentence.'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

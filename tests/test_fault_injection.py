@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from kernelsight.server.faults import (  # noqa: E402
+from kernelsight.server.integrations.faults import (  # noqa: E402
     BUSY_MESSAGE,
     LLM_D_FAULTS,
     REQUEST_FAULTS,

@@ -1,4 +1,4 @@
-"""The seeded grammar sampler (``server/grammar_sample.py``): xgrammar EBNF/GBNF and Lark grammars give strings the
+"""The seeded grammar sampler (``model/grammar_sample.py``): xgrammar EBNF/GBNF and Lark grammars give strings the
 language accepts (checked by an independent oracle: Python's JSON parser and evaluator, or a regex of the same
 language), the same for the same seed; what is not generated from is refused."""
 
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from kernelsight.server.grammar_sample import GrammarNotSupported, sample_grammar
+from kernelsight.server.model.grammar_sample import GrammarNotSupported, sample_grammar
 
 ARITH_EBNF = r'''
 root ::= expr

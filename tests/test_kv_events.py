@@ -18,15 +18,15 @@ pytest.importorskip("fastapi")
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
-from kernelsight.server.kv_events.config import (  # noqa: E402
+from kernelsight.server.integrations.kv_events.config import (  # noqa: E402
     KVEventsConfig,
     endpoint_binds,
     offset_endpoint,
     parse_kv_events_config,
 )
-from kernelsight.server.kv_events.hashing import hash_function  # noqa: E402
-from kernelsight.server.kv_events.translate import HashTranslator  # noqa: E402
-from kernelsight.server.kv_events.wire import WireCleared, WireRemoved, WireStored, encode_batch  # noqa: E402
+from kernelsight.server.integrations.kv_events.hashing import hash_function  # noqa: E402
+from kernelsight.server.integrations.kv_events.translate import HashTranslator  # noqa: E402
+from kernelsight.server.integrations.kv_events.wire import WireCleared, WireRemoved, WireStored, encode_batch  # noqa: E402
 from kernelsight.simcore.kv_cache import KVCacheManager  # noqa: E402
 from kernelsight.simcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from kernelsight.simcore.request import FinishReason, Request  # noqa: E402
@@ -337,7 +337,7 @@ def test_publishers_per_rank_and_replica_offsets():
 
 
 def test_replay_keeps_the_last_buffer_steps_batches():
-    from kernelsight.server.kv_events.publisher import KVEventPublisher
+    from kernelsight.server.integrations.kv_events.publisher import KVEventPublisher
 
     port, rport = _free_port(), _free_port()
     cfg = parse_kv_events_config(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",

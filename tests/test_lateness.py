@@ -22,9 +22,9 @@ from kernelsight.loadgen.bench import (  # noqa: E402
     lateness_summary,
     parse_lateness,
 )
-from kernelsight.server import lateness as lateness_mod  # noqa: E402
-from kernelsight.server.lateness import LatenessWatch, p99_nearest_rank  # noqa: E402
-from kernelsight.server.metrics import LATENESS_BUCKETS  # noqa: E402
+from kernelsight.server.engine import lateness as lateness_mod  # noqa: E402
+from kernelsight.server.engine.lateness import LatenessWatch, p99_nearest_rank  # noqa: E402
+from kernelsight.server.integrations.metrics import LATENESS_BUCKETS  # noqa: E402
 from kernelsight.server.runner import ServerThread  # noqa: E402
 from kernelsight.server.serve_args import serve_parser, server_options_from  # noqa: E402
 
@@ -183,9 +183,9 @@ def test_p99_nearest_rank():
 def test_observe_release_feeds_histogram_max_and_watch(caplog):
     """The bridge's one call per release: histogram, worst lateness, warning window (no server loop needed)."""
     from kernelsight.engine_args import create_engine_config
-    from kernelsight.server.bridge import EngineBridge
-    from kernelsight.server.metrics import ServerMetrics
-    from kernelsight.server.tokenizer import load_tokenizer
+    from kernelsight.server.engine.bridge import EngineBridge
+    from kernelsight.server.integrations.metrics import ServerMetrics
+    from kernelsight.server.model.tokenizer import load_tokenizer
     from kernelsight.simcore.engine_config import EngineArgs
 
     caplog.set_level(logging.WARNING, logger="kernelsight.server")

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from kernelsight.profiles import load_model
-from kernelsight.server.kv_events.translate import HashTranslator
-from kernelsight.server.kv_events.wire import _as_map
+from kernelsight.server.integrations.kv_events.translate import HashTranslator
+from kernelsight.server.integrations.kv_events.wire import _as_map
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.engine import FINISHED
 from kernelsight.simcore.engine_config import build_engine

@@ -1,4 +1,4 @@
-"""The seeded regex sampler (``server/regex_sample.py``): every draw full-matches its pattern over many seeds and a
+"""The seeded regex sampler (``model/regex_sample.py``): every draw full-matches its pattern over many seeds and a
 corpus of realistic patterns, draws repeat with their seed, unbounded repeats stay within the documented cap, and the
 constructs vLLM's backends refuse are refused."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kernelsight.server.regex_sample import (
+from kernelsight.server.model.regex_sample import (
     REPEAT_CAP,
     RegexNotSupported,
     RegexUnsatisfiable,
@@ -86,7 +86,7 @@ def test_invalid_and_empty_languages_raise():
 def test_random_patterns_are_drawn_or_refused_never_crash():
     import random
 
-    from kernelsight.server.structured import StructuredOutputError, constrained_text
+    from kernelsight.server.model.structured import StructuredOutputError, constrained_text
 
     rng = random.Random(11)
     parts = ["a", "b", "\\d", "\\w", "\\s", ".", "[a-c]", "[^x]", "(", ")", "(?:", "|", "*", "+", "?", "{2}", "{1,3}",

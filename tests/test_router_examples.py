@@ -17,7 +17,7 @@ import yaml
 pytest.importorskip("fastapi")
 
 from kernelsight.cli import build_parser  # noqa: E402
-from kernelsight.server.kv_events.config import endpoint_binds  # noqa: E402
+from kernelsight.server.integrations.kv_events.config import endpoint_binds  # noqa: E402
 
 ROUTER = Path(__file__).resolve().parents[1] / "docker" / "router"
 K8S = ROUTER / "k8s"

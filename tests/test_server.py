@@ -219,7 +219,7 @@ def _err(r: httpx.Response, status: int, etype: str, msg: str | None = None, par
 
 
 async def test_scale_out_routes_are_forbidden_as_in_a_default_vllm(aclient):
-    from kernelsight.server.routes.scale_out import SCALE_OUT_PATHS
+    from kernelsight.server.wire.routes.scale_out import SCALE_OUT_PATHS
 
     assert len(SCALE_OUT_PATHS) == 8
     for path in SCALE_OUT_PATHS:
@@ -264,7 +264,7 @@ async def test_errors(aclient):
 
 
 def test_body_parsing_matches_the_standard_library():
-    from kernelsight.server.body import loads as _loads
+    from kernelsight.server.wire.body import loads as _loads
 
     ids = np.random.default_rng(0).integers(0, 128000, 512).tolist()
     ok = [json.dumps({"prompt": ids, "max_tokens": 64, "temperature": 0.7, "stop": ["\u00e9", "x"]}).encode(),

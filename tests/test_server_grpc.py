@@ -24,7 +24,7 @@ from smg_grpc_proto.generated import common_pb2  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc  # noqa: E402
 
-from kernelsight.server.grpc.runner import GrpcServerThread  # noqa: E402
+from kernelsight.server.wire.grpc.runner import GrpcServerThread  # noqa: E402
 from tests.conftest import cli_one_line_error  # noqa: E402
 
 MAX_MODEL_LEN = 2048
@@ -252,7 +252,7 @@ def _injected(srv, fault: str) -> float:
 
 
 def test_timeout_fault_never_answers_and_holds_nothing(srv, stub):
-    from kernelsight.server.admissions import admissions_pending
+    from kernelsight.server.engine.admissions import admissions_pending
 
     before = _injected(srv, "timeout")
     call = stub.Generate(_gen(rid="hung"), metadata=(("x-kernelsight-fault", "timeout"),), timeout=TIMEOUT_S)
@@ -390,8 +390,8 @@ def test_subscribe_kv_events_streams_the_publishers_batches(monkeypatch):
 
 # -- flags ------------------------------------------------------------------------------------------------------
 def test_serve_parses_vllms_grpc_flags():
-    from kernelsight.server.grpc.launch import http_port_of
     from kernelsight.server.serve_args import ignored_flags, serve_parser
+    from kernelsight.server.wire.grpc.launch import http_port_of
 
     ns = serve_parser().parse_args(["--grpc", "--port", "50051", "--disable-log-stats-server"])
     assert ns.grpc and ns.port == 50051 and http_port_of(ns) == 50052

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from kernelsight.server.logprobs import LogprobSynth  # noqa: E402
+from kernelsight.server.model.logprobs import LogprobSynth  # noqa: E402
 from kernelsight.server.runner import ServerThread  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B"

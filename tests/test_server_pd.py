@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from kernelsight.server.kv_transfer import parse_kv_transfer_config
+from kernelsight.server.integrations.kv_transfer import parse_kv_transfer_config
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
 from tests.conftest import cli_one_line_error
 from tests.pd_proxy import ProxyThread

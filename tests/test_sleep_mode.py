@@ -152,7 +152,7 @@ def test_sleep_routes_need_dev_mode(monkeypatch):
 
 
 def test_sleep_and_wake_are_priced_as_one_weight_copy_over_pcie(srv):
-    from kernelsight.server.sleep_mode import SleepMode, sleep_copy_s, wake_copy_s, weight_copy_s
+    from kernelsight.server.integrations.sleep_mode import SleepMode, sleep_copy_s, wake_copy_s, weight_copy_s
 
     cfg = srv.config
     copy_s = weight_copy_s(cfg)

@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httptools")
 
-from kernelsight.server.fastpath import sync_cycle  # noqa: E402
-from kernelsight.server.metrics import ServerMetrics  # noqa: E402
+from kernelsight.server.engine.fastpath import sync_cycle  # noqa: E402
+from kernelsight.server.engine.turns import MAX_HELD_S, turn_gate  # noqa: E402
+from kernelsight.server.integrations.metrics import ServerMetrics  # noqa: E402
 from kernelsight.server.runner import ServerThread  # noqa: E402
-from kernelsight.server.turns import MAX_HELD_S, turn_gate  # noqa: E402
 
 # time scale 0.1: a decode step lasts ~70 ms of wall time, so the general path's handler always writes a step's
 # chunk before the next step (no merged chunks) and both paths must produce the very same bytes
@@ -283,8 +283,8 @@ def test_arrival_during_a_step_that_finishes_everything_keeps_its_own_time():
     import time
 
     from kernelsight.engine_args import create_engine_config
-    from kernelsight.server.bridge import EngineBridge
-    from kernelsight.server.tokenizer import load_tokenizer
+    from kernelsight.server.engine.bridge import EngineBridge
+    from kernelsight.server.model.tokenizer import load_tokenizer
     from kernelsight.simcore.engine_config import EngineArgs
 
     cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", max_model_len=2048))
@@ -306,7 +306,7 @@ def test_admission_count_returns_to_zero(fast):
     """Every request that enters the app leaves the admission count exactly once: submitted, rejected, another
     route, or a client gone mid-stream. (The engine loop lets pending admissions through before computing a
     step; a leaked count would make it wait its whole room every step, a miscount below zero never.)"""
-    from kernelsight.server.admissions import admissions_pending
+    from kernelsight.server.engine.admissions import admissions_pending
 
     async def main():
         async with httpx.AsyncClient(base_url=fast.base_url, timeout=60) as c:
@@ -333,7 +333,7 @@ def test_admission_count_returns_to_zero(fast):
 def test_output_token_slices_match_one_by_one(fast):
     """Short slices (the engine hashing a completed 16-token block) take a pure-Python path, long ones numpy:
     both must give the tokens that indexing one at a time gives (the ids the stream sends)."""
-    from kernelsight.server.output_tokens import OutputTokens
+    from kernelsight.server.model.output_tokens import OutputTokens
 
     out = OutputTokens(fast.bridge.tok, 987654321, 600)
     one_by_one = [out[i] for i in range(600)]

@@ -15,8 +15,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
 
+from kernelsight.server.model.structured import instance_of  # noqa: E402
 from kernelsight.server.runner import ServerThread  # noqa: E402
-from kernelsight.server.structured import instance_of  # noqa: E402
 
 ARGS = ["--max-model-len", "2048", "--max-num-seqs", "8", "--time-scale", "20", "--served-model-name", "m"]
 WEATHER = {"type": "object", "required": ["city", "unit"], "additionalProperties": False,

@@ -115,8 +115,8 @@ class _NoSpecStats:
 def metric_families() -> list[dict[str, Any]]:
     """Every family one engine's ``/metrics`` can show, with every optional part switched on (LoRA, hidden
     pre-0.12 names, speculative decoding, every fault type), from the server's own registry."""
-    from kernelsight.server.faults import FAULT_TYPES
-    from kernelsight.server.metrics import ServerMetrics
+    from kernelsight.server.integrations.faults import FAULT_TYPES
+    from kernelsight.server.integrations.metrics import ServerMetrics
 
     m = ServerMetrics("MODEL", 1, 2048, [{"block_size": 16}], lora_enabled=True, fault_types=FAULT_TYPES,
                       hidden_metrics_version="0.10")
@@ -138,7 +138,8 @@ def metrics_page() -> str:
                lambda f: "(deprecated name)" in f["doc"]),
               ("Process, platform and GC (as vLLM's default registry)",
                lambda f: not f["name"].startswith(("vllm:", "kernelsight:")))]
-    lines = [HEADER.format(source="kernelsight.server.metrics.ServerMetrics's registry"), "# `/metrics` reference\n",
+    lines = [HEADER.format(source="kernelsight.server.integrations.metrics.ServerMetrics's registry"),
+             "# `/metrics` reference\n",
              "The families `kernelsight serve` exposes, read from the server's Prometheus registry when the site is "
              "built, with every optional part on: `--enable-lora` (`vllm:lora_requests_info`), a "
              "`--speculative-config` (`vllm:spec_decode_*`), `--show-hidden-metrics-for-version 0.10` (the names "

@@ -2,7 +2,7 @@
 
 Resolution (``resolve_tokenizer``), never touching the network except the benchmarked server itself:
 
-1. ``--tokenizer`` / the model, through ``kernelsight.server.tokenizer`` when the server extra is installed
+1. ``--tokenizer`` / the model, through ``kernelsight.server.model.tokenizer`` when the server extra is installed
    (a local directory, the local HF cache, or the tokenizer bundled for the model's family);
 2. the server's own ``POST /tokenize`` and ``/detokenize`` (vLLM and kernelsight both serve them);
 3. a byte-level fallback (one token per UTF-8 byte), announced on stderr.
@@ -103,7 +103,7 @@ def resolve_tokenizer(model: str, tokenizer: str | None = None, *, base_url: str
     ``model_root`` is the ``root`` field of ``/v1/models`` (the real model path behind a served alias).
     """
     try:
-        from kernelsight.server.tokenizer import load_tokenizer
+        from kernelsight.server.model.tokenizer import load_tokenizer
     except ImportError:  # the server extra is not installed
         load_tokenizer = None  # type: ignore[assignment]
     if load_tokenizer is not None:

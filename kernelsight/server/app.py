@@ -1,7 +1,7 @@
 """The FastAPI app: vLLM 0.33's OpenAI-compatible routes over simulated engines (wire format per the spec).
 
 Assembly only: ``build_app`` creates the ``ServerState``, starts and stops the engine bridges with the app,
-includes the routers of ``server.routes`` and wraps the middleware stack (API-key auth, then the stream fast
+includes the routers of ``server.wire.routes`` and wraps the middleware stack (API-key auth, then the stream fast
 path's raw-send capture outermost)."""
 
 from __future__ import annotations
@@ -12,25 +12,27 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel
 
-from kernelsight.server.auth import add_api_key_auth
-from kernelsight.server.errors import APIError, api_error_handler
-from kernelsight.server.fastpath import capture_raw_send
-from kernelsight.server.openapi_bodies import add_request_schemas
+from kernelsight.server.engine.fastpath import capture_raw_send
+from kernelsight.server.model.tokenizer import ServerTokenizer
 from kernelsight.server.options import ServerOptions
-from kernelsight.server.protocol.anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
-from kernelsight.server.protocol.batch import BatchChatCompletionRequest
-from kernelsight.server.protocol.lora import LoadLoRARequest, UnloadLoRARequest
-from kernelsight.server.protocol.openai import ChatCompletionRequest, CompletionRequest
-from kernelsight.server.protocol.pooling import (
+from kernelsight.server.state import ServerState
+from kernelsight.server.wire.auth import add_api_key_auth
+from kernelsight.server.wire.errors import APIError, api_error_handler
+from kernelsight.server.wire.openapi_bodies import add_request_schemas
+from kernelsight.server.wire.protocol.anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from kernelsight.server.wire.protocol.batch import BatchChatCompletionRequest
+from kernelsight.server.wire.protocol.lora import LoadLoRARequest, UnloadLoRARequest
+from kernelsight.server.wire.protocol.openai import ChatCompletionRequest, CompletionRequest
+from kernelsight.server.wire.protocol.pooling import (
     CohereEmbedRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
     ScoreRequest,
 )
-from kernelsight.server.protocol.responses import ResponsesRequest
-from kernelsight.server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
-from kernelsight.server.routes import (
+from kernelsight.server.wire.protocol.responses import ResponsesRequest
+from kernelsight.server.wire.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from kernelsight.server.wire.routes import (
     admin,
     chat,
     chat_batch,
@@ -48,8 +50,6 @@ from kernelsight.server.routes import (
     system,
     tokenize,
 )
-from kernelsight.server.state import ServerState
-from kernelsight.server.tokenizer import ServerTokenizer
 from kernelsight.simcore.engine_config import EngineConfig
 
 

@@ -28,8 +28,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     ignored = ignored_flags(ns)
     if ignored:
         print(f"kernelsight serve: accepted with no effect in a simulation: {', '.join(ignored)}", file=sys.stderr)
-    if ns.grpc:      # vLLM's gRPC front end (server/grpc/launch.py), its HTTP app beside it
-        from kernelsight.server.grpc.launch import cmd_serve_grpc
+    if ns.grpc:      # vLLM's gRPC front end (server/wire/grpc/launch.py), its HTTP app beside it
+        from kernelsight.server.wire.grpc.launch import cmd_serve_grpc
         return cmd_serve_grpc(ns)
     host = ns.host or "0.0.0.0"
     # every port first: a taken one stops the start with one line, before anything is built
@@ -54,7 +54,7 @@ def serve_replicas(ns: argparse.Namespace, indices: list[int], socks: list, anno
     (``announce``: print the engine summary, once per command; ``config``: resolved already by the supervisor)."""
     import uvicorn
 
-    from kernelsight.server.fastpath import http_protocol
+    from kernelsight.server.engine.fastpath import http_protocol
     from kernelsight.server.launch import (
         ReplicaServer,
         build_server_apps,

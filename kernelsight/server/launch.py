@@ -39,7 +39,7 @@ def build_server_apps(ns: argparse.Namespace, replica_indices: Sequence[int] | N
     those of ``replica_indices`` (a worker process's share: replica i is the same server in any process), with
     ``config`` when it was resolved already (``resolve_serve_config``)."""
     from kernelsight.server.app import build_app
-    from kernelsight.server.tokenizer import load_tokenizer
+    from kernelsight.server.model.tokenizer import load_tokenizer
 
     if config is None:
         config = resolve_serve_config(ns)

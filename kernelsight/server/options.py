@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from kernelsight.server.faults import FaultConfig
-from kernelsight.server.kv_events.config import KVEventsConfig
-from kernelsight.server.kv_transfer import KVTransferConfig
+from kernelsight.server.integrations.faults import FaultConfig
+from kernelsight.server.integrations.kv_events.config import KVEventsConfig
+from kernelsight.server.integrations.kv_transfer import KVTransferConfig
 
 
 @dataclass

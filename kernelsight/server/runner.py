@@ -50,7 +50,7 @@ class ServerThread:
     def start(self) -> ServerThread:
         import uvicorn
 
-        from kernelsight.server.fastpath import http_protocol
+        from kernelsight.server.engine.fastpath import http_protocol
         from kernelsight.server.launch import ReplicaServer, http_keep_alive_s, uvicorn_shutdown_bound_s
 
         cfg = uvicorn.Config(self.app, host=self.host, port=self._port, log_level="warning", access_log=False,

@@ -10,9 +10,9 @@ import os
 
 from kernelsight.argtypes import OneLineParser, positive_int
 from kernelsight.engine_args import add_engine_args, add_kv_link_args
-from kernelsight.server.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
-from kernelsight.server.kv_events.config import parse_kv_events_config
-from kernelsight.server.kv_transfer import parse_kv_transfer_config
+from kernelsight.server.integrations.faults import LLM_D_FAULTS, REQUEST_FAULTS, FaultConfig, parse_types
+from kernelsight.server.integrations.kv_events.config import parse_kv_events_config
+from kernelsight.server.integrations.kv_transfer import parse_kv_transfer_config
 from kernelsight.server.options import ServerOptions, env_allows_lora_updates
 
 SERVE_HELP = "serve a vLLM-compatible OpenAI API whose token timing comes from the simulator"

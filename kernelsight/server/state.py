@@ -11,18 +11,24 @@ from typing import Any
 
 from fastapi import Request
 
-from kernelsight.server.bridge import EngineBridge
-from kernelsight.server.errors import APIError, not_found
-from kernelsight.server.faults import BUSY_MESSAGE, FAULT_TYPES, TOKEN_BACKLOG_MESSAGE, FaultConfig, FaultInjector
-from kernelsight.server.kv_events.publisher import KVEventPublisher
-from kernelsight.server.kv_transfer import KVTransferAgent
-from kernelsight.server.lockstep import LockstepDriver
-from kernelsight.server.logprobs import LogprobSynth
-from kernelsight.server.metrics import ServerMetrics
+from kernelsight.server.engine.bridge import EngineBridge
+from kernelsight.server.engine.lockstep import LockstepDriver
+from kernelsight.server.integrations.faults import (
+    BUSY_MESSAGE,
+    FAULT_TYPES,
+    TOKEN_BACKLOG_MESSAGE,
+    FaultConfig,
+    FaultInjector,
+)
+from kernelsight.server.integrations.kv_events.publisher import KVEventPublisher
+from kernelsight.server.integrations.kv_transfer import KVTransferAgent
+from kernelsight.server.integrations.metrics import ServerMetrics
+from kernelsight.server.integrations.sleep_mode import SleepMode
+from kernelsight.server.model.logprobs import LogprobSynth
+from kernelsight.server.model.tokenizer import ServerTokenizer
 from kernelsight.server.options import ServerOptions
-from kernelsight.server.protocol.version import VLLM_VERSION
-from kernelsight.server.sleep_mode import SleepMode
-from kernelsight.server.tokenizer import ServerTokenizer
+from kernelsight.server.wire.errors import APIError, not_found
+from kernelsight.server.wire.protocol.version import VLLM_VERSION
 from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, moe_group_timing
 from kernelsight.simcore.kv_transfer import kv_link
 

@@ -17,7 +17,7 @@ How the ranks share time depends on the model (vLLM's ``DPEngineCoreProc``):
 A lockstep rank's engine is built with a :class:`LockstepStepModel`: the engine's own call only records the batch
 it scheduled (priced 0 s); the group then prices all ranks' batches together and moves every rank's clock, step
 end and statistics to the group's step end. The engine's hot loop is unchanged, and a group of one is never used
-(a single engine is driven directly). The real-time server drives the same group (``server/lockstep.py``); it
+(a single engine is driven directly). The real-time server drives the same group (``server/engine/lockstep.py``); it
 submits to the rank its front end picked, straight to that engine, and never lets an idle group's clock run ahead
 of wall time (``step(until_s=...)``).
 
