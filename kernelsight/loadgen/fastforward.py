@@ -206,6 +206,10 @@ class _Sender:
             elif kind == FIRST_TOKEN:
                 tr.first_step = ev.step_index
                 tr.add_tokens(ev.step_index, 1)
+                if tr.req is None and self.get_request is not None:
+                    # a DP group routes at the arrival: the request exists from then on (one that finishes in the
+                    # step of its first token is gone already, and reports no cached tokens)
+                    tr.req = self.get_request(ev.request_id)
                 if watch is not None:
                     watch.first_token(tr.index, ends[ev.step_index])
             elif kind == FINISHED:
@@ -284,7 +288,11 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
     read per rank (each rank numbers its own steps). The timeline is the group's: running and waiting summed over
     the ranks, KV usage their mean, scheduled tokens of the step(s) ending at that time."""
     group = build_dp_group(config, per_token_events=False)
-    sender = _Sender(samples, arrivals_s, max_concurrency, group.add_request, ignore_eos)
+    def get_request(rid: str) -> Any:
+        rank = group.rank_of.get(rid)
+        return None if rank is None else group.engines[rank].get_request(rid)
+
+    sender = _Sender(samples, arrivals_s, max_concurrency, group.add_request, ignore_eos, get_request=get_request)
     pending, trackers, send = sender.pending, sender.trackers, sender.send
     send(0.0)
     ends: list[list[float]] = [[] for _ in range(group.size)]

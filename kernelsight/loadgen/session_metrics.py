@@ -77,7 +77,8 @@ def format_workload_extra(extra: dict[str, Any]) -> str:
     pc = extra.get("prefix_cache")
     if pc is not None:
         if pc["hit_rate"] is None:
-            lines.append("Prefix cache: no request reported cached tokens (serve with --enable-prompt-tokens-details)")
+            lines.append("Prefix cache: no request reported cached tokens (bench: serve with "
+                         "--enable-prompt-tokens-details)")
         else:
             lines.append(f"Prefix cache: hit rate {100 * pc['hit_rate']:.1f}% ({pc['cached_tokens']} of "
                          f"{pc['prompt_tokens']} prompt tokens cached, over {pc['requests_reporting']} requests)")
