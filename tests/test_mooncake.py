@@ -107,3 +107,12 @@ def test_example_trace_shares_prefixes(tmp_path):
     assert len(rows) >= 20 and len(set(ids)) < len(ids)        # made to share blocks
     s = mooncake_dataset(EXAMPLE, vocab_size=32000)
     assert [x.prompt_len for x in s] == [r["input_length"] for r in sorted(rows, key=lambda r: r["timestamp"])]
+
+
+def test_a_data_parallel_run_reports_the_hits_too(tmp_path):
+    out = tmp_path / "dp.json"
+    assert main(["simulate", "--data-parallel-size", "2", "--dataset-name", "mooncake", "--dataset-path",
+                 str(EXAMPLE), "--result-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["prefix_cache"]["requests_reporting"] == 40
+    assert r["prefix_cache"]["hit_rate"] == pytest.approx(r["simulator"]["prefix_cache_hit_rate"], abs=1e-4)
