@@ -50,22 +50,34 @@ class BlockHasher:
         data = repr(extra_keys).encode()
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
-    def chain_tokens(self, parent: int, first_block: int, tokens: np.ndarray) -> list[int]:
-        """Hashes of consecutive full blocks of ``tokens`` (uint64, length a multiple of block_size)."""
+    def chain_tokens(self, parent: int, first_block: int, tokens: np.ndarray,
+                     extras: np.ndarray | None = None) -> list[int]:
+        """Hashes of consecutive full blocks of ``tokens`` (uint64, length a multiple of block_size); ``extras``
+        (uint64, one per block, 0 for none) are per-block extra keys (``extra_key``), e.g. the images a block
+        holds placeholders of."""
         nb = len(tokens) // self.block_size
         self._ensure_positions(first_block + nb)
         content = tokens.reshape(nb, self.block_size) @ self._k
+        if extras is not None:
+            content += extras
         content *= self._r[first_block:first_block + nb]
         h = content.cumsum()               # uint64 in, uint64 out (the method skips np.cumsum's dispatch)
         if parent:
             h += np.uint64(parent)
         return h.tolist()
 
-    def chain_one(self, parent: int, block_index: int, content: tuple) -> int:
+    def chain_one(self, parent: int, block_index: int, content: tuple, extra: int = 0) -> int:
         """Hash of one block from Python: known token ids hash exactly like ``chain_tokens``."""
         self._ensure_positions(block_index + 1)
         if all(type(t) is int for t in content):
             c = sum(t * k for t, k in zip(content, self._k_list, strict=True)) & _MASK
         else:                            # synthetic generated-token key: private to its request
             c = hash(content) & _MASK
-        return (parent + c * self._r_list[block_index]) & _MASK
+        return (parent + ((c + extra) & _MASK) * self._r_list[block_index]) & _MASK
+
+    @staticmethod
+    def extra_key(keys: tuple) -> int:
+        """A block's extra keys as the term its content hash adds (0 for none)."""
+        if not keys:
+            return 0
+        return int.from_bytes(hashlib.blake2b(repr(keys).encode(), digest_size=8).digest(), "little")

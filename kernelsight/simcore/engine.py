@@ -22,6 +22,7 @@ import numpy as np
 from kernelsight.simcore.kernels import FAMILIES
 from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.kv_transfer import KVTransferModel
+from kernelsight.simcore.multimodal import MultimodalItem, check_mm_items
 from kernelsight.simcore.output_len import OutputLengthModel
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
 from kernelsight.simcore.scheduler import Scheduler, SchedulerConfig
@@ -138,7 +139,7 @@ class Engine:
                     min_tokens: int = 0, ignore_eos: bool = False, n: int = 1, priority: int = 0,
                     arrival_s: float | None = None, extra_keys: tuple | None = None,
                     output_token_ids: Sequence[int] | None = None, hold_kv: bool = False,
-                    remote_prefill: bool = False) -> list[str]:
+                    remote_prefill: bool = False, mm_items: tuple[MultimodalItem, ...] = ()) -> list[str]:
         """Queue a request (arriving now, or at ``arrival_s`` on the virtual clock). Returns sequence ids.
 
         ``n > 1`` fans out into n sequences sharing the prompt (ids ``"{i}_{request_id}"`` as in vLLM).
@@ -146,6 +147,8 @@ class Engine:
         blocks of a length finish until ``release_held`` or the abort timeout; ``remote_prefill`` (the decode side,
         ``do_remote_prefill``) allocates the prompt's blocks on arrival, pulls the KV not cached locally over
         ``kv_transfer``'s link, then computes only the last prompt token.
+        ``mm_items``: the images/videos whose placeholder tokens the prompt holds, in prompt order (their encoder
+        runs in the step that first schedules their tokens; needs a model with a vision encoder).
         """
         if remote_prefill and self.kv_transfer is None:
             raise ValueError("remote prefill needs a KV transfer model (engine.kv_transfer)")
@@ -158,6 +161,8 @@ class Engine:
             raise ValueError(f"n must be at least 1, got {n}")
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if mm_items:
+            check_mm_items(mm_items, plen)
         max_len = self.config.max_model_len
         if plen >= max_len:
             raise ValueError(f"prompt of {plen} tokens does not fit max_model_len={max_len}")
@@ -174,7 +179,8 @@ class Engine:
             if plen + length > max_len:      # the context window ends generation
                 length, reason = max_len - plen, FinishReason.LENGTH
             req = Request(sid, prompt, max_tokens, length, reason, t, priority, next(self._seq),
-                          request_id if n > 1 else None, i, extra_keys, output_token_ids, hold_kv, remote_prefill)
+                          request_id if n > 1 else None, i, extra_keys, output_token_ids, hold_kv, remote_prefill,
+                          mm_items=tuple(mm_items))
             self._requests[sid] = req
             self.kv.hash_prompt(req)
             if t <= cutoff and not remote_prefill:     # a pull starts at the next step (_admit_arrivals)

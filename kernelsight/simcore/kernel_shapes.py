@@ -17,6 +17,7 @@ from kernelsight.simcore.fp4_dispatch import (
 )
 from kernelsight.simcore.gemm_dispatch import fp8_linear_kernel, priced_format
 from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING, routing_load
+from kernelsight.simcore.multimodal import MultimodalItem
 from kernelsight.simcore.precision import Precision
 
 GEMM = "gemm"
@@ -30,13 +31,14 @@ NORM = "norm"
 ACTIVATION = "activation"
 EMBEDDING = "embedding"
 SAMPLER = "sampler"
+ENCODER = "encoder"             # a step's vision-encoder passes, every kernel of them (vision_encoder.py)
 ALL_REDUCE = "all_reduce"
 LAUNCH = "launch"
 HOST = "host"
 
 #: Every family a step breakdown reports, in a fixed order (GPU kernels, then communication, then CPU).
 FAMILIES: tuple[str, ...] = (GEMM, MOE_GEMM, ATTN_PREFILL, ATTN_DECODE, KV_WRITE, ROPE, NORM, ACTIVATION,
-                             EMBEDDING, SAMPLER, ALL_REDUCE, LAUNCH, HOST)
+                             EMBEDDING, SAMPLER, ENCODER, ALL_REDUCE, LAUNCH, HOST)
 FAMILY_INDEX = {f: i for i, f in enumerate(FAMILIES)}
 
 _GEMM_TILE = 128          # CUTLASS/cuBLAS-class tile edge for large GEMMs
@@ -90,6 +92,8 @@ class BatchShape:
     # the longest decode contexts (tokens attended, incl. the new one), longest first, as many as the step model's
     # ``decode_top_k`` asks for; empty: not known (decode attention priced as equal contexts)
     decode_context_top: tuple[int, ...] = ()
+    # images/videos whose encoder runs this step (vLLM V1 runs it in the step that first schedules an item's tokens)
+    encoder_items: tuple[MultimodalItem, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -43,6 +43,7 @@ from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: call
     ATTN_ENCODER,
     ATTN_PREFILL,
     EMBEDDING,
+    ENCODER,
     FAMILIES,
     FAMILY_INDEX,
     GEMM,

@@ -19,6 +19,17 @@ from kernelsight.simcore.kv_events import BlockStored, KVEvent
 from kernelsight.simcore.request import Request
 
 
+def mm_block_keys(req: Request, first_block: int, num_blocks: int, block_size: int) -> list[tuple[str, ...]]:
+    """Per block, the content hashes of the images/videos whose placeholders it holds (vLLM's multimodal extra
+    keys): two prompts with equal placeholder ids but different images never share a block."""
+    out: list[tuple[str, ...]] = []
+    items = req.mm_items
+    for b in range(first_block, first_block + num_blocks):
+        lo, hi = b * block_size, (b + 1) * block_size
+        out.append(tuple(it.mm_hash for it in items if it.offset < hi and it.offset + it.num_tokens > lo))
+    return out
+
+
 class KVCacheManager:
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.pool = BlockPool(num_gpu_blocks)
@@ -64,7 +75,9 @@ class KVCacheManager:
             n = len(tokens) // self.block_size      # blocks of synthetic generated keys carry no token ids
             if n:
                 events.append(BlockStored(hashes[:n], req.block_hashes[start - 1] if start else None,
-                                          tokens[:n * self.block_size], self.block_size, start, req.extra_keys))
+                                          tokens[:n * self.block_size], self.block_size, start, req.extra_keys,
+                                          mm_keys=mm_block_keys(req, start, n, self.block_size)
+                                          if req.mm_items else None))
 
     @staticmethod
     def _known_tokens(req: Request, lo: int, hi: int) -> list[int]:
@@ -100,11 +113,16 @@ class KVCacheManager:
                     tokens = prompt[: prompt_blocks * bs].astype(np.uint64)
                 else:
                     tokens = np.fromiter(prompt, dtype=np.uint64, count=prompt_blocks * bs)
-                hashes.extend(hasher.chain_tokens(hasher.start(req.extra_keys), 0, tokens))
+                extras = None
+                if req.mm_items:
+                    extras = np.fromiter((hasher.extra_key(k) for k in mm_block_keys(req, 0, prompt_blocks, bs)),
+                                         dtype=np.uint64, count=prompt_blocks)
+                hashes.extend(hasher.chain_tokens(hasher.start(req.extra_keys), 0, tokens, extras))
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else hasher.start(req.extra_keys)
-            hashes.append(hasher.chain_one(parent, i, req.block_content(i, bs)))
+            extra = hasher.extra_key(mm_block_keys(req, i, 1, bs)[0]) if req.mm_items else 0
+            hashes.append(hasher.chain_one(parent, i, req.block_content(i, bs), extra))
         return hashes
 
     def hash_prompt(self, req: Request) -> None:

@@ -27,6 +27,8 @@ class BlockStored:
     extra_keys: tuple | None
     group_idx: int = 0       # the KV-cache group (hybrid models: 0 full attention, 1 sliding window)
     sliding_window: int | None = None   # the group's window when it is a sliding-window group
+    # per block, the content hashes of the multimodal items it holds placeholders of (None: a text-only request)
+    mm_keys: list[tuple[str, ...]] | None = None
 
 
 @dataclass(slots=True)

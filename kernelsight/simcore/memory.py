@@ -43,6 +43,8 @@ def param_counts(model: ModelSpec) -> tuple[int, int]:
     linear = model.num_layers * attn + (model.num_layers - n_moe) * dense_mlp + n_moe * moe_mlp
     embed = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
     other = embed + model.num_layers * 2 * h + h + n_moe * h * model.num_experts   # norms + routers
+    if model.vision is not None:
+        other += model.vision.num_params      # the vision tower stays bf16 in quantized checkpoints
     return linear, other
 
 

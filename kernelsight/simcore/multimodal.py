@@ -28,6 +28,7 @@ class VisionSpec:
     window_size_px: int | None = None            # windowed attention (Qwen2.5-VL: 112 px windows) ...
     full_attention_layers: tuple[int, ...] = ()  # ... except these blocks, which attend the whole image
     num_deepstack_mergers: int = 0               # Qwen3-VL: extra mergers feeding intermediate features to the LM
+    merger_hidden_size: int = 0                  # the merger MLP's inner width (0: merge² × hidden_size, as Qwen's)
 
     @property
     def head_dim(self) -> int:
@@ -36,6 +37,17 @@ class VisionSpec:
     @property
     def patches_per_token(self) -> int:
         return self.merge_size * self.merge_size
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the tower and its merger(s) (bf16 in memory whatever the LM's format)."""
+        h, inter = self.hidden_size, self.intermediate_size
+        block = 4 * h * h + (3 if self.gated_mlp else 2) * h * inter + 4 * h
+        merged_in = self.patches_per_token * h
+        merged_hidden = self.merger_hidden_size or merged_in
+        merger = merged_in * merged_hidden + merged_hidden * self.out_hidden_size + 2 * h
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size * h
+        return patch + self.depth * block + (1 + self.num_deepstack_mergers) * merger
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +69,16 @@ class MultimodalItem:
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+
+def check_mm_items(items: tuple[MultimodalItem, ...], prompt_len: int) -> None:
+    """Items must lie in the prompt, in order, without overlapping (ValueError otherwise)."""
+    end = 0
+    for it in items:
+        if it.num_tokens < 1 or not it.encoder_seq_lens or min(it.encoder_seq_lens) < 1:
+            raise ValueError(f"multimodal item {it.mm_hash!r} has no tokens or no patches")
+        if it.offset < end:
+            raise ValueError(f"multimodal item {it.mm_hash!r} at {it.offset} overlaps or precedes the one before")
+        end = it.offset + it.num_tokens
+        if end > prompt_len:
+            raise ValueError(f"multimodal item {it.mm_hash!r} ends at {end}, past the prompt's {prompt_len} tokens")

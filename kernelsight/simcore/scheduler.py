@@ -14,8 +14,10 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from kernelsight.simcore.encoder_cache import EncoderCacheManager
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
 from kernelsight.simcore.kv_cache import KVCacheManager
+from kernelsight.simcore.multimodal import MultimodalItem
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
 from kernelsight.simcore.spec_decode import SpecDecoder
 
@@ -35,6 +37,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # vLLM ≥ 0.19: admit a request only if its whole prompt fits in the free KV blocks
     reserve_full_prompt: bool = True
+    # multimodal: the encoder's compute budget per step and the encoder cache's size, in LM embeddings (vLLM's
+    # compute_encoder_budget: the larger of max_num_batched_tokens and the largest item; 0: max_num_batched_tokens,
+    # grown to any larger item), and whether a chunk may end inside an item (--disable-chunked-mm-input: no)
+    encoder_budget_tokens: int = 0
+    disable_chunked_mm_input: bool = False
 
 
 @dataclass(slots=True)
@@ -154,6 +161,8 @@ class Scheduler:
         self._group_allowed = use_decode_group and config.long_prefill_token_threshold == 0
         self._group_on = self._group_allowed
         self.spec: SpecDecoder | None = None
+        self.encoder_budget = max(config.encoder_budget_tokens, config.max_num_batched_tokens)
+        self.encoder_cache = EncoderCacheManager(self.encoder_budget)
 
     def enable_spec_decode(self, spec: SpecDecoder) -> None:
         """Speculative decoding: decodes verify draft tokens and gain a varying number of tokens per step, which the
@@ -183,6 +192,8 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+        if req.mm_items:
+            self.encoder_cache.free(req.request_id, [it.mm_hash for it in req.mm_items])
         if req.hold_kv and reason is FinishReason.LENGTH:
             self.held.append(req)     # vLLM's NIXL connector delays the free until the decode side reads them
         else:
@@ -192,6 +203,8 @@ class Scheduler:
         return run
 
     def _preempt(self, req: Request) -> None:
+        if req.mm_items:
+            self.encoder_cache.free(req.request_id, [it.mm_hash for it in req.mm_items])
         self.kv.free(req, preempted=True)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -313,6 +326,52 @@ class Scheduler:
         return sum(1 for due, bucket in self._dues.items() if due <= step
                    for _, join, req in bucket if req.decode_join_step == join)
 
+    # -- multimodal inputs --------------------------------------------------------------------------
+    def _schedule_encoder_inputs(self, req: Request, num_computed: int, num_new: int, budget: int,
+                                 ) -> tuple[list[MultimodalItem], int, int]:
+        """The items whose encoder must run for ``req``'s next ``num_new`` tokens, and the token count cut to what
+        the encoder budget and cache allow (vLLM's ``_try_schedule_encoder_inputs``): an item whose placeholders
+        overlap the chunk runs unless its tokens are already computed or its output is cached; one that does not
+        fit ends the chunk just before it. Returns (items, num_new, remaining encoder budget)."""
+        cache = self.encoder_cache
+        out: list[MultimodalItem] = []
+        to_schedule = 0
+        end = num_computed + num_new
+        for item in req.mm_items:
+            start, n = item.offset, item.num_tokens
+            if start >= end:
+                break
+            if start + n <= num_computed:
+                continue                       # its embeddings are in the KV cache already (or a prefix hit)
+            if cache.check_and_update_cache(req.request_id, item.mm_hash):
+                continue
+            if self.config.disable_chunked_mm_input and num_computed < start and end < start + n:
+                num_new = start - num_computed
+                break
+            if n > cache.cache_size:
+                # larger than any budget sized so far: vLLM sizes both to the largest item the model takes
+                cache.num_free_slots += n - cache.cache_size
+                cache.num_freeable_slots += n - cache.cache_size
+                self.encoder_budget = cache.cache_size = n
+                budget = max(budget, n) if not out else budget
+            if not cache.can_allocate(n, budget, to_schedule):
+                num_new = start - num_computed if num_computed < start else 0
+                break
+            to_schedule += n
+            budget -= n
+            out.append(item)
+        return out, num_new, budget
+
+    def _allocate_encoder_inputs(self, req: Request, items: list[MultimodalItem]) -> None:
+        for item in items:
+            self.encoder_cache.allocate(req.request_id, item.mm_hash, item.num_tokens)
+
+    def _free_consumed_encoder_inputs(self, req: Request) -> None:
+        """Items whose every embedding is in the KV cache no longer need their encoder output."""
+        for item in req.mm_items:
+            if item.offset + item.num_tokens <= req.num_computed_tokens:
+                self.encoder_cache.free_input(req.request_id, item.mm_hash)
+
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg, kv = self.config, self.kv
@@ -343,6 +402,8 @@ class Scheduler:
         spec = self.spec
         lookahead = spec.num_lookahead_tokens if spec is not None else 0
         drafts_of: dict[Request, int] = {}
+        enc_budget = self.encoder_budget
+        encoder_of: dict[Request, list[MultimodalItem]] = {}   # items whose encoder runs this step, by request
         i = 0
         while i < len(individuals) and budget > 0:
             req = individuals[i]
@@ -353,6 +414,10 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
+            enc: list[MultimodalItem] = []
+            if req.mm_items and num_new > 0:
+                enc, num_new, enc_left = self._schedule_encoder_inputs(req, req.num_computed_tokens, num_new,
+                                                                       enc_budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -374,6 +439,8 @@ class Scheduler:
                         budget += counts[j]
                         scheduled.pop(j)
                         counts.pop(j)
+                        for item in encoder_of.pop(victim, ()):
+                            enc_budget += item.num_tokens
                     if vi < i:
                         i -= 1
                 self._preempt(victim)
@@ -383,6 +450,10 @@ class Scheduler:
                     break
             if req_preempted:
                 break
+            if enc:
+                self._allocate_encoder_inputs(req, enc)
+                encoder_of[req] = enc
+                enc_budget = enc_left
             scheduled.append(req)
             counts.append(num_new)
             budget -= num_new
@@ -408,10 +479,19 @@ class Scheduler:
                     num_new = threshold
                 if num_new > budget:
                     num_new = budget
+                enc = []
+                if req.mm_items:
+                    enc, num_new, enc_left = self._schedule_encoder_inputs(req, num_cached, num_new, enc_budget)
+                    if num_new <= 0:
+                        break
                 if cfg.reserve_full_prompt and not kv.can_fit(req, req.num_tokens, hits):
                     break
                 if not kv.allocate_slots(req, num_new, hits, new_cached, lookahead):
                     break
+                if enc:
+                    self._allocate_encoder_inputs(req, enc)
+                    encoder_of[req] = enc
+                    enc_budget = enc_left
                 waiting.pop()
                 if req.num_preemptions == 0 and req.num_cached_tokens < 0:
                     kv.prefix_queries_tokens += req.num_tokens
@@ -426,11 +506,13 @@ class Scheduler:
                 counts.append(num_new)
                 budget -= num_new
 
+        encoder_items = tuple(item for items in encoder_of.values() for item in items)
         prefills = []
         num_decodes = len(self.members)
         decode_ctx = self._ctx_base + num_decodes * S
         if drafts_of:
-            return self._spec_output(scheduled, counts, preempted, admitted, budget, dissolved, drafts_of)
+            return self._spec_output(scheduled, counts, preempted, admitted, budget, dissolved, drafts_of,
+                                     encoder_items)
         top_k = self.decode_top_k
         others = [] if top_k else None      # individuals' decode contexts, when the step model wants the longest
         for req, n in zip(scheduled, counts, strict=True):
@@ -449,13 +531,15 @@ class Scheduler:
                 longest += others
             longest.sort(reverse=True)
             top = tuple(longest[:top_k])
-        batch = BatchShape(tuple(prefills), num_decodes, decode_ctx, decode_context_top=top)
+        batch = BatchShape(tuple(prefills), num_decodes, decode_ctx, decode_context_top=top,
+                           encoder_items=encoder_items)
         return SchedulerOutput(scheduled, counts, preempted, admitted, batch,
                                cfg.max_num_batched_tokens - budget, len(self.members), dissolved)
 
     def _spec_output(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
                      admitted: list[Request], budget: int, dissolved: list[tuple[Request, int, int]],
-                     drafts_of: dict[Request, int]) -> SchedulerOutput:
+                     drafts_of: dict[Request, int], encoder_items: tuple[MultimodalItem, ...] = ()
+                     ) -> SchedulerOutput:
         """The step's output when decodes carry draft tokens: each verifies 1 + drafts tokens (no decode group)."""
         prefills = []
         num_decodes = decode_ctx = num_spec = 0
@@ -470,7 +554,7 @@ class Scheduler:
             else:
                 prefills.append(PrefillChunk(n, req.num_computed_tokens,
                                              req.num_computed_tokens + n >= req.num_tokens))
-        batch = BatchShape(tuple(prefills), num_decodes, decode_ctx, num_spec)
+        batch = BatchShape(tuple(prefills), num_decodes, decode_ctx, num_spec, encoder_items=encoder_items)
         return SchedulerOutput(scheduled, counts, preempted, admitted, batch,
                                self.config.max_num_batched_tokens - budget, 0, dissolved, drafts)
 
@@ -522,6 +606,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += n
+            if req.mm_items:
+                self._free_consumed_encoder_inputs(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue                      # a prefill chunk that did not reach the end: no token
             req.num_output_tokens += 1

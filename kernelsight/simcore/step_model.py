@@ -26,6 +26,7 @@ from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING
 from kernelsight.simcore.precision import Precision
 from kernelsight.simcore.roofline import kernel_roofline_s
+from kernelsight.simcore.vision_encoder import encoder_allreduces, encoder_kernel_launches, encoder_kernels
 
 
 def default_cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> tuple[int, ...]:
@@ -42,6 +43,7 @@ _I_ATTN_PREFILL = FAMILY_INDEX[K.ATTN_PREFILL]
 _I_ATTN_DECODE = FAMILY_INDEX[K.ATTN_DECODE]
 _I_LAUNCH = FAMILY_INDEX[K.LAUNCH]
 _I_HOST = FAMILY_INDEX[K.HOST]
+_I_ENCODER = FAMILY_INDEX[K.ENCODER]
 
 #: A block-fp8 model's time above these multiples of its fixed latency (the eager host floor of its rows) is
 #: the kernel's own GPU time (from 3x) or partly so (from 2x): calibrate.fit.block_fp8.GPU_BOUND_FACTOR.
@@ -200,6 +202,7 @@ class StepModel:
         # decode_window's first step: ((num_decodes, start context, top), (breakdown, seconds)) of the last call
         self._window_first: tuple[tuple[int, int, tuple[int, ...]] | None,
                                   tuple[np.ndarray, float] | None] = (None, None)
+        self._encoder_memo: dict[tuple, float] = {}
 
     def _memo_tables(self, model: ModelSpec, hw: HardwareSpec, calib: Calibration, precision: Precision,
                      config: StepConfig) -> tuple[dict, dict, dict, dict]:
@@ -400,6 +403,10 @@ class StepModel:
                                          bool(prefills))
             out[_I_ATTN_DECODE] += t
             attn_s += t
+        if batch.encoder_items:
+            t = self.encoder_pass_s(batch.encoder_items)
+            out[_I_ENCODER] += t
+            attn_s += t
         return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens)
 
     def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int
@@ -412,6 +419,43 @@ class StepModel:
         out[_I_LAUNCH] = launch_s
         out[_I_HOST] = host_s
         return out, gpu_s + host_s
+
+    # -- the vision encoder ----------------------------------------------------------------------------
+    def encoder_kernels(self, items: tuple) -> list[Kernel]:
+        """The kernels of one batched encoder pass over ``items`` (``vision_encoder.encoder_kernels``), their
+        attention in the calibration's ``attn_encoder`` family, or as prefill attention where it has none."""
+        vision = self.model.vision
+        if vision is None:
+            raise ValueError(f"model {self.model.name!r} has no vision encoder")
+        ks = encoder_kernels(vision, items, self.config.tp)
+        if K.ATTN_ENCODER not in self.calib.eta:
+            ks = [dataclasses.replace(k, family=K.ATTN_PREFILL) if k.family == K.ATTN_ENCODER else k for k in ks]
+        return ks
+
+    def encoder_pass_s(self, items: tuple) -> float:
+        """One batched encoder pass over ``items``: its kernels, its all-reduces under TP, and the eager launches
+        the GPU does not hide (vLLM runs the encoder outside CUDA graphs). Memoized on the items' shapes."""
+        key = tuple((it.encoder_seq_lens, it.grid_thw) for it in items)
+        memo = self._encoder_memo
+        t = memo.get(key)
+        if t is None:
+            gpu_s = sum(self.kernel_time_s(k) for k in self.encoder_kernels(items))
+            tp = self.config.tp
+            if tp > 1:
+                n, msg = encoder_allreduces(self.model.vision, items)
+                gpu_s += n * allreduce_s(msg, tp, self.hw, self.calib.comm,
+                                         custom_all_reduce=self.config.custom_all_reduce)
+            cpu_s = self.calib.launch.eager_per_kernel_s * encoder_kernel_launches(self.model.vision)
+            t = gpu_s + max(cpu_s - gpu_s, 0.0)
+            if len(memo) > 10_000:
+                memo.clear()
+            memo[key] = t
+        return t
+
+    def encoder_roofline_s(self, items: tuple) -> float:
+        """The encoder pass's roofline bound: Σ over its kernels of max(FLOPs / peak, bytes / bandwidth)."""
+        return sum(kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw) * k.count
+                   for k in self.encoder_kernels(items))
 
     def _prefill_attention_s(self, prefills: tuple[PrefillChunk, ...]) -> float:
         """Prefill attention time, memoized on the chunks' exact (new, cached) token counts: the kernel is a

@@ -83,13 +83,14 @@ def ints_on_wire() -> bool:
     return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") not in ("0", "")
 
 
-def vllm_extra_keys(sim_extra: tuple | None, block_index: int) -> tuple | None:
-    """vLLM's per-block extra keys from the simulator's request extras (``("lora", name, "cache_salt", salt)``
-    pairs): the LoRA name on every block, the cache salt on block 0 only (no multimodal, no prompt embeds)."""
+def vllm_extra_keys(sim_extra: tuple | None, block_index: int, mm_keys: tuple[str, ...] = ()) -> tuple | None:
+    """vLLM's per-block extra keys (``generate_block_hash_extra_keys``), in its order: the content hashes of the
+    multimodal items the block holds placeholders of, the LoRA name on every block, the cache salt on block 0 only
+    (from the simulator's ``("lora", name, "cache_salt", salt)`` request extras; no prompt embeds)."""
+    keys: list[Any] = list(mm_keys)
     if not sim_extra:
-        return None
+        return tuple(keys) or None
     d = dict(zip(sim_extra[::2], sim_extra[1::2], strict=False))
-    keys: list[Any] = []
     if d.get("lora"):
         keys.append(d["lora"])
     if block_index == 0 and d.get("cache_salt"):

@@ -101,14 +101,14 @@ class HashTranslator:
                     log.warning("kv events: a stored block's parent hash is unknown; not published")
                 return None
             parent, parent_wire = got
-        bs, fn, sim_extra, first = ev.block_size, self.fn, ev.extra_keys, ev.first_block_index
+        bs, fn, sim_extra, first, mm = ev.block_size, self.fn, ev.extra_keys, ev.first_block_index, ev.mm_keys
         tokens = ev.token_ids
         wire: list[int | bytes] = []
-        extras: list[tuple | None] | None = [] if sim_extra else None
+        extras: list[tuple | None] | None = [] if sim_extra or mm else None
         extra = None
         for i, key in enumerate(ev.keys):
             if extras is not None:
-                extra = vllm_extra_keys(sim_extra, first + i)
+                extra = vllm_extra_keys(sim_extra, first + i, mm[i] if mm else ())
                 extras.append(extra)
             got = vllm.get(key)
             if got is None:
