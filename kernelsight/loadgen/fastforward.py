@@ -186,7 +186,7 @@ class _Sender:
 
     def take_events(self, events: Sequence[Any], rank: int | None = None, ends: list[float] | None = None) -> bool:
         """Record an engine window's token and finish events (of DP rank ``rank``); True if a request finished.
-        ``ends`` (the engine's step end times so far) is needed only with a watch."""
+        ``ends`` (the engine's step end times so far) is needed only with a watch and by the session sender."""
         trackers = self.trackers
         watch = self.watch
         freed = False

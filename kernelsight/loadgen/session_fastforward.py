@@ -61,13 +61,16 @@ class _SessionSender(_Sender):
         assert ends is not None and tr.session is not None and tr.turn is not None
         answer = self._answers.pop(f"ff-s{tr.session}-t{tr.turn}")
         turns = self.wl.sessions[tr.session].turns
+        done = tr.sample
+        # the record needs only the lengths: a long run would otherwise keep every turn's whole history
+        tr.sample = SampleRequest(None, done.prompt_len, done.expected_output_len)
         if tr.num_tokens == 0 or tr.turn + 1 >= len(turns):
             self.open_sessions -= 1          # its last turn (or a failed one) closes the session
             return
         last = tr.segments[-1]
         finish_s = ends[last[0] + last[1] - 1]
         nxt = turns[tr.turn + 1]
-        prompt = next_prompt(tr.sample.token_array, answer[:tr.num_tokens], nxt.user_ids)
+        prompt = next_prompt(done.token_array, answer[:tr.num_tokens], nxt.user_ids)
         send_s = finish_s + nxt.delay_s
         self._submit(tr.session, tr.turn + 1, prompt, send_s, send_s)
 
