@@ -219,3 +219,51 @@ async def test_time_scale_converts_to_server_seconds():
     assert 4 * 2 * GAP_S - 0.02 < r.ttft_s < 4 * (2 * GAP_S + 0.03)
     assert run.records[1].start_s == pytest.approx(0.4, abs=4 * 0.02)
     assert np.isclose(run.duration_s, run.wall_s * 4)
+
+
+def test_cached_tokens_and_streamed_token_ids_are_kept():
+    t = StreamTimer(chat=False, start_s=0.0, prompt_len=4)
+    first, second = cmpl("a"), cmpl("bc", "length")
+    first["choices"][0]["token_ids"], second["choices"][0]["token_ids"] = [7], [8, 9]
+    u = usage(40, 3)
+    u["usage"]["prompt_tokens_details"] = {"cached_tokens": 32}
+    feed(t, [(0.1, first), (0.2, second), (0.3, u)])
+    r = t.record(queue_s=0.0, start_rel_s=0.0)
+    assert r.cached_tokens == 32 and r.output_token_ids == [7, 8, 9] and r.prompt_len == 40
+    # a server without --enable-prompt-tokens-details (details null) and without token ids
+    t = StreamTimer(chat=False, start_s=0.0, prompt_len=4)
+    u = usage(4, 1)
+    u["usage"]["prompt_tokens_details"] = None
+    feed(t, [(0.1, cmpl("a", "length")), (0.2, u)])
+    r = t.record(queue_s=0.0, start_rel_s=0.0)
+    assert r.cached_tokens is None and r.output_token_ids is None
+
+
+def test_session_history_extends_with_what_the_server_returned():
+    from kernelsight.loadgen.metrics import RequestRecord
+    from kernelsight.loadgen.session_bench import _History
+    from kernelsight.loadgen.sessions import Turn
+
+    first, nxt = Turn(np.array([101, 102, 103]), 2, user_text="hello"), Turn(np.array([104, 105]), 2, 0.5)
+    answer = RequestRecord(True, 3, 2, 0.1, [0.01], 0.2, generated_text=" hi there", output_token_ids=[900, 901])
+
+    def decode(ids):
+        return "-".join(map(str, ids))
+
+    def encode(text):
+        return [len(w) for w in text.split()]
+
+    h = _History(False, first, decode)
+    assert h.prompt() == [101, 102, 103]
+    h.extend(answer, nxt, encode)
+    assert h.prompt() == [101, 102, 103, 900, 901, 104, 105]      # the answer's own ids, then the new message
+    h2 = _History(False, first, decode)
+    answer.output_token_ids = None                                # the server did not return ids: encode its text
+    h2.extend(answer, nxt, encode)
+    assert h2.prompt() == [101, 102, 103, 2, 5, 104, 105]
+    c = _History(True, first, decode)
+    c.extend(answer, nxt, encode)
+    msgs = c.prompt()
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[0]["content"][0]["text"] == "hello" and msgs[1]["content"] == " hi there"
+    assert msgs[2]["content"][0]["text"] == "104-105"             # a synthetic turn's ids, decoded
