@@ -267,3 +267,39 @@ def test_session_history_extends_with_what_the_server_returned():
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
     assert msgs[0]["content"][0]["text"] == "hello" and msgs[1]["content"] == " hi there"
     assert msgs[2]["content"][0]["text"] == "104-105"             # a synthetic turn's ids, decoded
+
+
+async def test_sessions_against_fake_server_keep_their_limit_and_send_their_history():
+    from kernelsight.loadgen.session_bench import run_session_bench
+    from kernelsight.loadgen.sessions import Session, SessionWorkload, Turn
+
+    log: list = []
+    runner = await _fake_server(log)
+    sessions = [Session([Turn(np.array([100 + i]), 2, user_text=f"q{i}"), Turn(np.array([200 + i]), 2, 0.05,
+                                                                                 user_text=f"r{i}")])
+                for i in range(5)]
+    wl = SessionWorkload(sessions, [0.0] * 5, 2, "synthetic")
+    try:
+        run = await run_session_bench(f"http://127.0.0.1:{_port(runner)}", wl, model="m", chat=True,
+                                      endpoint="/v1/chat/completions", ignore_eos=True, decode=str,
+                                      encode=lambda t: [1] * len(t.split()))
+    finally:
+        await runner.cleanup()
+    assert len(run.records) == 10 and all(r.success for r in run.records) and run.max_open_sessions == 2
+    second = [body for _, body in log if len(body["messages"]) == 3]
+    assert len(second) == 5
+    for body in second:
+        user, answer, follow = body["messages"]
+        i = int(user["content"][0]["text"][1:])
+        assert answer == {"role": "assistant", "content": " t0 t1"}             # the text the server streamed
+        assert follow["content"][0]["text"] == f"r{i}"
+    by = {(r.session, r.turn): r for r in run.records}
+    spans = []
+    for i in range(5):
+        t0, t1 = by[(i, 0)], by[(i, 1)]
+        assert t1.start_s >= t0.start_s + t0.latency_s + 0.05 - 1e-3            # the think time after the answer
+        spans.append((t0.start_s, t1.start_s + t1.latency_s))
+    # at most two sessions open at once: the third starts only after one of the first two has ended
+    starts = sorted(spans)
+    assert starts[2][0] >= min(starts[0][1], starts[1][1]) - 1e-3
+    assert sum(1 for r in run.records if r.turn == 0 and r.queue_s > 0.05) == 3
