@@ -112,8 +112,10 @@ def test_multi_turn_bench_vs_simulate_parity(tmp_path, capsys):
     assert bench["sessions"]["max_open_sessions"] == sim["sessions"]["max_open_sessions"] == 4
     for s, b in zip(sim["turns"], bench["turns"], strict=True):
         assert (b["cached_tokens"], b["mean_prompt_tokens"]) == (s["cached_tokens"], s["mean_prompt_tokens"]), out
-        # each request's few ms of HTTP and JSON (×2 at this time scale) against TTFTs of 150-250 ms
-        assert b["mean_ttft_ms"] == pytest.approx(s["mean_ttft_ms"], rel=0.1, abs=25), (sim["turns"], bench["turns"])
+        # each request's HTTP and JSON (×2 at this time scale; up to ~15 ms of wall on a loaded 2-core box) against
+        # TTFTs of 150-250 ms; and the 4 sessions that start together reach the server a few ms apart, so the first
+        # may start a step alone (simulate batches all 4). Without the cache hits turn 3 takes 2.6x as long
+        assert b["mean_ttft_ms"] == pytest.approx(s["mean_ttft_ms"], rel=0.1, abs=40), (sim["turns"], bench["turns"])
     hits = [t["hit_rate"] for t in sim["turns"]]
     assert hits[0] == 0 and hits[1] < hits[2]
     # chat: the history goes back as messages (the answers as the server wrote them); the template re-renders them,
