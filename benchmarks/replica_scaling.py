@@ -1,4 +1,5 @@
-"""Delivered streamed tokens/s of a one-machine fleet vs the processes it runs in (``--replica-processes``).
+"""Delivered streamed tokens/s of a one-machine fleet vs the processes it runs in (``--replica-processes``), and of
+one engine behind N API-server processes (``--api-server-count``).
 
 Each configuration starts ``kernelsight serve --replicas R --replica-processes P`` with a high ``--time-scale`` (the
 simulated GPU is never the limit: the server's CPU is) and drives every replica with M closed-loop streams from one
@@ -11,7 +12,11 @@ cores). A first section prices the engine alone: the same closed-loop workload s
 step at a time as the server's bridge steps it (no HTTP), CPU µs per output token: what is left of the server's cost
 per token is the front end (HTTP, JSON, SSE, the event loop, the release timing).
 
+``--api-servers 1,2`` adds one server (one engine) with ``--api-server-count N`` per value, driven with as many streams
+as the whole fleet (replicas × streams) on its one port: the front ends scale, the engine stays one process.
+
 Usage: python benchmarks/replica_scaling.py [--replicas 2] [--processes 1,2] [--streams 64] [--seconds 15]
+                                            [--api-servers 1,2]
 Writes benchmarks/results/replica_scaling.json.
 """
 
@@ -138,11 +143,13 @@ def drive(ports: list[int], streams: int, max_tokens: int, seconds: float) -> tu
 
 
 # -- one configuration ------------------------------------------------------------------------------------------
-def start_fleet(replicas: int, processes: int, time_scale: float) -> tuple[subprocess.Popen, list[int]]:
+def start_fleet(replicas: int, processes: int, time_scale: float, api_servers: int = 1
+                ) -> tuple[subprocess.Popen, list[int]]:
     base = free_port_run(replicas)
     cmd = [sys.executable, "-m", "kernelsight.server", "--model", MODEL, "--host", "127.0.0.1", "--port", str(base),
            "--replicas", str(replicas), "--replica-processes", str(processes), "--time-scale", str(time_scale),
-           "--max-model-len", "2048", "--uvicorn-log-level", "warning", "--lateness-warn-ms", "0"]
+           "--max-model-len", "2048", "--uvicorn-log-level", "warning", "--lateness-warn-ms", "0",
+           "--api-server-count", str(api_servers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ports = [base + i for i in range(replicas)]
     t_end = time.monotonic() + 240
@@ -171,8 +178,8 @@ def stop_fleet(proc: subprocess.Popen) -> None:
 
 
 def run_config(replicas: int, processes: int, streams: int, max_tokens: int, seconds: float, warmup_s: float,
-               time_scale: float) -> dict:
-    proc, ports = start_fleet(replicas, processes, time_scale)
+               time_scale: float, api_servers: int = 1) -> dict:
+    proc, ports = start_fleet(replicas, processes, time_scale, api_servers)
     try:
         drive(ports, streams, max_tokens, warmup_s)              # warm-up: caches, allocator, connection setup
         pids = tree_pids(proc.pid)
@@ -184,7 +191,8 @@ def run_config(replicas: int, processes: int, streams: int, max_tokens: int, sec
         st1 = steal_s()
     finally:
         stop_fleet(proc)
-    return {"replicas": replicas, "processes": processes, "streams_per_replica": streams, "tokens": tokens,
+    return {"replicas": replicas, "processes": processes, "api_servers": api_servers,
+            "streams_per_replica": streams, "tokens": tokens,
             "seconds": seconds, "tokens_per_s": tokens / seconds, "server_cpu_s": cpu1 - cpu0,
             "server_cpu_us_per_token": 1e6 * (cpu1 - cpu0) / max(tokens, 1), "client_cpu_s": client_cpu,
             "client_cpu_us_per_token": 1e6 * client_cpu / max(tokens, 1), "wall_s": wall, "steal_s": st1 - st0}
@@ -242,6 +250,9 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--time-scale", type=float, default=1000.0,
                     help="virtual s per wall s: high, so the CPU and not the simulated GPU sets the pace")
+    ap.add_argument("--api-servers", default="",
+                    help="--api-server-count values to run as one server (one engine) with replicas × streams "
+                         "streams, e.g. 1,2 (default: none)")
     ap.add_argument("--single-replica", action=argparse.BooleanOptionalAction, default=True,
                     help="also run one replica in one process (the baseline a single server gives)")
     ns = ap.parse_args()
@@ -249,17 +260,18 @@ def main() -> int:
     eng = engine_cost(ns.streams, ns.max_tokens, num_prompts=4 * ns.streams)
     print(f"engine alone (one step at a time, {eng['tokens']:,} tokens at {ns.streams} concurrent): "
           f"{eng['cpu_us_per_token']:.1f} µs CPU per output token")
-    configs = [(1, 1)] if ns.single_replica else []
-    configs += [(ns.replicas, int(p)) for p in ns.processes.split(",")]
+    configs = [(1, 1, 1, ns.streams)] if ns.single_replica else []
+    configs += [(ns.replicas, int(p), 1, ns.streams) for p in ns.processes.split(",") if p]
+    configs += [(1, 1, int(a), ns.replicas * ns.streams) for a in ns.api_servers.split(",") if a]
     rows = []
-    hdr = (f"{'replicas':>8} {'procs':>5} {'streams':>7} {'tokens/s':>9} {'srv µs/tok':>10} {'cli µs/tok':>10} "
-           f"{'srv cores':>9} {'steal s':>7}")
+    hdr = (f"{'replicas':>8} {'procs':>5} {'api srv':>7} {'streams':>7} {'tokens/s':>9} {'srv µs/tok':>10} "
+           f"{'cli µs/tok':>10} {'srv cores':>9} {'steal s':>7}")
     print(hdr)
     print("-" * len(hdr))
-    for replicas, procs in configs:
-        r = run_config(replicas, procs, ns.streams, ns.max_tokens, ns.seconds, ns.warmup_s, ns.time_scale)
+    for replicas, procs, api, streams in configs:
+        r = run_config(replicas, procs, streams, ns.max_tokens, ns.seconds, ns.warmup_s, ns.time_scale, api)
         rows.append(r)
-        print(f"{replicas:>8} {procs:>5} {replicas * ns.streams:>7} {r['tokens_per_s']:>9,.0f} "
+        print(f"{replicas:>8} {procs:>5} {api:>7} {replicas * streams:>7} {r['tokens_per_s']:>9,.0f} "
               f"{r['server_cpu_us_per_token']:>10.1f} {r['client_cpu_us_per_token']:>10.1f} "
               f"{r['server_cpu_s'] / r['wall_s']:>9.2f} {r['steal_s']:>7.2f}",
               flush=True)

@@ -135,6 +135,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
           f"{s['kv_cache_tokens']} tokens; "
           f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, "
           f"max_model_len {s['max_model_len']}")
+    if config.offload is not None:
+        o = config.offload
+        print(f"  KV offloading: {o.backend} ({o.connector}), {o.cpu_bytes / 2**30:g} GiB = {o.num_blocks} CPU blocks "
+              f"× {o.block_size} tokens, copies over PCIe")
     print(format_report(result, title=" Simulated Serving Benchmark Result "))
     if text := format_workload_extra(result):
         print(text)
@@ -158,6 +162,11 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
               f"mean acceptance length {sd['mean_acceptance_length']:.2f}, per-position acceptance rate {rates}; "
               f"{sd['num_drafts']} drafts; drafting {sd['draft_s']:.2f} s of {sd['verify_s'] + sd['draft_s']:.2f} s; "
               f"{speedup}")
+    if res.kv_offload is not None:
+        ko = res.kv_offload
+        print(f"KV offloading: CPU hit rate {100 * ko['cpu_hit_rate']:.1f}% of the tokens looked up past the GPU hit "
+              f"({ko['external_hit_tokens']} tokens); {ko['loads']} loads, {ko['loaded_bytes'] / 1e9:.2f} GB in "
+              f"{ko['load_s']:.3f} s; {ko['stored_bytes'] / 1e9:.2f} GB stored; {ko['evicted_blocks']} blocks evicted")
     print(f"Simulated {res.duration_s:.1f} s in {sim['wall_s']:.2f} s of wall time ({sim['num_steps']} steps, "
           f"{sim['num_preemptions']} preemptions, prefix-cache hit rate {100 * sim['prefix_cache_hit_rate']:.1f}%)")
     if ns.result_json:

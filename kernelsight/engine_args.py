@@ -25,6 +25,7 @@ from kernelsight.simcore.expert_parallel import (
     DEFAULT_ALL2ALL_BACKEND,
 )
 from kernelsight.simcore.hardware import NODE_TOPOLOGIES, HardwareSpec
+from kernelsight.simcore.kv_offload import BACKENDS as KV_OFFLOADING_BACKENDS
 from kernelsight.simcore.kv_transfer import LINK_KINDS, KVLink, kv_link
 from kernelsight.simcore.model_spec import ModelSpec
 from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING
@@ -119,6 +120,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-acceptance-rates", type=acceptance_rates, default=None, metavar="R1,R2,...",
                    help="simulator: per-position acceptance rates of the drafts (one per speculative token, "
                         "non-increasing; vLLM's accepted_tokens_per_pos / num_drafts), overriding the default")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="Size of the KV cache offloading buffer in GiB. When TP > 1, this is the total buffer size "
+                        "summed across all TP ranks. By default, this is set to None, which means no KV offloading "
+                        "is enabled. When set, vLLM will enable KV cache offloading to CPU using the "
+                        "kv_offloading_backend (copies priced over the GPU's PCIe link)")
+    g.add_argument("--kv-offloading-backend", choices=KV_OFFLOADING_BACKENDS, default="native",
+                   help="The backend to use for KV cache offloading. Supported backends include 'native' (vLLM "
+                        "native CPU offloading), 'lmcache'. KV offloading is only activated when kv_offloading_size "
+                        "is set. (default: native)")
     g.add_argument("--seed", type=int, default=0, help="seed for everything random (default: 0)")
 
 
@@ -172,7 +182,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         all2all_backend=ns.all2all_backend, expert_routing=ns.expert_routing,
         expert_load_imbalance=ns.expert_load_imbalance,
         disable_custom_all_reduce=ns.disable_custom_all_reduce, node_topology=ns.node_topology,
-        speculative_config=ns.speculative_config, speculative_acceptance_rates=ns.speculative_acceptance_rates)
+        speculative_config=ns.speculative_config, speculative_acceptance_rates=ns.speculative_acceptance_rates,
+        kv_offloading_size_gib=ns.kv_offloading_size, kv_offloading_backend=ns.kv_offloading_backend)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:

@@ -216,11 +216,13 @@ def test_supervisor_reports_a_workers_bad_config_in_one_line(capfd):
     assert err == ["kernelsight serve: error: --kv-events-config: cannot bind tcp://*:5557: Address already in use"]
 
 
-def test_api_server_count_and_its_alias_are_accepted_with_a_notice():
+def test_api_server_count_and_its_alias_are_a_count():
     from kernelsight.server.serve_args import ignored_flags, serve_parser
 
     for argv in (["-asc", "4"], ["--api-server-count", "4"]):
-        assert ignored_flags(serve_parser().parse_args(argv)) == ["--api-server-count"]
+        ns = serve_parser().parse_args(argv)
+        assert ns.api_server_count == 4 and ignored_flags(ns) == []
+    assert serve_parser().parse_args([]).api_server_count == 1
 
 
 def test_replica_processes_default_to_one_and_take_auto():

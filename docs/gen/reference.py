@@ -114,13 +114,15 @@ class _NoSpecStats:
 
 def metric_families() -> list[dict[str, Any]]:
     """Every family one engine's ``/metrics`` can show, with every optional part switched on (LoRA, hidden
-    pre-0.12 names, speculative decoding, every fault type), from the server's own registry."""
+    pre-0.12 names, speculative decoding, KV offloading, every fault type), from the server's own registry."""
     from kernelsight.server.integrations.faults import FAULT_TYPES
     from kernelsight.server.integrations.metrics import ServerMetrics
+    from kernelsight.simcore.kv_offload import OffloadStats
 
     m = ServerMetrics("MODEL", 1, 2048, [{"block_size": 16}], lora_enabled=True, fault_types=FAULT_TYPES,
                       hidden_metrics_version="0.10")
     m.bind_spec_decode([_NoSpecStats], 1)
+    m.bind_offload([OffloadStats])
     m.set_lora_state([], [])
     out = []
     for fam in m.registry.collect():
@@ -142,7 +144,8 @@ def metrics_page() -> str:
              "# `/metrics` reference\n",
              "The families `kernelsight serve` exposes, read from the server's Prometheus registry when the site is "
              "built, with every optional part on: `--enable-lora` (`vllm:lora_requests_info`), a "
-             "`--speculative-config` (`vllm:spec_decode_*`), `--show-hidden-metrics-for-version 0.10` (the names "
+             "`--speculative-config` (`vllm:spec_decode_*`), `--kv-offloading-size` (`vllm:kv_offload_*`, "
+             "`vllm:external_prefix_cache_*`), `--show-hidden-metrics-for-version 0.10` (the names "
              "vLLM removed in 0.12) and every fault type. Values are simulated (seconds of the simulated GPU's "
              "time), except the `kernelsight:` lateness and clock-lag series, which are wall time "
              "([When the CPU cannot keep up](../serving.md#when-the-cpu-cannot-keep-up)).\n"]

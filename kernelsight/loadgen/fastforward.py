@@ -22,7 +22,7 @@ import numpy as np
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.metrics import RequestRecord
 from kernelsight.loadgen.pd_stages import TTFTStages
-from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, StepResult
+from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, build_engine
 from kernelsight.simcore.kernels import FAMILIES
 from kernelsight.simcore.spec_decode_step import spec_decode_summary
@@ -91,6 +91,7 @@ class FastForwardResult:
     spec_decode: dict[str, Any] | None = None     # speculative decoding: spec_decode_summary
     pd_stages: TTFTStages | None = None           # a P/D deployment: each request's TTFT by stage (per request)
     stopped_at_s: float | None = None             # a watch ended the run here (records are partial then)
+    kv_offload: dict[str, Any] | None = None      # KV offloading's CPU tier: offload_summary
 
     def simulator_stats(self) -> dict[str, Any]:
         wall = max(self.wall_s, 1e-9)
@@ -102,6 +103,8 @@ class FastForwardResult:
                "finish_reasons": self.finish_reasons}
         if self.ranks is not None:
             out["data_parallel_ranks"] = self.ranks
+        if self.kv_offload is not None:
+            out["kv_offload"] = self.kv_offload
         if self.pd is not None:
             out["pd"] = self.pd
         if self.spec_decode is not None:
@@ -278,7 +281,25 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
         breakdown_s=dict(zip(FAMILIES, engine.stats.breakdown_s.tolist(), strict=True)),
         num_preemptions=engine.stats.num_preemptions, prefix_cache_hit_rate=hit_rate,
         finish_reasons=reasons, timeline=timeline, spec_decode=spec_decode_summary([engine]),
-        stopped_at_s=stopped_at_s)
+        stopped_at_s=stopped_at_s, kv_offload=offload_summary([engine]))
+
+
+def offload_summary(engines: list[Engine]) -> dict[str, Any] | None:
+    """The CPU tier's counters over the engines (None without offloading): the connector's hit rate (tokens found
+    on the CPU over those looked up past the GPU hit), the bytes and simulated seconds copied each way."""
+    tiers = [e.offload for e in engines if e.offload is not None]
+    if not tiers:
+        return None
+    q = sum(t.stats.external_queries_tokens for t in tiers)
+    h = sum(t.stats.external_hits_tokens for t in tiers)
+    return {"cpu_hit_rate": round(h / q, 4) if q else 0.0, "external_hit_tokens": h, "external_query_tokens": q,
+            "loads": sum(t.stats.loads for t in tiers),
+            "loaded_bytes": sum(t.stats.bytes["CPU_to_GPU"] for t in tiers),
+            "stored_bytes": sum(t.stats.bytes["GPU_to_CPU"] for t in tiers),
+            "load_s": round(sum(t.stats.time_s["CPU_to_GPU"] for t in tiers), 6),
+            "store_s": round(sum(t.stats.time_s["GPU_to_CPU"] for t in tiers), 6),
+            "evicted_blocks": sum(t.stats.evicted_blocks for t in tiers),
+            "stores_skipped_blocks": sum(t.stats.stores_skipped_blocks for t in tiers)}
 
 
 def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
@@ -341,7 +362,7 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
         num_preemptions=sum(e.stats.num_preemptions for e in group.engines),
         prefix_cache_hit_rate=hits / queries if queries else 0.0, finish_reasons=reasons, timeline=timeline,
         ranks=[{"rank": i, **st.summary()} for i, st in enumerate(group.stats)],
-        spec_decode=spec_decode_summary(group.engines))
+        spec_decode=spec_decode_summary(group.engines), kv_offload=offload_summary(group.engines))
 
 
 def _record(tr: _Tracker, ends: np.ndarray, gaps: np.ndarray) -> RequestRecord:
@@ -469,7 +490,17 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
         prefix_cache_hit_rate=sum(n * res.prefix_cache_hit_rate for n, res in results) / max(n_total, 1),
         finish_reasons=reasons, timeline=results[0][1].timeline,
         spec_decode=results[0][1].spec_decode,   # engine 0's, as the timeline
-        stopped_at_s=stopped_at_s)
+        stopped_at_s=stopped_at_s, kv_offload=_sum_offload([res.kv_offload for _, res in results]))
+
+
+def _sum_offload(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The replicas' offload summaries added up (the hit rate from the summed tokens)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = {k: sum(p[k] for p in parts) for k in parts[0] if k != "cpu_hit_rate"}
+    q = out["external_query_tokens"]
+    return {"cpu_hit_rate": round(out["external_hit_tokens"] / q, 4) if q else 0.0, **out}
 
 
 def replica_workers(processes: int | None) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kernelsight.loadgen.datasets import SampleRequest
-from kernelsight.loadgen.fastforward import MAX_WINDOW_STEPS, FastForwardResult, _record, _Sender
+from kernelsight.loadgen.fastforward import MAX_WINDOW_STEPS, FastForwardResult, _record, _Sender, offload_summary
 from kernelsight.loadgen.pd_stages import ttft_stages
 from kernelsight.simcore.engine import FINISHED, Engine
 from kernelsight.simcore.engine_config import EngineConfig, build_engine
@@ -191,7 +191,7 @@ def run_pd(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: S
         pd={"prefill": num_prefill, "decode": num_decode,
             "link": {"kind": lk.kind, "bytes_per_s": lk.bytes_per_s, "latency_s": lk.latency_s},
             "instances": [x.summary() for x in everyone], "ttft_stages": stages.summary()},
-        pd_stages=stages)
+        pd_stages=stages, kv_offload=offload_summary(engines))
 
 
 def _prefill_done(rid: str, reason: str | None, at_s: float, inst: _Instance, pick: Callable[[str], _Instance],

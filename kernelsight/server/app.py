@@ -53,10 +53,12 @@ from kernelsight.server.wire.routes import (
 from kernelsight.simcore.engine_config import EngineConfig
 
 
-def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0) -> FastAPI:
+def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0,
+              remote: Any = None) -> FastAPI:
     """One server (a replica): its own engines, metrics, LoRA list and KV-event publishers, serving vLLM's
-    routes."""
-    state = ServerState(config, opts, tok, replica_index)
+    routes; or, with ``remote`` (an ``engine.remote.RemoteBridge``), one API-server process of --api-server-count
+    whose engine runs in the engine process."""
+    state = ServerState(config, opts, tok, replica_index, remote=remote)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

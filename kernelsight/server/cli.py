@@ -31,10 +31,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.grpc:      # vLLM's gRPC front end (server/wire/grpc/launch.py), its HTTP app beside it
         from kernelsight.server.wire.grpc.launch import cmd_serve_grpc
         return cmd_serve_grpc(ns)
+    if ns.api_server_count > 1:
+        from kernelsight.server.api_servers import api_server_count_refusal
+        refusal = api_server_count_refusal(ns)
+        if refusal is not None:
+            print(f"kernelsight serve: error: not supported: {refusal}", file=sys.stderr)
+            return 2
     host = ns.host or "0.0.0.0"
     # every port first: a taken one stops the start with one line, before anything is built
     socks = bind_listeners(host, ns.port, ns.replicas)
     try:
+        if ns.api_server_count > 1:
+            from kernelsight.server.api_servers import serve_api_servers
+            return serve_api_servers(ns, socks[0], resolve_serve_config(ns))
         groups = replica_groups(ns.replicas, ns.replica_processes)
         if len(groups) == 1:
             return serve_replicas(ns, groups[0], socks, announce=True)

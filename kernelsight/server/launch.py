@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -14,8 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kernelsight.engine_args import create_engine_config, engine_args_from
+from kernelsight.server.integrations.kv_transfer import KVTransferConfig
 from kernelsight.server.serve_args import server_options_from
-from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.engine_config import EngineArgs, EngineConfig
+from kernelsight.simcore.kv_offload import offload_from_connector
 
 
 def resolve_serve_config(ns: argparse.Namespace) -> EngineConfig:
@@ -27,10 +30,32 @@ def resolve_serve_config(ns: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--time-scale must be > 0, got {ns.time_scale}")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:     # vLLM refuses to start the same way
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    config = create_engine_config(engine_args_from(ns))
+    config = create_engine_config(offload_engine_args(engine_args_from(ns), ns.kv_transfer_config))
     http_keep_alive_s()                # a bad VLLM_HTTP_TIMEOUT_KEEP_ALIVE is one line at start, not per replica
     server_options_from(ns)            # its own checks (fault types, LoRA modules) before anything is built
     return config
+
+
+def offload_engine_args(args: EngineArgs, kv_transfer: KVTransferConfig | None) -> EngineArgs:
+    """KV offloading named by ``--kv-transfer-config`` (vLLM's OffloadingConnector or LMCacheConnectorV1) as engine
+    args. ``--kv-offloading-size`` takes over the connector, as vLLM's does (its size and backend win; the native
+    connector keeps the config's block_size and offload_prompt_only)."""
+    connector = kv_transfer.kv_connector if kv_transfer is not None else None
+    off = offload_from_connector(connector, kv_transfer.kv_connector_extra_config, args.tensor_parallel_size) \
+        if connector else None
+    if args.kv_offloading_size_gib is not None:
+        if connector and off is None:
+            raise ValueError(f"--kv-offloading-size with --kv-transfer-config {connector}: vLLM replaces the "
+                             "connector by the offloading one (a MultiConnector of both is not modelled)")
+        if off is not None and args.kv_offloading_backend == off.backend:
+            return dataclasses.replace(args, kv_offloading_block_size=off.block_size,
+                                       kv_offloading_prompt_only=off.offload_prompt_only)
+        return args
+    if off is None:
+        return args
+    return dataclasses.replace(args, kv_offloading_size_gib=off.size_gib, kv_offloading_backend=off.backend,
+                               kv_offloading_block_size=off.block_size,
+                               kv_offloading_prompt_only=off.offload_prompt_only)
 
 
 def build_server_apps(ns: argparse.Namespace, replica_indices: Sequence[int] | None = None,

@@ -28,7 +28,7 @@ IGNORED_VALUE_FLAGS = (
     "--generation-config", "--override-generation-config", "--allowed-origins", "--allowed-methods",
     "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path",
     "--middleware", "--reasoning-parser", "--hf-overrides", "--limit-mm-per-prompt",
-    "--api-server-count", "--stream-interval", "--max-log-len", "--response-role", "--max-lora-rank",
+    "--stream-interval", "--max-log-len", "--response-role", "--max-lora-rank",
     "--lora-dtype", "--max-cpu-loras", "--max-seq-len-to-capture", "--worker-cls", "--mm-processor-kwargs",
     "--override-pooler-config", "--structured-outputs-config",
     "--sse-keep-alive-interval", "--fingerprint-mode", "--max-num-partial-prefills",
@@ -57,6 +57,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server (as vllm serve)")
     s.add_argument("--host", default=None, help="bind address (default: all interfaces, as vLLM)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--api-server-count", "-asc", type=positive_int, default=1, metavar="N",
+                   help="N API-server processes on the one port, in front of one engine process, as vLLM runs them: "
+                        "each parses, tokenizes and renders its own requests; the engine's routes (/metrics, /health, "
+                        "sleep, caches, LoRA, admin) are answered by the engine process (default: 1, one process)")
     s.add_argument("--grpc", action="store_true",
                    help="serve vLLM's gRPC engine service (vllm.grpc.engine.VllmEngine) on --host:--port instead of "
                         "the HTTP API, as `vllm serve --grpc`; the HTTP API (/metrics, /health) moves to "
@@ -183,8 +187,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             continue
         ign.add_argument(flag, action="store_true", default=None, dest=_ignored_dest(flag), help=argparse.SUPPRESS)
     ign.add_argument("-pp", nargs="?", const=True, default=None, dest=_ignored_dest("--pipeline-parallel-size"),
-                     help=argparse.SUPPRESS)
-    ign.add_argument("-asc", nargs="?", const=True, default=None, dest=_ignored_dest("--api-server-count"),
                      help=argparse.SUPPRESS)
     ign.add_argument("-O", nargs="?", const=True, default=None, dest=_ignored_dest("--compilation-config"),
                      help=argparse.SUPPRESS)

@@ -34,7 +34,10 @@ from kernelsight.simcore.kv_transfer import kv_link
 
 
 class ServerState:
-    def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0,
+                 remote: Any = None) -> None:
+        """``remote``: an API-server process's ``engine.remote.RemoteBridge`` (--api-server-count): the engine, its
+        metrics' engine side and its KV events live in the engine process; nothing engine-side is built here."""
         self.config = config
         self.opts = opts
         self.tok = tok
@@ -48,19 +51,28 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name, n, self.max_model_len, [cache_info] * n, opts.enable_lora,
                                      opts.max_loras, fault_types=FAULT_TYPES, first_engine=first,
                                      hidden_metrics_version=opts.show_hidden_metrics_for_version)
-        self.kv_publishers = _kv_publishers(config, opts, replica_index, range(first, first + n))
+        self.kv_publishers = [] if remote is not None else _kv_publishers(config, opts, replica_index,
+                                                                          range(first, first + n))
         # a MoE model's ranks served together step in lockstep (vLLM's DP engine core): one group, one loop
         group = build_dp_group(config) if n > 1 and moe_group_timing(config) is not None else None
-        self.bridges = [EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
-                                     opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
-                                     engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers
-                                     else None, engine=group.engines[i] if group is not None else None)
-                        for i in range(n)]
+        self.bridges: list[Any] = [remote] if remote is not None else [
+            EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
+                         opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
+                         engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers else None,
+                         engine=group.engines[i] if group is not None else None)
+            for i in range(n)]
         self.lockstep = LockstepDriver(group, self.bridges) if group is not None else None
-        self.kv_agents = _kv_transfer_agents(config, opts, self.bridges, first)
-        if config.speculative is not None:
+        self.kv_agents = _kv_transfer_agents(config, opts, self.bridges, first) if remote is None else []
+        if remote is not None:
+            # counted where /metrics is served: the engine process's registry
+            self.metrics.on_fault = lambda *a: remote.count("on_fault", *a)     # type: ignore[method-assign]
+            self.metrics.on_admission_rejected = (                              # type: ignore[method-assign]
+                lambda *a: remote.count("on_admission_rejected", *a))
+        elif config.speculative is not None:
             self.metrics.bind_spec_decode([lambda b=b: b.engine.spec_decoder.stats for b in self.bridges],
                                           config.speculative.num_speculative_tokens)
+        if config.offload is not None:
+            self.metrics.bind_offload([lambda b=b: b.engine.offload.stats for b in self.bridges])
         self.created = int(time.time())
         digest = hashlib.sha256(json.dumps(config.summary(), sort_keys=True, default=str).encode()).hexdigest()[:8]
         tp = config.args.tensor_parallel_size
@@ -70,7 +82,7 @@ class ServerState:
         self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
         self.logprobs = LogprobSynth(tok)
         self.faults = FaultInjector(opts.faults, self.metrics.on_fault)
-        self.sleep = SleepMode()
+        self.sleep = SleepMode() if remote is None else _RemoteSleep(remote)
         self.apply_replica_faults()
 
     def configure_faults(self, config: FaultConfig, reseed: bool) -> None:
@@ -141,8 +153,8 @@ def _kv_transfer_agents(config: EngineConfig, opts: ServerOptions, bridges: list
                         first_rank: int) -> list[KVTransferAgent]:
     """--kv-transfer-config: each engine prices pulls over the chosen link and gets a connector agent."""
     cfg = opts.kv_transfer
-    if cfg is None or not cfg.is_kv_transfer_instance:
-        return []
+    if cfg is None or not cfg.is_kv_transfer_instance or config.offload is not None:
+        return []           # an offloading connector is the engine's CPU tier (EngineConfig.offload), not P/D
     link = kv_link(config.hardware, opts.kv_transfer_link, bandwidth_gbps=opts.kv_transfer_bandwidth_gbps,
                    latency_s=None if opts.kv_transfer_latency_us is None else opts.kv_transfer_latency_us * 1e-6)
     agents = []
@@ -161,9 +173,22 @@ def _cache_config_info(config: EngineConfig, hash_algo: str = "sha256") -> dict[
             "gpu_memory_utilization": a.gpu_memory_utilization, "is_attention_free": False,
             "kv_sharing_fast_prefill": False, "num_cpu_blocks": None, "num_gpu_blocks": config.num_gpu_blocks,
             "num_gpu_blocks_override": a.num_gpu_blocks_override, "prefix_caching_hash_algo": hash_algo,
-            "sliding_window": None, "swap_space": 4}
+            "sliding_window": None, "swap_space": 4,
+            "kv_offloading_backend": a.kv_offloading_backend, "kv_offloading_size": a.kv_offloading_size_gib}
 
 
 def server_state(request: Request) -> ServerState:
     """The state of the app serving ``request`` (``build_app`` sets ``app.state.ks``)."""
     return request.app.state.ks
+
+
+class _RemoteSleep(SleepMode):
+    """An API-server process's view of the engine process's sleep mode (its /sleep and /wake_up are the engine's)."""
+
+    def __init__(self, remote: Any) -> None:
+        super().__init__()
+        self._remote = remote
+
+    @property
+    def is_sleeping(self) -> bool:   # type: ignore[override]
+        return self._remote.engine_sleeping

@@ -21,6 +21,7 @@ import numpy as np
 
 from kernelsight.simcore.kernels import FAMILIES
 from kernelsight.simcore.kv_cache import KVCacheManager
+from kernelsight.simcore.kv_offload import KVOffload
 from kernelsight.simcore.kv_transfer import KVTransferModel
 from kernelsight.simcore.multimodal import MultimodalItem, check_mm_items
 from kernelsight.simcore.output_len import OutputLengthModel
@@ -133,6 +134,7 @@ class Engine:
         self._pulled: list[tuple[str, float]] = []           # decode side: (id, time) the prefill side may free
         self.num_pulls = 0
         self.pull_s_total = 0.0
+        self.offload: KVOffload | None = None                # KV offloading's CPU tier (enable_offload)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int, *,
@@ -198,6 +200,10 @@ class Engine:
             if req is None or req.is_finished:
                 continue
             found = True
+            if req.kv_load_tokens:
+                # loading from the CPU tier: its blocks are evictable again (the copy already queued still runs)
+                req.kv_load_tokens = 0
+                self.offload.finish_load(req)
             if req.remote_prefill and req.num_computed_tokens == 0 and req.num_preemptions == 0:
                 # not yet taken in (``_pull_done``): vLLM notifies the prefill side of an aborted remote prefill, so it
                 # frees the blocks at once
@@ -229,7 +235,10 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Waiting requests, those loading their prefix from the CPU tier included (vLLM keeps them in its waiting
+        queue as WAITING_FOR_REMOTE_KVS)."""
+        off = self.offload
+        return len(self.scheduler.waiting) + (off.num_loading if off is not None else 0)
 
     @property
     def next_arrival_s(self) -> float | None:
@@ -269,6 +278,9 @@ class Engine:
                 if self._pull_blocked or not self._start_pull(req):
                     self._pull_blocked.append(req)      # FCFS behind earlier pulls waiting for blocks
                 continue
+            if req.kv_load_tokens:
+                self._load_done(req)
+                continue
             if req.kv_ready_s is not None and req.num_computed_tokens == 0 and req.block_ids:
                 self._pull_done(req)
             self.scheduler.add(req)
@@ -303,6 +315,30 @@ class Engine:
         self.kv.cache_pulled(req)
         req.num_computed_tokens = req.prompt_len - 1
         self._pulled.append((req.request_id, req.kv_ready_s or self.now_s))
+
+    # -- KV offloading -------------------------------------------------------------------------------
+    def enable_offload(self, offload: KVOffload) -> None:
+        """Put a CPU tier behind the GPU's KV cache (``simcore/kv_offload.py``). Storing decode blocks (vLLM's
+        ``offload_prompt_only: false``) needs each decode's progress step by step: the decode group is turned off."""
+        self.offload = offload
+        self.scheduler.offload = offload
+        offload.event_source = self.kv.pool
+        if not offload.config.offload_prompt_only:
+            self.scheduler._group_allowed = self.scheduler._group_on = False
+
+    def _load_done(self, req: Request) -> None:
+        """The load from the CPU tier ended: the loaded blocks enter the GPU prefix cache and count as computed (all
+        but the last prompt token at most, which vLLM recomputes to sample), and the request goes back to the head of
+        the waiting queue (vLLM prepends the requests that waited for their KV)."""
+        tokens = req.kv_load_tokens
+        req.kv_load_tokens = 0
+        self.offload.finish_load(req)
+        self.kv.cache_loaded(req, tokens)
+        req.num_computed_tokens = min(tokens, req.num_tokens - 1)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        req.status = RequestStatus.WAITING
+        self.scheduler.waiting.add_front(req)
 
     def take_pulled(self) -> list[tuple[str, float]]:
         """Decode side: (request id, virtual time) of each pull completed (or abandoned) since the last call: the
@@ -385,7 +421,14 @@ class Engine:
 
         events = self._pending_events
         self._pending_events = []
+        offload = self.offload
+        if offload is not None:
+            offload.advance(self.now_s)     # stores that ended by now become loadable
+            sched.clock_s = self.now_s
         out = sched.schedule()
+        if out.loading:
+            for req in out.loading:         # back as an arrival when its KV is in place (_load_done)
+                heapq.heappush(self._arrivals, (req.kv_ready_s, req.seq_no, req))
         start = self.now_s
         first_index = sched.step_index
         per_token = self.per_token_events
@@ -427,6 +470,9 @@ class Engine:
         ends = list(accumulate(durations, initial=start))[1:] if k > 1 else [start + durations[0]]
         snapshot = list(sched.members) if per_token else ()
         upd = sched.update(out, k)
+        if offload is not None and out.requests:
+            # the blocks this step filled go to the CPU tier on the copy stream, from the step's end
+            offload.store_computed(out.requests, self.kv.block_hashes, ends[0])
         # async scheduling: the next step was scheduled before this one's output was in, so the seats of the requests
         # that finish in it were still taken then (vLLM frees them when it processes the output)
         sched.seats_held = len(upd.finished) if self.async_scheduling else 0
@@ -500,4 +546,4 @@ class Engine:
         st.breakdown_s += breakdown
         st.num_preemptions = self.scheduler.num_preemptions
         return StepResult(start, ends, first_index, events, tokens, len(self.scheduler.running),
-                          len(self.scheduler.waiting), self.kv.usage, breakdown)
+                          self.num_waiting, self.kv.usage, breakdown)

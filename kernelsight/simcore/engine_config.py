@@ -22,6 +22,7 @@ from kernelsight.simcore.expert_parallel import (
 from kernelsight.simcore.hardware import HardwareSpec, node_topology, with_node_topology
 from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
 from kernelsight.simcore.kv_cache import KVCacheManager
+from kernelsight.simcore.kv_offload import KVOffload, OffloadConfig, resolve_offload
 from kernelsight.simcore.kv_transfer import KVLink, kv_link, kv_transfer_model
 from kernelsight.simcore.memory import MemoryPlan, kv_bytes_per_token, plan_memory, weight_bytes_per_rank
 from kernelsight.simcore.model_spec import ModelSpec
@@ -80,6 +81,12 @@ class EngineArgs:
     expert_load_imbalance: float | None = None   # busiest EP rank's routed tokens / mean (None: from the routing)
     speculative_config: dict[str, Any] | None = None   # vLLM's --speculative-config, as its JSON object
     speculative_acceptance_rates: tuple[float, ...] | None = None   # per-position override (kernelsight's flag)
+    # KV offloading to host memory (vLLM's --kv-offloading-size, GiB over all TP ranks; None: off) and its backend;
+    # the block size and offload_prompt_only of an OffloadingConnector's kv_connector_extra_config (None: defaults)
+    kv_offloading_size_gib: float | None = None
+    kv_offloading_backend: str = "native"
+    kv_offloading_block_size: int | None = None
+    kv_offloading_prompt_only: bool = True
 
 
 @dataclass(slots=True)
@@ -96,6 +103,7 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] = field(default_factory=tuple)
     speculative: SpeculativeConfig | None = None
     draft_model: ModelSpec | None = None      # what the drafter runs (None: n-gram, no GPU draft)
+    offload: OffloadConfig | None = None      # KV offloading's CPU tier (None: off)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -129,6 +137,7 @@ class EngineConfig:
                if self.args.tensor_parallel_size > 1 else {}),
             **self.parallel_summary(),
             **({"speculative_config": self.speculative.summary()} if self.speculative else {}),
+            **(self.offload.summary() if self.offload else {}),
         }
 
     def stack_summary(self) -> dict[str, Any]:
@@ -295,7 +304,14 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
                                             1 + spec.num_speculative_tokens)
     else:
         capture = default_cudagraph_capture_sizes(max_num_seqs, args.max_cudagraph_capture_size)
-    return EngineConfig(args, model, hw, calib, precision, sched, memory, capture, spec, draft)
+    offload = resolve_offload(args.kv_offloading_size_gib, args.kv_offloading_backend, args.block_size,
+                              kv_bytes_per_token(model, precision, tp), tp, args.kv_offloading_block_size,
+                              args.kv_offloading_prompt_only)
+    if offload is not None and model.is_hybrid_attention:
+        raise ValueError(f"KV offloading (--kv-offloading-size) of {model.name}'s sliding-window + full attention "
+                         "layers is not modelled (vLLM's native connector needs --disable-hybrid-kv-cache-manager "
+                         "for them)")
+    return EngineConfig(args, model, hw, calib, precision, sched, memory, capture, spec, draft, offload)
 
 
 def spec_decode_capture_sizes(max_num_seqs: int, max_capture_size: int | None, decode_query_len: int
@@ -420,7 +436,16 @@ def build_engine(cfg: EngineConfig, per_token_events: bool = True, link: KVLink 
                  spec_decoder=spec_decoder(cfg))
     eng.kv_transfer = kv_transfer_model(cfg.model, cfg.precision, cfg.args.tensor_parallel_size,
                                         cfg.scheduler.block_size, link or kv_link(cfg.hardware))
+    attach_offload(eng, cfg)
     return eng
+
+
+def attach_offload(eng: Engine, cfg: EngineConfig) -> None:
+    """KV offloading: the engine's own CPU tier, its copies priced over the GPU's PCIe link (each DP rank is an
+    engine with its own tier of the configured size, as each vLLM engine has its own connector)."""
+    if cfg.offload is not None:
+        eng.enable_offload(KVOffload(cfg.offload, kv_link(cfg.hardware, "pcie"), cfg.scheduler.block_size,
+                                     cfg.scheduler.max_num_seqs))
 
 
 def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
@@ -435,4 +460,5 @@ def build_dp_group(cfg: EngineConfig, per_token_events: bool = True) -> DPGroup:
     for eng in engines:     # what a P/D decode side pulls prompt KV over, as build_engine's
         eng.kv_transfer = kv_transfer_model(cfg.model, cfg.precision, cfg.args.tensor_parallel_size,
                                             cfg.scheduler.block_size, kv_link(cfg.hardware))
+        attach_offload(eng, cfg)
     return DPGroup(engines, moe)

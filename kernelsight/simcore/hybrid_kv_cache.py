@@ -146,10 +146,7 @@ class HybridKVCacheManager(KVCacheManager):
             del sw[run:]           # a run from block 0 is a hit even if shorter than the window
         hits = _HybridHits(full[:len(sw)])
         hits.sw = sw
-        if req.num_preemptions == 0:
-            self.prefix_queries_tokens += req.num_tokens
-            self.prefix_hits_tokens += len(sw) * bs
-        return hits, len(sw) * bs
+        return hits, len(sw) * bs       # counted by the scheduler once the request is admitted
 
     def _to_allocate(self, req: Request, total: int, hits: list[int], num_new_computed_tokens: int
                      ) -> tuple[int, int, list[int]]:

@@ -159,9 +159,8 @@ class KVCacheManager:
             hits.append(b)
         if self.drop_last_hit_block and hits:
             hits.pop()
-        if req.num_preemptions == 0:
-            self.prefix_queries_tokens += req.num_tokens
-            self.prefix_hits_tokens += len(hits) * self.block_size
+        # the prefix-cache counters are the scheduler's, once per admitted request (as vLLM records them after a
+        # successful allocation): a request retried step after step is queried once
         return hits, len(hits) * self.block_size
 
     def can_fit(self, req: Request, total_tokens: int, new_computed_blocks: list[int]) -> bool:
@@ -209,7 +208,33 @@ class KVCacheManager:
         req.block_ids = hits + (pool.allocate(to_alloc) if to_alloc > 0 else [])
         req.num_hashed_blocks_cached = len(hits)
         req.num_cached_tokens = len(hits) * self.block_size
+        if req.num_preemptions == 0:
+            self.prefix_queries_tokens += req.num_tokens
+            self.prefix_hits_tokens += req.num_cached_tokens
         return to_alloc
+
+    def block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """The request's first ``num_full_blocks`` block hashes (computed as needed, prefix caching on or off)."""
+        return self._ensure_hashes(req, num_full_blocks)
+
+    def allocate_for_load(self, req: Request, hits: list[int], num_tokens: int) -> bool:
+        """KV offloading: blocks for the first ``num_tokens`` tokens, the GPU hit reused, the rest to be loaded from
+        the CPU tier. False (no change) when they do not fit. The loaded blocks enter the prefix cache only once the
+        load ends (``cache_loaded``), as vLLM caches them then (``delay_cache_blocks``)."""
+        pool = self.pool
+        to_alloc = self.blocks_needed(num_tokens) - len(hits)
+        if to_alloc + sum(1 for b in hits if pool.ref_cnt[b] == 0) > pool.num_free_blocks:
+            return False
+        if hits:
+            pool.touch(hits)
+        req.block_ids = hits + (pool.allocate(to_alloc) if to_alloc > 0 else [])
+        req.num_hashed_blocks_cached = len(hits)
+        return True
+
+    def cache_loaded(self, req: Request, num_tokens: int) -> None:
+        """The loaded KV is in place: its full blocks become prefix-cache hits for others."""
+        if self.enable_caching:
+            self._cache_full_blocks(req, num_tokens)
 
     def cache_pulled(self, req: Request) -> None:
         """The pulled KV is in place: its full prompt blocks become prefix-cache hits for others."""

@@ -44,4 +44,23 @@ class AllBlocksCleared:
     """The prefix cache was reset."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(slots=True)
+class HostBlocksStored:
+    """Blocks finished their copy into the KV-offloading tier (``simcore/kv_offload.py``): vLLM's offloading connector
+    announces them by hash only (no parent, no token ids), with the tier's ``medium`` ("CPU"). ``keys`` are the
+    simulator's keys of blocks the GPU prefix cache announced before."""
+
+    keys: list[int]
+    block_size: int
+    medium: str
+
+
+@dataclass(slots=True)
+class HostBlocksRemoved:
+    """Blocks were evicted from the KV-offloading tier."""
+
+    keys: list[int]
+    medium: str
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | HostBlocksStored | HostBlocksRemoved

@@ -59,7 +59,11 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
-    kv_ready_s: float | None = None     # remote prefill: when the pulled KV is in place (None: pull not started)
+    kv_ready_s: float | None = None     # remote prefill / offload load: when the KV is in place (None: not started)
+    # KV offloading (simcore/kv_offload.py): tokens computed once the load from the CPU tier ends (0: no load in
+    # flight), and how many offloaded blocks of it the tier was asked to store
+    kv_load_tokens: int = 0
+    num_offloaded_blocks: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kernelsight.simcore.encoder_cache import EncoderCacheManager
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
 from kernelsight.simcore.kv_cache import KVCacheManager
+from kernelsight.simcore.kv_offload import KVOffload
 from kernelsight.simcore.multimodal import MultimodalItem
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
 from kernelsight.simcore.spec_decode import SpecDecoder
@@ -57,6 +58,8 @@ class SchedulerOutput:
     dissolved: list[tuple[Request, int, int]] = field(default_factory=list)
     # speculative decoding: draft tokens each scheduled request verifies (parallel to ``requests``; empty without)
     num_draft_tokens: list[int] = field(default_factory=list)
+    # KV offloading: requests taken out of the waiting queue to load their prefix from the CPU tier (kv_ready_s set)
+    loading: list[Request] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -161,6 +164,9 @@ class Scheduler:
         self._group_allowed = use_decode_group and config.long_prefill_token_threshold == 0
         self._group_on = self._group_allowed
         self.spec: SpecDecoder | None = None
+        # KV offloading's CPU tier (None: off) and the virtual time of the step being scheduled (for its lookups)
+        self.offload: KVOffload | None = None
+        self.clock_s = 0.0
         self.encoder_budget = max(config.encoder_budget_tokens, config.max_num_batched_tokens)
         self.encoder_cache = EncoderCacheManager(self.encoder_budget)
 
@@ -462,16 +468,26 @@ class Scheduler:
                 drafts_of[req] = req.num_computed_tokens + num_new - req.num_tokens
             i += 1
 
+        loading: list[Request] = []
         if not preempted:
             waiting = self.waiting
+            offload = self.offload
             while len(waiting) and budget > 0 and len(running) + self.seats_held < cfg.max_num_seqs:
                 req = waiting.peek()
-                if req.remote_prefill and req.block_ids:
-                    # its prompt's KV was pulled from the prefill instance: only the last token is computed here
+                if req.block_ids:
+                    # its prompt's KV is in place, pulled from the prefill instance (P/D) or loaded from the CPU tier
                     hits, num_cached, new_cached = [], req.num_computed_tokens, 0
                 else:
                     hits, num_cached = kv.get_computed_blocks(req)
                     new_cached = num_cached
+                    if offload is not None:
+                        started = self._offload_lookup(req, hits, num_cached)
+                        if started is None:
+                            break             # no room, or its blocks are being loaded for another request
+                        if started:
+                            waiting.pop()     # loads outside the batch; back at the head when its KV is in place
+                            loading.append(req)
+                            continue
                 num_new = req.num_tokens - num_cached
                 if not cfg.enable_chunked_prefill and num_new > budget:
                     break
@@ -497,6 +513,8 @@ class Scheduler:
                     kv.prefix_queries_tokens += req.num_tokens
                     kv.prefix_hits_tokens += num_cached
                     req.num_cached_tokens = num_cached
+                    if offload is not None:
+                        offload.record_query(req.num_tokens, num_cached, 0)
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 running.append(req)
@@ -511,8 +529,10 @@ class Scheduler:
         num_decodes = len(self.members)
         decode_ctx = self._ctx_base + num_decodes * S
         if drafts_of:
-            return self._spec_output(scheduled, counts, preempted, admitted, budget, dissolved, drafts_of,
-                                     encoder_items)
+            out = self._spec_output(scheduled, counts, preempted, admitted, budget, dissolved, drafts_of,
+                                    encoder_items)
+            out.loading = loading
+            return out
         top_k = self.decode_top_k
         others = [] if top_k else None      # individuals' decode contexts, when the step model wants the longest
         for req, n in zip(scheduled, counts, strict=True):
@@ -534,7 +554,34 @@ class Scheduler:
         batch = BatchShape(tuple(prefills), num_decodes, decode_ctx, decode_context_top=top,
                            encoder_items=encoder_items)
         return SchedulerOutput(scheduled, counts, preempted, admitted, batch,
-                               cfg.max_num_batched_tokens - budget, len(self.members), dissolved)
+                               cfg.max_num_batched_tokens - budget, len(self.members), dissolved, loading=loading)
+
+    def _offload_lookup(self, req: Request, hits: list[int], num_cached: int) -> bool | None:
+        """KV offloading, after the GPU prefix-cache lookup: start loading the CPU tier's hit past ``hits`` (True),
+        find none (False), or wait (None: its blocks do not fit, or another request's load is reading them)."""
+        offload = self.offload
+        kv = self.kv
+        bs = kv.block_size
+        hashes = kv.block_hashes(req, req.num_tokens // bs)
+        ext = offload.match(req, hashes, num_cached, self.clock_s)
+        if ext is None:
+            return None
+        if not ext:
+            return False
+        target = num_cached + ext
+        if self.config.reserve_full_prompt and not kv.can_fit(req, req.num_tokens, hits):
+            return None
+        if not kv.allocate_for_load(req, hits, target):
+            return None
+        first = req.num_preemptions == 0 and req.num_cached_tokens < 0
+        if first:
+            # vLLM records both lookups when the load is allocated; the request is not counted again once loaded
+            kv.prefix_queries_tokens += req.num_tokens
+            kv.prefix_hits_tokens += num_cached
+            offload.record_query(req.num_tokens, num_cached, ext)
+        req.kv_load_tokens = target
+        req.kv_ready_s = offload.start_load(req, hashes, num_cached, ext, self.clock_s)
+        return True
 
     def _spec_output(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
                      admitted: list[Request], budget: int, dissolved: list[tuple[Request, int, int]],

@@ -19,9 +19,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.gc_collector import GCCollector
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -216,6 +217,11 @@ class ServerMetrics:
         from each engine's cumulative ``SpecDecodeStats`` (``stats[i]()``: engine i's)."""
         self.registry.register(_SpecDecodeCollector(self._model_name, self._engine_labels, stats, num_spec_tokens))
 
+    def bind_offload(self, stats: list[Callable[[], Any]]) -> None:
+        """KV offloading's counters (registered only with a CPU tier), read at scrape time from each engine's
+        cumulative ``OffloadStats`` (``simcore/kv_offload.py``; ``stats[i]()``: engine i's)."""
+        self.registry.register(_OffloadCollector(self._model_name, self._engine_labels, stats))
+
     def set_sleep_state(self, state: str) -> None:
         """Every engine's ``vllm:engine_sleep_state``: 1 on ``state`` (one of SLEEP_STATES), 0 on the others."""
         for eng in self._engine_labels:
@@ -277,6 +283,59 @@ class _SpecDecodeCollector:
             for pos in range(self._k):
                 fam.add_metric([self._model_name, eng, str(pos)], st.num_accepted_tokens_per_pos[pos])
         yield fam
+
+
+class _OffloadCollector:
+    """vLLM's KV-offloading metrics (the OffloadingConnector's ``OffloadPromMetrics``, labels model_name, engine,
+    transfer_type ``GPU_to_CPU`` / ``CPU_to_GPU``): ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``
+    (counters: bytes and seconds of simulated copies) and ``vllm:kv_offload_size`` (bytes per copy); and the
+    connector's prefix-cache counters ``vllm:external_prefix_cache_queries`` / ``_hits`` (tokens looked up in the CPU
+    tier past the GPU hit, and found there), as vLLM's scheduler records them."""
+
+    def __init__(self, model_name: str, engines: list[str], stats: list[Callable[[], Any]]) -> None:
+        self._model_name, self._engines, self._stats = model_name, engines, stats
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from kernelsight.simcore.kv_offload import CPU_TO_GPU, GPU_TO_CPU, TRANSFER_SIZE_BUCKETS
+
+        snaps = [get() for get in self._stats]
+        labels = ["model_name", "engine"]
+        kinds = (GPU_TO_CPU, CPU_TO_GPU)
+        fam = CounterMetricFamily("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
+                                  labels=[*labels, "transfer_type"])
+        for eng, st in zip(self._engines, snaps, strict=True):
+            for kind in kinds:
+                fam.add_metric([self._model_name, eng, kind], st.bytes[kind])
+        yield fam
+        fam = CounterMetricFamily("vllm:kv_offload_total_time", "Total time measured by all KV offloading operations",
+                                  labels=[*labels, "transfer_type"])
+        for eng, st in zip(self._engines, snaps, strict=True):
+            for kind in kinds:
+                fam.add_metric([self._model_name, eng, kind], st.time_s[kind])
+        yield fam
+        hist = HistogramMetricFamily("vllm:kv_offload_size", "Histogram of KV offload transfer size, in bytes.",
+                                     labels=[*labels, "transfer_type"])
+        bounds = [*(floatToGoString(b) for b in TRANSFER_SIZE_BUCKETS), "+Inf"]    # le="1e+06" as a Histogram
+        for eng, st in zip(self._engines, snaps, strict=True):
+            for kind in kinds:
+                cum, acc = [], 0
+                for bound, n in zip(bounds, st.size_counts[kind], strict=True):
+                    acc += n
+                    cum.append((bound, acc))
+                hist.add_metric([self._model_name, eng, kind], cum, st.bytes[kind])
+        yield hist
+        for name, doc, attr in (
+                ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
+                 "cache sharing, in terms of number of queried tokens.", "external_queries_tokens"),
+                ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+                 "sharing, in terms of number of cached tokens.", "external_hits_tokens")):
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            for eng, st in zip(self._engines, snaps, strict=True):
+                fam.add_metric([self._model_name, eng], getattr(st, attr))
+            yield fam
 
 
 class EngineMetrics:

@@ -22,7 +22,14 @@ from kernelsight.server.integrations.kv_events.hashing import (
     vllm_extra_keys,
 )
 from kernelsight.server.integrations.kv_events.wire import WireCleared, WireEvent, WireRemoved, WireStored
-from kernelsight.simcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kernelsight.simcore.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    HostBlocksRemoved,
+    HostBlocksStored,
+    KVEvent,
+)
 
 log = logging.getLogger("kernelsight.server")
 
@@ -44,6 +51,7 @@ class HashTranslator:
         self._lora_ids: dict[str, int] = {}   # vLLM's lora_int_id: 1, 2, ... in order of first use
         self.orphans = 0                      # stored blocks whose parent's hash was unknown (not published)
         self._group: dict[int, tuple[int, int]] = {}   # key -> (group, window) for keys outside group 0
+        self._host: dict[int, int | bytes] = {}        # key -> wire hash of blocks in the offloading tier
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -81,6 +89,15 @@ class HashTranslator:
                 out_ev = self._stored(ev)
                 if out_ev is not None:
                     out.append(out_ev)
+            elif kind is HostBlocksStored:
+                out_ev = self._host_stored(ev)
+                if out_ev is not None:
+                    out.append(out_ev)
+            elif kind is HostBlocksRemoved:
+                host = self._host
+                wire = [host.pop(key) for key in ev.keys if key in host]
+                if wire:
+                    out.append(WireRemoved(wire, 0, ev.medium))
             elif kind is AllBlocksCleared:
                 retired.extend(copies)
                 copies.clear()
@@ -88,6 +105,22 @@ class HashTranslator:
         if len(retired) > RETIRED_KEPT:
             self._trim_retired()
         return out
+
+    def _host_stored(self, ev: HostBlocksStored) -> WireStored | None:
+        """Blocks stored in the offloading tier: named by the hash the GPU's BlockStored announced (kept here while
+        the tier holds them, whatever the GPU evicts meanwhile)."""
+        vllm, host = self._vllm, self._host
+        wire = []
+        for key in ev.keys:
+            got = vllm.get(key)
+            if got is None:
+                self.orphans += 1       # never announced on the GPU (events turned on later): not published
+                continue
+            host[key] = got[1]
+            wire.append(got[1])
+        if not wire:
+            return None
+        return WireStored(wire, None, [], ev.block_size, None, None, None, medium=ev.medium)
 
     def _stored(self, ev: BlockStored) -> WireStored | None:
         vllm, copies = self._vllm, self._copies

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 @dataclass(slots=True)
@@ -29,12 +30,16 @@ class WireStored:
     extra_keys: list[tuple | None] | None
     group_idx: int = 0                   # the KV-cache group: 0 full attention, 1 a hybrid model's sliding window
     sliding_window: int | None = None    # the group's window (kv_cache_spec_sliding_window)
+    # where the blocks are: the GPU's prefix cache, or KV offloading's CPU tier, whose events vLLM's offloading
+    # connector writes by hash only (no parent, no token ids, no LoRA, no group: those fields left at None)
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(slots=True)
 class WireRemoved:
     block_hashes: list[Any]
     group_idx: int = 0
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(slots=True)
@@ -46,6 +51,11 @@ WireEvent = WireStored | WireRemoved | WireCleared
 
 
 def _as_map(ev: WireEvent) -> dict[str, Any]:
+    if isinstance(ev, WireStored) and ev.medium != MEDIUM_GPU:
+        return {"type": "BlockStored", "block_hashes": ev.block_hashes, "parent_block_hash": None, "token_ids": [],
+                "block_size": ev.block_size, "lora_id": None, "medium": ev.medium, "lora_name": None}
+    if isinstance(ev, WireRemoved) and ev.medium != MEDIUM_GPU:
+        return {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": ev.medium}
     if isinstance(ev, WireStored):
         d: dict[str, Any] = {"type": "BlockStored", "block_hashes": ev.block_hashes,
                              "parent_block_hash": ev.parent_block_hash, "token_ids": ev.token_ids,
@@ -70,9 +80,9 @@ def _as_map(ev: WireEvent) -> dict[str, Any]:
 def _as_array(ev: WireEvent) -> list[Any]:
     if isinstance(ev, WireStored):
         return ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
-                MEDIUM_GPU]
+                ev.medium]
     if isinstance(ev, WireRemoved):
-        return ["BlockRemoved", ev.block_hashes, MEDIUM_GPU]
+        return ["BlockRemoved", ev.block_hashes, ev.medium]
     return ["AllBlocksCleared"]
 
 

@@ -32,6 +32,16 @@ def as_int64(value: int | bytes) -> int:
 
 
 def event_message(ev: WireEvent, event_id: int) -> common_pb2.KvCacheEvent:
+    if isinstance(ev, WireStored) and ev.medium != MEDIUM_GPU:
+        # KV offloading's CPU tier: blocks by hash only, in host memory
+        stored = common_pb2.KvBlocksStored(blocks=[common_pb2.KvBlock(block_hash=as_int64(h), block_size=ev.block_size)
+                                                   for h in ev.block_hashes],
+                                           tier=common_pb2.KV_CACHE_TIER_HOST, medium=ev.medium)
+        return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+    if isinstance(ev, WireRemoved) and ev.medium != MEDIUM_GPU:
+        removed = common_pb2.KvBlocksRemoved(block_hashes=[as_int64(h) for h in ev.block_hashes],
+                                             tier=common_pb2.KV_CACHE_TIER_HOST, medium=ev.medium)
+        return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
     if isinstance(ev, WireStored):
         bs = ev.block_size
         blocks = []

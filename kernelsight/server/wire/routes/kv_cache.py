@@ -45,9 +45,13 @@ def _routable(endpoint: str | None, host: str) -> str | None:
 async def reset_prefix_cache(request: Request, reset_running_requests: bool = False,
                              reset_external: bool = False) -> Response:
     """vLLM 0.33: ``{"success": bool}``, false while a request still holds blocks (nothing is reset then).
-    A reset publishes ``AllBlocksCleared`` at once, after the events of the steps already released."""
+    A reset publishes ``AllBlocksCleared`` at once, after the events of the steps already released.
+    ``reset_external=true`` also empties KV offloading's CPU tier (vLLM's ``reset_connector``) when the GPU's reset."""
     ok = True
     for b in server_state(request).bridges:
-        ok = b.engine.kv.reset_prefix_cache() and ok
+        done = b.engine.kv.reset_prefix_cache()
+        if done and reset_external and b.engine.offload is not None:
+            b.engine.offload.reset()
+        ok = done and ok
         b.publish_kv_events(b.virtual_now())
     return json_response({"success": ok})
