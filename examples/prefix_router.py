@@ -3,13 +3,15 @@
     python examples/prefix_router.py --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 ... \
         --port 8080 --policy prefix            # or --policy round-robin, to compare
 
-It finds each replica's KV-event stream at ``GET /kv_event_sources`` (serve the replicas with ``--kv-events-config``),
-keeps per replica the blocks it holds, and sends each completions or chat request to the replica holding the longest
-prefix of its prompt (ties: fewest requests in flight, then turns). The router keys blocks by its own chain of the
-events' token ids, so it needs neither vLLM's block hash nor PYTHONHASHSEED. Chat bodies and text prompts are turned
-into ids by the first replica's ``/tokenize``. ``GET /router/stats`` counts where requests went and the prefix
-blocks each matched. The walk-through (4 replicas, a multi-turn workload, the hit rate against round-robin) is in
-docs/router-testing.md, "A prefix-aware router on KV events".
+It finds each replica's KV-event stream at ``GET /kv_event_sources`` (serve the replicas with ``--kv-events-config``)
+and keeps the blocks each replica holds: on the GPU, and in a KV-offloading tier in host memory when the replicas
+offload (``--kv-offloading-size``). It sends each completions or chat request to the replica holding the longest
+prefix of its prompt; ties go to the longest prefix on the GPU, then the fewest requests in flight, then turns.
+
+The router keys blocks by its own chain of the events' token ids, so it needs neither vLLM's block hash nor
+PYTHONHASHSEED. The first replica's ``/tokenize`` turns chat bodies and text prompts into ids. ``GET /router/stats``
+counts where requests went and the prefix blocks each matched. ``examples/router_compare.sh`` runs it against
+round-robin; docs/router-testing.md ("A prefix-aware router on KV events") has its numbers.
 
 Needs aiohttp, pyzmq and msgpack (``pip install -e '.[server,loadgen]'``).
 """
@@ -51,11 +53,13 @@ def chain_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT) ->
 
 @dataclass
 class ReplicaIndex:
-    """The blocks one replica holds, from its KV events (the GPU's; a KV-offloading tier is marked below)."""
+    """The blocks one replica holds, from its KV events: in its GPU prefix cache, and in a KV-offloading tier in host
+    memory (``--kv-offloading-size``: events with medium "CPU", by hash only, of blocks the GPU announced first)."""
 
     url: str
-    blocks: set[int] = field(default_factory=set)
-    key_of: dict[Any, int] = field(default_factory=dict)     # vLLM's block hash -> the router's key
+    blocks: set[int] = field(default_factory=set)           # on the GPU
+    cpu_blocks: set[int] = field(default_factory=set)       # in the CPU tier
+    key_of: dict[Any, int] = field(default_factory=dict)     # vLLM's block hash -> the router's key (while held)
     block_size: int = 16
     in_flight: int = 0
     routed: int = 0
@@ -68,14 +72,19 @@ class ReplicaIndex:
             if isinstance(ev, list):             # vLLM <= 0.11's positional arrays
                 ev = dict(zip(_ARRAY_FIELDS[ev[0]], ev, strict=False))
             kind = ev["type"]
-            if kind == "BlockStored":
-                if ev.get("group_idx", 0) != 0:
-                    continue                     # a hybrid model's sliding-window group: full attention decides
-                # --- KV offloading (to be wired at merge, with --kv-offloading-size): events with medium "CPU" ---
-                # announce blocks a replica can load from host memory; a router may count them as hits at a
-                # discount. Until then only the GPU's blocks count.
-                if ev.get("medium", "GPU") not in (None, "GPU"):
-                    continue
+            if kind == "AllBlocksCleared":
+                self.blocks.clear()
+                self.cpu_blocks.clear()
+                self.key_of.clear()
+                continue
+            if ev.get("group_idx", 0) != 0:
+                continue                         # a hybrid model's sliding-window group: full attention decides
+            cpu = ev.get("medium") == "CPU"
+            if kind == "BlockStored" and cpu:
+                # the offloading connector names blocks by the GPU's hash only: the key is the one the GPU's event
+                # gave (the tier stores a block right after the GPU computed it)
+                self.cpu_blocks.update(k for h in ev["block_hashes"] if (k := self.key_of.get(h)) is not None)
+            elif kind == "BlockStored":
                 bs = ev["block_size"]
                 self.block_size = bs
                 parent_hash = ev.get("parent_block_hash")
@@ -86,23 +95,27 @@ class ReplicaIndex:
                     self.key_of[h] = parent
                     self.blocks.add(parent)
             elif kind == "BlockRemoved":
-                if ev.get("group_idx", 0) != 0 or ev.get("medium", "GPU") not in (None, "GPU"):
-                    continue
+                tier, other = (self.cpu_blocks, self.blocks) if cpu else (self.blocks, self.cpu_blocks)
                 for h in ev["block_hashes"]:
-                    key = self.key_of.pop(h, None)
-                    if key is not None:
-                        self.blocks.discard(key)
-            elif kind == "AllBlocksCleared":
-                self.blocks.clear()
-                self.key_of.clear()
+                    key = self.key_of.get(h)
+                    if key is None:
+                        continue
+                    tier.discard(key)
+                    if key not in other:         # in neither tier now: forget the hash
+                        del self.key_of[h]
 
-    def prefix_blocks(self, keys: Sequence[int]) -> int:
-        n = 0
+    def prefix_blocks(self, keys: Sequence[int]) -> tuple[int, int]:
+        """The leading blocks of ``keys`` this replica holds in either tier, and how many of them are on the GPU."""
+        n = gpu = 0
+        all_gpu = True
         for k in keys:
             if k not in self.blocks:
-                break
+                if k not in self.cpu_blocks:
+                    break
+                all_gpu = False
             n += 1
-        return n
+            gpu += all_gpu
+        return n, gpu
 
 
 class Router:
@@ -173,10 +186,12 @@ class Router:
         if self.policy == "round-robin" or not ids:
             return self.replicas[turn % n], 0
         keys = chain_keys(ids, self.replicas[0].block_size)
-        scored = [(rep.prefix_blocks(keys), -rep.in_flight, -((i - turn) % n), rep)
+        # the longest prefix held (a CPU block loads over PCIe, far sooner than it is computed), then the longest on
+        # the GPU, then the fewest in flight, then turns
+        scored = [(*rep.prefix_blocks(keys), -rep.in_flight, -((i - turn) % n), rep)
                   for i, rep in enumerate(self.replicas)]
-        best = max(scored, key=lambda s: s[:3])
-        return best[3], best[0]
+        best = max(scored, key=lambda s: s[:4])
+        return best[4], best[0]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -211,8 +226,8 @@ class Router:
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"policy": self.policy, "replicas": [
-            {"url": r.url, "routed": r.routed, "matched_blocks": r.matched_blocks, "blocks_known": len(r.blocks),
-             "missed_batches": r.missed_batches} for r in self.replicas]})
+            {"url": r.url, "routed": r.routed, "matched_blocks": r.matched_blocks, "gpu_blocks": len(r.blocks),
+             "cpu_blocks": len(r.cpu_blocks), "missed_batches": r.missed_batches} for r in self.replicas]})
 
 
 def build_app(replicas: Sequence[str], policy: str) -> web.Application:

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# Prefix-aware routing against round-robin, on one machine: 4 kernelsight replicas publishing KV-cache events,
+# Prefix-aware routing against round-robin, on one machine: 4 kernelsight replicas publishing KV-cache events, each
+# with a GPU cache too small for the histories of the sessions it serves and a KV-offloading tier in host memory,
 # examples/prefix_router.py in front of them, and the same multi-turn workload (another seed per policy, so the
 # second run does not meet the first one's prompts) sent through the router once per policy. Prints each run's
 # prefix-cache hit rate by turn. Offline; run from the repository root:
 #   bash examples/router_compare.sh
 # Ports: REPLICA_PORT..+3 (HTTP), KV_PORT..+3 (KV events), ROUTER_PORT. Workload size: SESSIONS, CONCURRENCY, TURNS.
+# Each replica's GPU holds GPU_BLOCKS blocks of 16 tokens; OFFLOAD_GIB > 0 adds a KV-offloading tier of that many GiB
+# in host memory (vLLM's native OffloadingConnector), whose blocks the router counts too.
 set -euo pipefail
 
 REPLICA_PORT=${REPLICA_PORT:-8001}
 KV_PORT=${KV_PORT:-5557}
 ROUTER_PORT=${ROUTER_PORT:-8080}
 SESSIONS=${SESSIONS:-32}
-CONCURRENCY=${CONCURRENCY:-8}
+CONCURRENCY=${CONCURRENCY:-32}
 TURNS=${TURNS:-4}
 OUT=${OUT:-.}
+GPU_BLOCKS=${GPU_BLOCKS:-520}
+OFFLOAD_GIB=${OFFLOAD_GIB:-4}
+offload=()
+if [ "$OFFLOAD_GIB" != 0 ]; then offload=(--kv-offloading-size "$OFFLOAD_GIB" --kv-offloading-backend native); fi
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -24,9 +31,8 @@ wait_for() {   # URL: up to 60 s
     echo "router_compare: $1 did not come up" >&2; return 1
 }
 
-# KV offloading (issue #38, being added at merge): append --kv-offloading-size GiB --kv-offloading-backend native
-kernelsight serve --replicas 4 --port "$REPLICA_PORT" --max-model-len 16384 --time-scale 4 \
-    --enable-prompt-tokens-details --num-gpu-blocks-override 2000 \
+kernelsight serve --replicas 4 --port "$REPLICA_PORT" --max-model-len 8192 --time-scale 4 \
+    --enable-prompt-tokens-details --num-gpu-blocks-override "$GPU_BLOCKS" "${offload[@]}" \
     --kv-events-config "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:$KV_PORT\", \"topic\": \"kv\"}" \
     >"$OUT/router_compare_serve.log" 2>&1 &
 pids+=($!)

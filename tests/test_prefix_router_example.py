@@ -105,3 +105,26 @@ def test_prefix_router_beats_round_robin(tmp_path):
     assert pr_hits[1] > 0.4 and pr_hits[2] > 0.55
     assert pr["prefix_cache"]["hit_rate"] > rr["prefix_cache"]["hit_rate"] + 0.15, (rr_hits, pr_hits)
     assert sum(m for _, m in results["prefix"][1]) > 0 and all(n > 0 for n, _ in results["prefix"][1])
+
+
+def test_the_index_follows_both_tiers():
+    mod = _load_router()
+    rep = mod.ReplicaIndex("http://r")
+    prompt = list(range(100, 148))                          # 3 blocks of 16
+    keys = mod.chain_keys(prompt, 16)
+    rep.apply([{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+                "token_ids": prompt[:32], "block_size": 16, "medium": "GPU"},
+               {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": 12,
+                "token_ids": prompt[32:], "block_size": 16, "medium": "GPU"}])
+    assert rep.prefix_blocks(keys) == (3, 3)
+    # offloaded (by hash only), then evicted from the GPU: still held, in the CPU tier
+    rep.apply([{"type": "BlockStored", "block_hashes": [11, 12, 13], "parent_block_hash": None, "token_ids": [],
+                "block_size": 16, "medium": "CPU"},
+               {"type": "BlockRemoved", "block_hashes": [12, 13], "medium": "GPU"}])
+    assert rep.prefix_blocks(keys) == (3, 1)
+    rep.apply([{"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU"}])
+    assert rep.prefix_blocks(keys) == (1, 1) and 12 not in rep.key_of      # in neither tier: forgotten
+    # another prompt shares nothing; vLLM <= 0.11's positional arrays read the same
+    assert rep.prefix_blocks(mod.chain_keys(list(range(500, 548)), 16)) == (0, 0)
+    rep.apply([["BlockRemoved", [11], "GPU"], ["AllBlocksCleared"]])
+    assert rep.prefix_blocks(keys) == (0, 0) and not rep.key_of
