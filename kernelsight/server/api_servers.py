@@ -20,6 +20,7 @@ import tempfile
 from typing import Any
 
 from kernelsight.simcore.engine_config import EngineConfig
+from kernelsight.simcore.kv_offload import CONNECTORS
 
 
 def api_server_count_refusal(ns: argparse.Namespace) -> str | None:
@@ -30,8 +31,9 @@ def api_server_count_refusal(ns: argparse.Namespace) -> str | None:
         return "--api-server-count with --grpc"
     if getattr(ns, "data_parallel_size", 1) and ns.data_parallel_size > 1:
         return "--api-server-count with --data-parallel-size > 1"
-    if getattr(ns, "kv_transfer_config", None):
-        return "--api-server-count with --kv-transfer-config (P/D disaggregation)"
+    kv = getattr(ns, "kv_transfer_config", None)
+    if kv is not None and kv.kv_connector is not None and kv.kv_connector not in CONNECTORS.values():
+        return "--api-server-count with --kv-transfer-config (P/D disaggregation)"   # offloading connectors are fine
     return None
 
 

@@ -124,7 +124,23 @@ POLL_NAP_S = 0.0001
 FINAL_SPIN_S = 0.00015
 
 
-class EngineBridge:
+class SinkHolder:
+    """The stream fast path's hand-over, the same for a bridge and a remote one: a one-sequence stream's chunks are
+    written where the step's tokens are released (the engine loop; an API server's channel reader)."""
+
+    def attach_sink(self, sub: Submission, sink: StreamSink) -> bool:
+        """Let the releasing loop write this one-sequence stream itself from the next step on."""
+        if sub.closed or sub.done or len(sub.seqs) != 1 or sub.sink is not None:
+            return False
+        sub.sink = sink
+        return True
+
+    def detach_sink(self, sub: Submission, sink: StreamSink | None = None) -> None:
+        if sink is None or sub.sink is sink:
+            sub.sink = None
+
+
+class EngineBridge(SinkHolder):
     """Drives one simulated engine in real time (scaled by ``time_scale``)."""
 
     def __init__(self, config: EngineConfig, tokenizer: ServerTokenizer, metrics: EngineMetrics | None = None,
@@ -327,17 +343,6 @@ class EngineBridge:
         if idle and self._wake is not None:
             self._wake.set()
         return sub
-
-    def attach_sink(self, sub: Submission, sink: StreamSink) -> bool:
-        """Let the engine loop write this one-sequence stream itself from the next step on."""
-        if sub.closed or sub.done or len(sub.seqs) != 1 or sub.sink is not None:
-            return False
-        sub.sink = sink
-        return True
-
-    def detach_sink(self, sub: Submission, sink: StreamSink | None = None) -> None:
-        if sink is None or sub.sink is sink:
-            sub.sink = None
 
     def _close(self, sub: Submission) -> bool:
         """Drop the bridge's bookkeeping of ``sub`` once; False if it was already closed."""

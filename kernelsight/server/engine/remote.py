@@ -33,7 +33,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kernelsight.server.engine.bridge import EngineBridge, Seq, StreamSink, Submission
+from kernelsight.server.engine.bridge import EngineBridge, Seq, SinkHolder, Submission
 from kernelsight.server.model.output_tokens import OutputTokens
 from kernelsight.server.model.tokenizer import ServerTokenizer
 from kernelsight.simcore.multimodal import MultimodalItem
@@ -202,7 +202,7 @@ class _RemoteReq:
     num_cached_tokens: int = -1
 
 
-class RemoteBridge:
+class RemoteBridge(SinkHolder):
     """The bridge's request interface (submit, sinks, abort, release, stop strings) for an API-server process whose
     engine runs in the engine process (``EngineService``)."""
 
@@ -303,16 +303,6 @@ class RemoteBridge:
             kw["mm_items"] = [[_item_wire(it) for it in items] for items in mm_items]
         self._send(["s", sub_id, kw])
         return sub
-
-    def attach_sink(self, sub: Submission, sink: StreamSink) -> bool:
-        if sub.closed or sub.done or len(sub.seqs) != 1 or sub.sink is not None:
-            return False
-        sub.sink = sink
-        return True
-
-    def detach_sink(self, sub: Submission, sink: StreamSink | None = None) -> None:
-        if sink is None or sub.sink is sink:
-            sub.sink = None
 
     def _close(self, sub: Submission) -> int | None:
         sub.sink = None
