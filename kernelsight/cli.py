@@ -75,6 +75,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     from kernelsight.loadgen.mm_dataset import prepare_for_engine
     from kernelsight.loadgen.progress import Progress
     from kernelsight.loadgen.report import RANK_COLUMNS, format_report, format_table, rank_rows
+    from kernelsight.loadgen.session_metrics import format_workload_extra, workload_extra
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
 
     if ns.plot:
@@ -88,7 +89,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
         return resolve_tokenizer(ns.model, ns.tokenizer)
 
-    wl = build_workload(ns, config.model.vocab_size, tokenizer)
+    wl = build_workload(ns, config.model.vocab_size, tokenizer, max_context=config.scheduler.max_model_len)
     samples = wl.samples
     prepare_for_engine(ns, samples, config.model, tokenizer)     # images: the prompts and items the server makes
     too_long = [s.prompt_len for s in samples if s.prompt_len >= config.scheduler.max_model_len]
@@ -96,8 +97,17 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         raise ValueError(f"{len(too_long)} prompt(s) are longer than max_model_len={config.scheduler.max_model_len} "
                          f"(longest {max(too_long)} tokens)")
     pd = _pd_split(ns, config)
-    bar = Progress(len(samples), "requests (simulated)", enabled=ns.progress)
-    if pd is not None:
+    bar = Progress(wl.num_requests, "requests (simulated)", enabled=ns.progress)
+    max_open = None
+    if wl.sessions is not None:
+        from kernelsight.loadgen.session_fastforward import run_sessions
+
+        if pd is not None or ns.replicas > 1 or config.args.data_parallel_size > 1:
+            raise ValueError("--num-sessions runs on one engine: leave out --pd, --replicas and --data-parallel-size")
+        res, max_open = run_sessions(config, wl.sessions, ignore_eos=wl.ignore_eos, seed=ns.seed,
+                                     record_timeline=ns.timeline is not None or ns.plot is not None,
+                                     on_finished=bar.update if bar.enabled else None)
+    elif pd is not None:
         from kernelsight.loadgen.pd_fastforward import run_pd
 
         res = run_pd(config, samples, wl.arrivals_s, *pd, link=kv_link_from(ns, config.hardware),
@@ -111,7 +121,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     stats = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=mopts.percentile_metrics,
                                   percentiles=mopts.percentiles, goodput_slos_ms=mopts.goodput_slos_ms)
     header = result_header(backend="kernelsight", endpoint_type="kernelsight-simulate", model_id=config.model.name,
-                           tokenizer_id=ns.tokenizer or config.model.name, num_prompts=len(samples),
+                           tokenizer_id=ns.tokenizer or config.model.name, num_prompts=wl.num_requests,
                            request_rate=wl.request_rate, burstiness=ns.burstiness, max_concurrency=ns.max_concurrency)
     busy = sum(res.breakdown_s.values()) or 1.0
     extra: dict[str, Any] = {
@@ -120,6 +130,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                                   for f, s in res.breakdown_s.items()},
         "simulator": res.simulator_stats(),
         "expected_error_pct": expected_error(config.summary()["calibration_tier"]),
+        **workload_extra(res.records, dataset_name=ns.dataset_name, sessions=wl.sessions,
+                         max_open_sessions=max_open),
     }
     result = assemble_result(header, stats, res.records, detailed=ns.save_detailed, extra=extra)
 
@@ -142,6 +154,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         print(f"  KV offloading: {o.backend} ({o.connector}), {o.cpu_bytes / 2**30:g} GiB = {o.num_blocks} CPU blocks "
               f"× {o.block_size} tokens, copies over PCIe")
     print(format_report(result, title=" Simulated Serving Benchmark Result "))
+    if text := format_workload_extra(result):
+        print(text)
     rows = [{"family": f, "seconds": v["seconds"], "percent": 100 * v["fraction"]}
             for f, v in result["kernel_time_breakdown"].items() if v["seconds"] > 0]
     print("Step time by kernel family:")

@@ -108,7 +108,7 @@ def test_a_seeded_request_matches_a_one_process_server(asc_server):
     assert remote["usage"] == local["usage"]
     # on an idle engine the same steps: equal simulated gaps between tokens; the first token after arrival differs
     # only by when the idle engine's clock picked the request up (wall time, in either server)
-    gaps = lambda t: [round(b - a, 9) for a, b in zip(t["token_times_s"], t["token_times_s"][1:])]  # noqa: E731
+    gaps = lambda t: [round(b - a, 9) for a, b in zip(t["token_times_s"], t["token_times_s"][1:], strict=False)]  # noqa: E731
     assert gaps(timings) == gaps(local_t) and len(timings["token_times_s"]) == 6
     ttft = lambda t: t["token_times_s"][0] - t["arrival_s"]  # noqa: E731
     assert ttft(timings) == pytest.approx(ttft(local_t), abs=2e-3)

@@ -219,3 +219,87 @@ async def test_time_scale_converts_to_server_seconds():
     assert 4 * 2 * GAP_S - 0.02 < r.ttft_s < 4 * (2 * GAP_S + 0.03)
     assert run.records[1].start_s == pytest.approx(0.4, abs=4 * 0.02)
     assert np.isclose(run.duration_s, run.wall_s * 4)
+
+
+def test_cached_tokens_and_streamed_token_ids_are_kept():
+    t = StreamTimer(chat=False, start_s=0.0, prompt_len=4)
+    first, second = cmpl("a"), cmpl("bc", "length")
+    first["choices"][0]["token_ids"], second["choices"][0]["token_ids"] = [7], [8, 9]
+    u = usage(40, 3)
+    u["usage"]["prompt_tokens_details"] = {"cached_tokens": 32}
+    feed(t, [(0.1, first), (0.2, second), (0.3, u)])
+    r = t.record(queue_s=0.0, start_rel_s=0.0)
+    assert r.cached_tokens == 32 and r.output_token_ids == [7, 8, 9] and r.prompt_len == 40
+    # a server without --enable-prompt-tokens-details (details null) and without token ids
+    t = StreamTimer(chat=False, start_s=0.0, prompt_len=4)
+    u = usage(4, 1)
+    u["usage"]["prompt_tokens_details"] = None
+    feed(t, [(0.1, cmpl("a", "length")), (0.2, u)])
+    r = t.record(queue_s=0.0, start_rel_s=0.0)
+    assert r.cached_tokens is None and r.output_token_ids is None
+
+
+def test_session_history_extends_with_what_the_server_returned():
+    from kernelsight.loadgen.metrics import RequestRecord
+    from kernelsight.loadgen.session_bench import _History
+    from kernelsight.loadgen.sessions import Turn
+
+    first, nxt = Turn(np.array([101, 102, 103]), 2, user_text="hello"), Turn(np.array([104, 105]), 2, 0.5)
+    answer = RequestRecord(True, 3, 2, 0.1, [0.01], 0.2, generated_text=" hi there", output_token_ids=[900, 901])
+
+    def decode(ids):
+        return "-".join(map(str, ids))
+
+    def encode(text):
+        return [len(w) for w in text.split()]
+
+    h = _History(False, first, decode)
+    assert h.prompt() == [101, 102, 103]
+    h.extend(answer, nxt, encode)
+    assert h.prompt() == [101, 102, 103, 900, 901, 104, 105]      # the answer's own ids, then the new message
+    h2 = _History(False, first, decode)
+    answer.output_token_ids = None                                # the server did not return ids: encode its text
+    h2.extend(answer, nxt, encode)
+    assert h2.prompt() == [101, 102, 103, 2, 5, 104, 105]
+    c = _History(True, first, decode)
+    c.extend(answer, nxt, encode)
+    msgs = c.prompt()
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[0]["content"][0]["text"] == "hello" and msgs[1]["content"] == " hi there"
+    assert msgs[2]["content"][0]["text"] == "104-105"             # a synthetic turn's ids, decoded
+
+
+async def test_sessions_against_fake_server_keep_their_limit_and_send_their_history():
+    from kernelsight.loadgen.session_bench import run_session_bench
+    from kernelsight.loadgen.sessions import Session, SessionWorkload, Turn
+
+    log: list = []
+    runner = await _fake_server(log)
+    sessions = [Session([Turn(np.array([100 + i]), 2, user_text=f"q{i}"), Turn(np.array([200 + i]), 2, 0.05,
+                                                                                 user_text=f"r{i}")])
+                for i in range(5)]
+    wl = SessionWorkload(sessions, [0.0] * 5, 2, "synthetic")
+    try:
+        run = await run_session_bench(f"http://127.0.0.1:{_port(runner)}", wl, model="m", chat=True,
+                                      endpoint="/v1/chat/completions", ignore_eos=True, decode=str,
+                                      encode=lambda t: [1] * len(t.split()))
+    finally:
+        await runner.cleanup()
+    assert len(run.records) == 10 and all(r.success for r in run.records) and run.max_open_sessions == 2
+    second = [body for _, body in log if len(body["messages"]) == 3]
+    assert len(second) == 5
+    for body in second:
+        user, answer, follow = body["messages"]
+        i = int(user["content"][0]["text"][1:])
+        assert answer == {"role": "assistant", "content": " t0 t1"}             # the text the server streamed
+        assert follow["content"][0]["text"] == f"r{i}"
+    by = {(r.session, r.turn): r for r in run.records}
+    spans = []
+    for i in range(5):
+        t0, t1 = by[(i, 0)], by[(i, 1)]
+        assert t1.start_s >= t0.start_s + t0.latency_s + 0.05 - 1e-3            # the think time after the answer
+        spans.append((t0.start_s, t1.start_s + t1.latency_s))
+    # at most two sessions open at once: the third starts only after one of the first two has ended
+    starts = sorted(spans)
+    assert starts[2][0] >= min(starts[0][1], starts[1][1]) - 1e-3
+    assert sum(1 for r in run.records if r.turn == 0 and r.queue_s > 0.05) == 3

@@ -81,3 +81,46 @@ def test_bench_unreachable_server_one_line_error(capsys):
     assert main(["bench", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot reach" in err[0]
+
+
+# Multi-turn sessions: 8 sessions of 3 turns (1024 new tokens, 32 answer tokens each), 4 open at once, a 200 ms think
+# time, on the busy A100 above: the completions path builds the very prompts simulate builds (token ids, the answer's
+# ids from return_token_ids), so the hits are equal turn by turn and the TTFTs within the HTTP round trip.
+SESSIONS = ["--num-sessions", "8", "--session-concurrency", "4", "--session-turns-mean", "3",
+            "--session-turn-delay-mean", "200", "--random-input-len", "1024", "--random-output-len", "32",
+            "--seed", "5"]
+
+
+@pytest.mark.slow      # ~7 s: three runs of 24 turns
+def test_multi_turn_bench_vs_simulate_parity(tmp_path, capsys):
+    sim_json, bench_json, chat_json = tmp_path / "sim.json", tmp_path / "bench.json", tmp_path / "chat.json"
+    assert main(["simulate", *ENGINE, *SESSIONS, "--result-json", str(sim_json)]) == 0
+    with ServerThread([*ENGINE, "--time-scale", str(TIME_SCALE), "--enable-prompt-tokens-details"]) as srv:
+        assert main(["bench", "--base-url", srv.base_url, "--time-scale", str(TIME_SCALE), *SESSIONS,
+                     "--result-json", str(bench_json)]) == 0
+        assert main(["bench", "--base-url", srv.base_url, "--time-scale", str(TIME_SCALE), *SESSIONS,
+                     "--endpoint", "/v1/chat/completions", "--save-detailed", "--result-json", str(chat_json)]) == 0
+    out = capsys.readouterr().out
+    sim, bench, chat = (json.loads(p.read_text()) for p in (sim_json, bench_json, chat_json))
+    # the same report, keys and structure
+    for key in ("prefix_cache", "sessions", "turns"):
+        assert key in sim and key in bench and key in chat
+    assert [list(t) for t in sim["turns"]] == [list(t) for t in bench["turns"]]
+    assert bench["completed"] == sim["completed"] == 24 and bench["failed"] == 0
+    assert bench["total_input_tokens"] == sim["total_input_tokens"]
+    assert bench["total_output_tokens"] == sim["total_output_tokens"]
+    assert bench["sessions"]["max_open_sessions"] == sim["sessions"]["max_open_sessions"] == 4
+    for s, b in zip(sim["turns"], bench["turns"], strict=True):
+        assert (b["cached_tokens"], b["mean_prompt_tokens"]) == (s["cached_tokens"], s["mean_prompt_tokens"]), out
+        # each request's HTTP and JSON (×2 at this time scale; up to ~15 ms of wall on a loaded 2-core box) against
+        # TTFTs of 150-250 ms; and the 4 sessions that start together reach the server a few ms apart, so the first
+        # may start a step alone (simulate batches all 4). Without the cache hits turn 3 takes 2.6x as long
+        assert b["mean_ttft_ms"] == pytest.approx(s["mean_ttft_ms"], rel=0.1, abs=40), (sim["turns"], bench["turns"])
+    hits = [t["hit_rate"] for t in sim["turns"]]
+    assert hits[0] == 0 and hits[1] < hits[2]
+    # chat: the history goes back as messages (the answers as the server wrote them); the template re-renders them,
+    # so the hits still grow with the turn
+    chat_hits = [t["hit_rate"] for t in chat["turns"]]
+    assert chat_hits[1] > 0.4 and chat_hits[2] > chat_hits[1]
+    assert chat["input_lens"] and chat["turns"][2]["mean_prompt_tokens"] > chat["turns"][1]["mean_prompt_tokens"] \
+        + 1024 + 32

@@ -406,6 +406,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         require_plotly()    # before the run, not after it
     from kernelsight.loadgen.metrics import assemble_result, compute_bench_metrics
     from kernelsight.loadgen.report import format_report
+    from kernelsight.loadgen.session_metrics import format_workload_extra, workload_extra
     from kernelsight.loadgen.tokenizer import resolve_tokenizer
     from kernelsight.loadgen.workload import build_workload, metric_options, result_header
 
@@ -421,16 +422,25 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     mopts = metric_options(ns)
     root = None
     model = ns.model
-    if model is None or ns.tokenizer is None:
+    sessions = getattr(ns, "num_sessions", None) is not None
+    max_context = None
+    if sessions and ns.scrape_metrics:
+        raise ValueError("--scrape-metrics is not taken with --num-sessions")
+    if model is None or ns.tokenizer is None or sessions:
         cards = _get_json(base_url + "/v1/models", headers).get("data") or []
         if model is None:
             if not cards:
                 raise ValueError(f"{base_url}/v1/models lists no model: pass --model")
             model = cards[0]["id"]
-        root = next((c.get("root") for c in cards if c.get("id") == model), None)
+        card = next((c for c in cards if c.get("id") == model), {})
+        root = card.get("root")
+        if isinstance(card.get("max_model_len"), int):
+            # sessions end before their history reaches the context; a chat template adds some tokens per message
+            max_context = card["max_model_len"] * 7 // 8 if ns.endpoint == "/v1/chat/completions" else \
+                card["max_model_len"]
     served = ns.served_model_name or model
     tok = resolve_tokenizer(model, ns.tokenizer, base_url=base_url, model_root=root, headers=headers)
-    wl = build_workload(ns, tok.vocab_size, lambda: tok)
+    wl = build_workload(ns, tok.vocab_size, lambda: tok, max_context=max_context)
     backend = ENDPOINTS[ns.endpoint]
     if ns.dataset_name in ("random-mm", "custom-image") and backend != "openai-chat":
         raise ValueError("Multi-modal content (images) is only supported on the chat endpoint: pass "
@@ -439,17 +449,31 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     def count_tokens(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))
 
-    print(f"kernelsight bench: {len(wl.samples)} requests to {base_url}{ns.endpoint} (model {served}, tokenizer "
+    what = (f"{len(wl.sessions.sessions)} sessions ({wl.num_requests} turns, session concurrency "
+            f"{wl.sessions.concurrency})" if wl.sessions is not None else f"{len(wl.samples)} requests")
+    print(f"kernelsight bench: {what} to {base_url}{ns.endpoint} (model {served}, tokenizer "
           f"{tok.name}), rate {wl.request_rate}, burstiness {ns.burstiness}, max concurrency {ns.max_concurrency}")
-    run = asyncio.run(run_bench(
-        base_url, wl.samples, wl.arrivals_s, model=served, endpoint=ns.endpoint, max_concurrency=ns.max_concurrency,
-        ignore_eos=wl.ignore_eos, time_scale=ns.time_scale, decode=tok.decode, count_tokens=count_tokens,
-        headers=headers, extra_body=extra_body, scrape_interval_s=ns.scrape_metrics, progress=ns.progress,
-        request_id_prefix=ns.request_id_prefix, mm_seed=ns.seed))
+    max_open = None
+    if wl.sessions is not None:
+        from kernelsight.loadgen.session_bench import run_session_bench
+
+        srun = asyncio.run(run_session_bench(
+            base_url, wl.sessions, model=served, chat=backend == "openai-chat", endpoint=ns.endpoint,
+            ignore_eos=wl.ignore_eos, decode=tok.decode, encode=lambda t: tok.encode(t, add_special_tokens=False),
+            time_scale=ns.time_scale, count_tokens=count_tokens, headers=headers, extra_body=extra_body,
+            progress=ns.progress, request_id_prefix=ns.request_id_prefix or f"bench-{uuid.uuid4().hex[:8]}-"))
+        run = BenchRun(srun.records, srun.duration_s, np.zeros(0), srun.client, wall_s=srun.wall_s, cpu_s=srun.cpu_s)
+        max_open = srun.max_open_sessions
+    else:
+        run = asyncio.run(run_bench(
+            base_url, wl.samples, wl.arrivals_s, model=served, endpoint=ns.endpoint,
+            max_concurrency=ns.max_concurrency, ignore_eos=wl.ignore_eos, time_scale=ns.time_scale, decode=tok.decode,
+            count_tokens=count_tokens, headers=headers, extra_body=extra_body, scrape_interval_s=ns.scrape_metrics,
+            progress=ns.progress, request_id_prefix=ns.request_id_prefix, mm_seed=ns.seed))
     stats = compute_bench_metrics(run.records, max(run.duration_s, 1e-9), percentile_metrics=mopts.percentile_metrics,
                                   percentiles=mopts.percentiles, goodput_slos_ms=mopts.goodput_slos_ms)
     header = result_header(backend=backend, endpoint_type=backend, model_id=model, tokenizer_id=ns.tokenizer or
-                           tok.name, num_prompts=len(wl.samples), request_rate=wl.request_rate,
+                           tok.name, num_prompts=wl.num_requests, request_rate=wl.request_rate,
                            burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, label=ns.label)
     extra: dict[str, Any] = {"client": run.client_summary()}
     if ns.time_scale != 1.0:
@@ -458,8 +482,12 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         extra["server_metrics"] = run.scraped
     if run.lateness is not None:
         extra["server_lateness"] = run.lateness
+    extra.update(workload_extra(run.records, dataset_name=ns.dataset_name, sessions=wl.sessions,
+                                max_open_sessions=max_open))
     result = assemble_result(header, stats, run.records, detailed=ns.save_detailed, extra=extra)
     print(format_report(result))
+    if text := format_workload_extra(result):
+        print(text)
     c = extra["client"]
     print(f"Client: send lateness mean {c['send_lateness_ms']['mean']:.2f} ms, p99 {c['send_lateness_ms']['p99']:.2f} "
           f"ms, max {c['send_lateness_ms']['max']:.2f} ms; {c['handle_us_per_sse_message']:.1f} µs per SSE message "

@@ -9,7 +9,10 @@ nothing about sockets, so every rule is unit-testable on recorded chunk sequence
 * ITL: the gap between consecutive token-bearing messages (one sample per chunk, not per token).
 * E2EL: the last token-bearing message minus the start; the usage chunk and ``[DONE]`` do not count.
 * Output tokens: ``usage.completion_tokens`` (fallback: a tokenizer count of the text, else the number of
-  token-bearing chunks); the prompt length becomes ``usage.prompt_tokens`` when the server reports it.
+  token-bearing chunks); the prompt length becomes ``usage.prompt_tokens`` when the server reports it, and its
+  prefix-cache hit ``usage.prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``).
+* The answer's token ids, when the server streams them (``return_token_ids``): multi-turn sessions extend their
+  history with them.
 * An in-stream ``{"error": ...}`` event has neither ``choices`` nor ``usage``, so it is ignored.
 
 One departure from ``vllm bench serve``, which shares its pool and its 60 s idle lifetime: a request that meets a
@@ -32,7 +35,7 @@ from typing import Any
 from kernelsight.loadgen.metrics import RequestRecord
 
 __all__ = ["StreamTimer", "SSEBuffer", "RequestSpec", "ClientStats", "send_streaming_request", "bench_session",
-           "completions_payload", "chat_payload", "NO_TOKEN_ERROR", "MAX_RESENDS"]
+           "completions_payload", "chat_payload", "user_message", "NO_TOKEN_ERROR", "MAX_RESENDS"]
 
 NO_TOKEN_ERROR = "Never received a valid chunk to calculate TTFT.This response will be marked as failed!"
 _CHAT_TOKEN_KEYS = ("content", "reasoning", "reasoning_content", "tool_calls", "function_call")
@@ -59,7 +62,9 @@ class StreamTimer:
     text_parts: list[str] = field(default_factory=list)
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None
     num_token_chunks: int = 0
+    token_ids: list[int] | None = None
 
     def on_message(self, data: dict[str, Any], t_s: float) -> None:
         choices = data.get("choices")
@@ -70,6 +75,11 @@ class StreamTimer:
                 self.text_parts.append((choices[0].get("delta") or {}).get("content") or "")
             else:
                 self.text_parts.append(choices[0].get("text") or "")
+            ids = choices[0].get("token_ids")
+            if ids:
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(ids)
             if self.num_token_chunks == 0:
                 self.ttft_s = t_s - self.start_s
             else:
@@ -79,6 +89,9 @@ class StreamTimer:
         elif usage := data.get("usage"):
             self.usage_completion_tokens = usage.get("completion_tokens")
             self.usage_prompt_tokens = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.usage_cached_tokens = details["cached_tokens"]
 
     def record(self, *, queue_s: float, start_rel_s: float, error: str = "",
                count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
@@ -93,7 +106,8 @@ class StreamTimer:
             out_len = count_tokens(text) if count_tokens is not None else self.num_token_chunks
         prompt_len = self.usage_prompt_tokens or self.prompt_len
         return RequestRecord(True, prompt_len, out_len, self.ttft_s, self.itl_s, self.last_token_s - self.start_s,
-                             start_rel_s, queue_s, "", text)
+                             start_rel_s, queue_s, "", text, cached_tokens=self.usage_cached_tokens,
+                             output_token_ids=self.token_ids)
 
 
 class SSEBuffer:
@@ -258,11 +272,17 @@ def completions_payload(model: str, prompt: str | list[int], max_tokens: int, ig
     return body
 
 
-def chat_payload(model: str, prompt: str, max_tokens: int, ignore_eos: bool,
+def user_message(text: str) -> dict[str, Any]:
+    """A user message as vllm bench serve writes it (one text part)."""
+    return {"role": "user", "content": [{"type": "text", "text": text}]}
+
+
+def chat_payload(model: str, prompt: str | list[dict[str, Any]], max_tokens: int, ignore_eos: bool,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The body vllm bench serve (0.33) posts to /v1/chat/completions."""
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": [{"type": "text",
-                                                                                        "text": prompt}]}],
+    """The body vllm bench serve (0.33) posts to /v1/chat/completions; ``prompt`` is the user's text, or the whole
+    message list (a multi-turn session's history)."""
+    messages = [user_message(prompt)] if isinstance(prompt, str) else prompt
+    body: dict[str, Any] = {"model": model, "messages": messages,
                             "max_completion_tokens": max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}}
     if ignore_eos:

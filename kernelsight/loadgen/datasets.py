@@ -8,6 +8,8 @@
 * ``prefix_repetition_dataset`` -- a few shared random prefixes, each followed by random suffixes
   (token ids, so prefix sharing is exact).
 * ``custom_dataset`` -- a JSONL of ``{"prompt": ..., "output_tokens": ...}``.
+* ``mooncake_dataset`` -- Mooncake's trace format (``timestamp`` ms, ``input_length``, ``output_length``,
+  ``hash_ids``): each hash id one block of token ids, equal ids equal blocks, so shared prefixes are real.
 
 Text datasets take any tokenizer with ``encode(text, add_special_tokens=True) -> list[int]``.
 """
@@ -25,7 +27,7 @@ from typing import IO, Any, Protocol
 import numpy as np
 
 __all__ = ["SampleRequest", "random_dataset", "trace_dataset", "sharegpt_dataset", "prefix_repetition_dataset",
-           "custom_dataset", "oversample"]
+           "custom_dataset", "mooncake_dataset", "MOONCAKE_BLOCK_SIZE", "oversample"]
 
 
 class _Encoder(Protocol):
@@ -369,3 +371,80 @@ def custom_dataset(path: str | os.PathLike, num_prompts: int, tokenizer: _Encode
     if not out:
         raise ValueError(f"{path}: no prompts")
     return oversample(out, num_prompts, seed) if do_oversample else out
+
+
+# --------------------------------------------------------------------------------------------
+# Mooncake traces
+# --------------------------------------------------------------------------------------------
+
+#: Tokens per hash id in Mooncake's published traces (kvcache-ai/Mooncake; aiperf's mooncake_trace loader uses it too).
+MOONCAKE_BLOCK_SIZE = 512
+
+
+class _HashBlocks:
+    """The token ids of each hash id: ``block_size`` ids drawn from (seed, hash id) alone, so an id means the same
+    block in every request, in ``simulate`` and ``bench`` alike; a request cut inside a block takes its head."""
+
+    def __init__(self, block_size: int, vocab_size: int, seed: int) -> None:
+        self.block_size, self.vocab_size, self.seed = block_size, vocab_size, seed
+        self._cache: dict[int, np.ndarray] = {}
+
+    def block(self, hash_id: int) -> np.ndarray:
+        b = self._cache.get(hash_id)
+        if b is None:
+            rng = np.random.default_rng([0x4D43, self.seed & 0xFFFFFFFF, hash_id])
+            b = self._cache[hash_id] = rng.integers(_SYNTH_LOW_ID, self.vocab_size, size=self.block_size)
+        return b
+
+
+def _hash_ids(obj: dict, lineno: int) -> list[int]:
+    ids = obj.get("hash_ids", [])
+    if not isinstance(ids, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in ids):
+        raise ValueError(f"mooncake line {lineno}: 'hash_ids' must be a list of non-negative integers")
+    return ids
+
+
+def mooncake_dataset(path: str | os.PathLike, num_prompts: int | None = None, *, vocab_size: int = 32000,
+                     seed: int = 0, block_size: int = MOONCAKE_BLOCK_SIZE) -> list[SampleRequest]:
+    """Read a Mooncake trace (JSONL, plain or gzip): per line ``timestamp`` (ms from the start; optional, 0),
+    ``input_length``, ``output_length`` and ``hash_ids``.
+
+    Each hash id is one ``block_size``-token block of ids in ``[100, vocab_size)``, the same for every request that
+    names it; the prompt is its blocks in order, the last one cut so the prompt is exactly ``input_length`` tokens
+    (it must end inside the last block, as aiperf requires). A line without hash ids gets ids of its own. Requests
+    are sorted by timestamp (stable) and ``num_prompts`` keeps the first N; a trace is never oversampled.
+    """
+    if num_prompts is not None and num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0 or None, got {num_prompts}")
+    if vocab_size <= _SYNTH_LOW_ID:
+        raise ValueError(f"vocab_size must be > {_SYNTH_LOW_ID}, got {vocab_size}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    rows: list[tuple[float, int, int, int, list[int]]] = []   # (timestamp ms, lineno, in, out, hash ids)
+    for lineno, obj in jsonl_objects(path, "mooncake"):
+        ts = obj.get("timestamp", 0)
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+            raise ValueError(f"mooncake line {lineno}: 'timestamp' must be a number of ms >= 0, got {ts!r}")
+        n_in = _req_int(obj, "input_length", lineno, 1)
+        n_out = _req_int(obj, "output_length", lineno, 1)
+        ids = _hash_ids(obj, lineno)
+        if ids and not (len(ids) - 1) * block_size < n_in <= len(ids) * block_size:
+            raise ValueError(f"mooncake line {lineno}: input_length {n_in} must end in the last of its {len(ids)} "
+                             f"hash blocks of {block_size} tokens ({(len(ids) - 1) * block_size + 1}.."
+                             f"{len(ids) * block_size})")
+        rows.append((float(ts), lineno, n_in, n_out, ids))
+    rows.sort(key=lambda r: (r[0], r[1]))
+    if num_prompts is not None:
+        rows = rows[:num_prompts]
+    blocks = _HashBlocks(block_size, vocab_size, seed)
+    out: list[SampleRequest] = []
+    for ts, lineno, n_in, n_out, ids in rows:
+        if ids:
+            prompt = np.concatenate([blocks.block(h) for h in ids])[:n_in]
+        else:       # no blocks named: ids of its own (seeded by the line), shared with no other request
+            prompt = np.random.default_rng([0x4D44, seed & 0xFFFFFFFF, lineno]).integers(
+                _SYNTH_LOW_ID, vocab_size, size=n_in)
+        s = SampleRequest.from_array(prompt, n_out)
+        s.arrival_offset_s = ts / 1e3
+        out.append(s)
+    return out

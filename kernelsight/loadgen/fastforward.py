@@ -61,6 +61,10 @@ class _Tracker:
     num_tokens: int = 0
     rank: int = 0                                              # data-parallel rank that served it
     index: int = 0                                             # position in the run's samples
+    req: Any = None                                            # the engine's Request until it finishes
+    cached_tokens: int | None = None                           # its prefix-cache hit (when the engine was read)
+    session: int | None = None                                 # multi-turn: session and turn (loadgen/sessions.py)
+    turn: int | None = None
 
     def add_tokens(self, start: int, count: int) -> None:
         segs = self.segments
@@ -112,11 +116,14 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
                      max_concurrency: int | None = None, ignore_eos: bool = True,
                      record_timeline: bool = False,
                      on_finished: Callable[[int], None] | None = None,
-                     watch: RunWatch | None = None) -> FastForwardResult:
+                     watch: RunWatch | None = None,
+                     make_sender: Callable[[Any], Any] | None = None) -> FastForwardResult:
     """Simulate ``samples`` sent at ``arrivals_s`` (seconds from the start) and measure every request.
 
     ``on_finished(n)`` is called after each engine window with the number of requests it finished (progress).
     ``watch`` (one engine only, open loop: ``run_replicas`` calls its ``engine_start``) may stop the run early.
+    ``make_sender(engine)`` (one engine only; ``samples`` and ``arrivals_s`` then unused) builds what sends the
+    requests instead of the arrival-order sender: multi-turn sessions (``loadgen/session_fastforward.py``).
     """
     if len(samples) != len(arrivals_s):
         raise ValueError("one arrival time per sample is required")
@@ -132,11 +139,13 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
         single = config.args.data_parallel_size == 1 or config.args.data_parallel_rank is not None
         if watch is not None and (not single or max_concurrency is not None):
             raise ValueError("a run watch follows one engine in an open loop")
+        if make_sender is not None and not single:
+            raise ValueError("multi-turn sessions run on one engine (no --data-parallel-size)")
         if not single:
             return _run_group(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0,
                               on_finished)
         return _run(config, samples, arrivals_s, max_concurrency, ignore_eos, record_timeline, wall0, on_finished,
-                    watch)
+                    watch, make_sender)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -144,16 +153,22 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
 
 class _Sender:
     """Sends the samples in arrival order, at most ``max_concurrency`` in flight (``in_flight`` is decremented by the
-    run loop as requests finish), each at its arrival or, held back by the limit, when a slot frees."""
+    run loop as requests finish), each at its arrival or, held back by the limit, when a slot frees.
+
+    ``get_request`` (one engine: ``Engine.get_request``) lets each tracker read its request's prefix-cache hit when it
+    finishes. ``pending`` is truthy while something is left to send; ``num_finished`` counts finished requests."""
 
     def __init__(self, samples: Sequence[SampleRequest], arrivals_s: Sequence[float], max_concurrency: int | None,
-                 add_request: Callable[..., Any], ignore_eos: bool, watch: RunWatch | None = None) -> None:
+                 add_request: Callable[..., Any], ignore_eos: bool, watch: RunWatch | None = None,
+                 get_request: Callable[[str], Any] | None = None) -> None:
         self.samples, self.arrivals_s, self.add_request, self.ignore_eos = samples, arrivals_s, add_request, ignore_eos
         self.watch = watch
+        self.get_request = get_request
         self.pending = deque(sorted(range(len(samples)), key=lambda i: arrivals_s[i]))
         self.trackers: dict[str, _Tracker] = {}
         self.limit = max_concurrency if max_concurrency is not None else len(samples) + 1
         self.in_flight = 0
+        self.num_finished = 0
 
     def send(self, now_s: float) -> None:
         pending, samples, arrivals_s = self.pending, self.samples, self.arrivals_s
@@ -162,18 +177,23 @@ class _Sender:
             s = samples[i]
             send_s = max(float(arrivals_s[i]), now_s)
             rid = f"ff-{i}"
-            self.trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]), index=i)
+            tr = self.trackers[rid] = _Tracker(s, send_s, float(arrivals_s[i]), index=i)
             prompt = s.token_array if s.token_array is not None else s.prompt_token_ids
             if s.mm_items:
                 self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s,
                                  mm_items=s.mm_items)
             else:
                 self.add_request(rid, prompt, s.expected_output_len, ignore_eos=self.ignore_eos, arrival_s=send_s)
+            if self.get_request is not None:
+                tr.req = self.get_request(rid)
             self.in_flight += 1
+
+    def on_finished(self, tr: _Tracker, ends: list[float] | None) -> None:
+        """A request finished (``ends``: the engine's step end times so far, when the loop passes them)."""
 
     def take_events(self, events: Sequence[Any], rank: int | None = None, ends: list[float] | None = None) -> bool:
         """Record an engine window's token and finish events (of DP rank ``rank``); True if a request finished.
-        ``ends`` (the engine's step end times so far) is needed only with a watch."""
+        ``ends`` (the engine's step end times so far) is needed only with a watch and by the session sender."""
         trackers = self.trackers
         watch = self.watch
         freed = False
@@ -193,13 +213,22 @@ class _Sender:
             elif kind == FIRST_TOKEN:
                 tr.first_step = ev.step_index
                 tr.add_tokens(ev.step_index, 1)
+                if tr.req is None and self.get_request is not None:
+                    # a DP group routes at the arrival: the request exists from then on (one that finishes in the
+                    # step of its first token is gone already, and reports no cached tokens)
+                    tr.req = self.get_request(ev.request_id)
                 if watch is not None:
                     watch.first_token(tr.index, ends[ev.step_index])
             elif kind == FINISHED:
                 tr.finished = True
                 tr.finish_reason = ev.finish_reason or ""
+                if tr.req is not None:
+                    tr.cached_tokens = max(tr.req.num_cached_tokens, 0)
+                    tr.req = None
                 self.in_flight -= 1
+                self.num_finished += 1
                 freed = True
+                self.on_finished(tr, ends)
                 if watch is not None:
                     last = tr.segments[-1] if tr.segments else None
                     watch.finished(tr.index, ends[last[0] + last[1] - 1] if last else 0.0, tr.num_tokens)
@@ -208,9 +237,12 @@ class _Sender:
 
 def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
          max_concurrency: int | None, ignore_eos: bool, record_timeline: bool, wall0: float,
-         on_finished: Callable[[int], None] | None = None, watch: RunWatch | None = None) -> FastForwardResult:
+         on_finished: Callable[[int], None] | None = None, watch: RunWatch | None = None,
+         make_sender: Callable[[Any], _Sender] | None = None) -> FastForwardResult:
+    """One engine's run. ``make_sender(engine)`` replaces the arrival-order sender (multi-turn sessions)."""
     engine = build_engine(config, per_token_events=False)
-    sender = _Sender(samples, arrivals_s, max_concurrency, engine.add_request, ignore_eos, watch)
+    sender = (make_sender(engine) if make_sender is not None else
+              _Sender(samples, arrivals_s, max_concurrency, engine.add_request, ignore_eos, watch, engine.get_request))
     pending, trackers, send = sender.pending, sender.trackers, sender.send
     send(0.0)
     ends: list[float] = []
@@ -225,12 +257,12 @@ def _run(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Seq
             send(engine.now_s)   # only reachable with nothing in flight
             continue
         ends.extend(res.step_end_s)
-        n_before = sender.in_flight
+        n_before = sender.num_finished
         freed = sender.take_events(res.events, ends=ends)
         if timeline is not None:
             _extend_timeline(timeline, res)
-        if on_finished is not None and sender.in_flight < n_before:
-            on_finished(n_before - sender.in_flight)
+        if on_finished is not None and sender.num_finished > n_before:
+            on_finished(sender.num_finished - n_before)
         if watch is not None and watch.check(res.end_s):
             stopped_at_s = res.end_s
             break
@@ -281,7 +313,11 @@ def _run_group(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_
     read per rank (each rank numbers its own steps). The timeline is the group's: running and waiting summed over
     the ranks, KV usage their mean, scheduled tokens of the step(s) ending at that time."""
     group = build_dp_group(config, per_token_events=False)
-    sender = _Sender(samples, arrivals_s, max_concurrency, group.add_request, ignore_eos)
+    def get_request(rid: str) -> Any:
+        rank = group.rank_of.get(rid)
+        return None if rank is None else group.engines[rank].get_request(rid)
+
+    sender = _Sender(samples, arrivals_s, max_concurrency, group.add_request, ignore_eos, get_request=get_request)
     pending, trackers, send = sender.pending, sender.trackers, sender.send
     send(0.0)
     ends: list[list[float]] = [[] for _ in range(group.size)]
@@ -338,7 +374,7 @@ def _record(tr: _Tracker, ends: np.ndarray, gaps: np.ndarray) -> RequestRecord:
     s = tr.sample
     if not tr.finished or tr.num_tokens == 0:
         return RequestRecord(False, s.prompt_len, 0, 0.0, [], 0.0, tr.send_s, tr.send_s - tr.arrival_s,
-                             "request did not finish")
+                             "request did not finish", session=tr.session, turn=tr.turn)
     if len(tr.segments) == 1:
         start, count = tr.segments[0]
         first, last = ends[start], ends[start + count - 1]
@@ -347,7 +383,8 @@ def _record(tr: _Tracker, ends: np.ndarray, gaps: np.ndarray) -> RequestRecord:
         times = np.concatenate([ends[a:a + c] for a, c in tr.segments])
         first, last, itl = times[0], times[-1], np.diff(times)
     return RequestRecord(True, s.prompt_len, tr.num_tokens, float(first) - tr.send_s, itl,
-                         float(last) - tr.send_s, tr.send_s, tr.send_s - tr.arrival_s)
+                         float(last) - tr.send_s, tr.send_s, tr.send_s - tr.arrival_s,
+                         cached_tokens=tr.cached_tokens, session=tr.session, turn=tr.turn)
 
 
 def _extend_timeline(rows: list[tuple], res: StepResult) -> None:

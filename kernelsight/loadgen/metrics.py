@@ -48,6 +48,10 @@ class RequestRecord:
     queue_s: float = 0.0  # client-side wait (max-concurrency semaphore), before start_s
     error: str = ""
     generated_text: str = ""
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None: not reported)
+    session: int | None = None  # multi-turn workloads: the session and the turn (0-based) this request was
+    turn: int | None = None
+    output_token_ids: list[int] | None = None  # bench: the answer's ids when the server returned them
 
 
 def percentile_key(p: float, metric: str) -> str:

@@ -16,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from kernelsight.argtypes import non_negative_int, positive_int, range_ratio, rate
-from kernelsight.loadgen.datasets import SampleRequest
+from kernelsight.loadgen.datasets import MOONCAKE_BLOCK_SIZE, SampleRequest
+from kernelsight.loadgen.sessions import SessionWorkload
 
 __all__ = ["DATASETS", "Workload", "MetricOptions", "add_workload_args", "add_report_args", "build_workload",
            "metric_options", "result_header", "default_ignore_eos"]
 
-DATASETS = ("random", "random-mm", "sharegpt", "prefix-repetition", "trace", "custom", "custom-image")
+DATASETS = ("random", "random-mm", "sharegpt", "prefix-repetition", "trace", "custom", "custom-image", "mooncake")
 # vllm bench serve forces ignore_eos for random prompts; a trace's output lengths are exact by definition.
-_IGNORE_EOS_BY_DEFAULT = ("random", "random-mm", "trace")
+_IGNORE_EOS_BY_DEFAULT = ("random", "random-mm", "trace", "mooncake")
+#: the datasets --num-sessions turns into multi-turn sessions
+SESSION_DATASETS = ("random", "sharegpt")
 
 
 def _dataset_name(text: str) -> str:
@@ -51,17 +54,19 @@ def _mm_buckets(text: str) -> dict[tuple[int, int, int], float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_workload_args(p: argparse.ArgumentParser, *, with_seed: bool = True) -> None:
-    """Dataset, arrival and length flags (``with_seed=False`` when the engine flags bring ``--seed``)."""
+def add_workload_args(p: argparse.ArgumentParser, *, with_seed: bool = True, with_sessions: bool = True) -> None:
+    """Dataset, arrival and length flags (``with_seed=False`` when the engine flags bring ``--seed``;
+    ``with_sessions=False`` leaves out the multi-turn session flags)."""
     g = p.add_argument_group("workload (as vllm bench serve)")
     g.add_argument("--dataset-name", type=_dataset_name, default="random", metavar="{" + ",".join(DATASETS) + "}",
                    help="random token prompts, ShareGPT JSON, shared-prefix prompts, a JSONL(.gz) request trace, "
-                        "or a custom JSONL of prompts (default: random)")
+                        "a custom JSONL of prompts, or a Mooncake trace (default: random)")
     g.add_argument("--dataset-path", default=None,
                    help="sharegpt: the JSON file; custom: JSONL with prompt and optional output_tokens; "
                         "custom-image: JSONL with prompt and image_files (the first is sent); trace: one "
                         "JSON per line with arrival_time_ns, input_toks, output_toks and optional input_tok_ids "
-                        "(gzip or plain)")
+                        "(gzip or plain); mooncake: one JSON per line with timestamp (ms), input_length, "
+                        "output_length and hash_ids (Mooncake's trace format)")
     g.add_argument("--num-prompts", type=positive_int, default=1000,
                    help="requests to send (default: 1000; a trace sends at most its own length)")
     g.add_argument("--no-oversample", action="store_true",
@@ -98,6 +103,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, with_seed: bool = True) -> 
                    help="prefix-repetition: distinct prefixes (default: 10)")
     g.add_argument("--prefix-repetition-output-len", type=positive_int, default=128,
                    help="prefix-repetition: output tokens (default: 128)")
+    g.add_argument("--mooncake-block-size", type=positive_int, default=MOONCAKE_BLOCK_SIZE,
+                   help="mooncake: tokens per hash id; equal ids are equal blocks of token ids (default: "
+                        "%(default)s, as Mooncake's traces)")
     g.add_argument("--custom-output-len", type=int, default=256,
                    help="custom: output tokens per request; -1 takes each line's output_tokens (default: 256)")
     g.add_argument("--skip-chat-template", action="store_true",
@@ -115,6 +123,29 @@ def add_workload_args(p: argparse.ArgumentParser, *, with_seed: bool = True) -> 
                         "others; --no-ignore-eos lets the output-length model stop early)")
     if with_seed:
         g.add_argument("--seed", type=int, default=0, help="seed for datasets and arrivals (default: 0)")
+    if with_sessions:
+        _add_session_args(p)
+
+
+def _add_session_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group(
+        "multi-turn sessions (genai-perf's session options)",
+        "Each turn's prompt is the whole history (every earlier message and answer) plus the new message, sent when "
+        "the previous answer has finished plus a think time. --dataset-name random: synthetic turns of "
+        "--random-input-len new tokens and --random-output-len answer tokens; sharegpt: its real conversations. "
+        "--request-rate and --burstiness then schedule session starts; --num-prompts is unused.")
+    s.add_argument("--num-sessions", type=positive_int, default=None,
+                   help="run this many multi-turn sessions instead of single requests (default: off)")
+    s.add_argument("--session-concurrency", type=positive_int, default=None,
+                   help="sessions open at once; a session keeps its place through its think times (default: all)")
+    s.add_argument("--session-turns-mean", type=float, default=3.0,
+                   help="random: mean turns per session, normal and rounded, at least 1 (default: 3)")
+    s.add_argument("--session-turns-stddev", type=float, default=0.0,
+                   help="random: standard deviation of the turns per session (default: 0)")
+    s.add_argument("--session-turn-delay-mean", type=float, default=0.0, metavar="MS",
+                   help="mean think time between an answer and the next turn, ms (default: 0)")
+    s.add_argument("--session-turn-delay-stddev", type=float, default=0.0, metavar="MS",
+                   help="standard deviation of the think time, ms (default: 0)")
 
 
 def add_report_args(p: argparse.ArgumentParser, *, default_metrics: str) -> argparse._ArgumentGroup:
@@ -186,6 +217,11 @@ class Workload:
     arrivals_s: list[float]
     ignore_eos: bool
     request_rate: float | str   # the configured rate, "inf", or "trace" (the trace's own timestamps)
+    sessions: SessionWorkload | None = None     # --num-sessions: sessions instead of samples (samples then empty)
+
+    @property
+    def num_requests(self) -> int:
+        return self.sessions.num_turns if self.sessions is not None else len(self.samples)
 
 
 def default_ignore_eos(ns: argparse.Namespace) -> bool:
@@ -200,15 +236,22 @@ def _need_file(ns: argparse.Namespace) -> str:
     return ns.dataset_path
 
 
-def build_workload(ns: argparse.Namespace, vocab_size: int, get_tokenizer: Callable[[], Any]) -> Workload:
+def build_workload(ns: argparse.Namespace, vocab_size: int, get_tokenizer: Callable[[], Any], *,
+                   max_context: int | None = None) -> Workload:
     """Samples and arrival offsets from the workload flags. ``get_tokenizer()`` is called only for the
-    datasets that need one (sharegpt, custom, random-mm)."""
+    datasets that need one (sharegpt, custom, random-mm). ``max_context``: sessions end before their history reaches
+    it."""
     from kernelsight.loadgen import datasets as ds
     from kernelsight.loadgen.arrivals import arrival_times_s
 
     name = ns.dataset_name
     do_oversample = not ns.no_oversample
-    if name == "trace":
+    if getattr(ns, "num_sessions", None) is not None:
+        return _session_workload(ns, vocab_size, get_tokenizer, max_context)
+    if name == "mooncake":
+        samples = ds.mooncake_dataset(_need_file(ns), ns.num_prompts, vocab_size=min(32000, max(vocab_size, 101)),
+                                      seed=ns.seed, block_size=ns.mooncake_block_size)
+    elif name == "trace":
         samples = ds.trace_dataset(_need_file(ns), ns.num_prompts, synth_vocab_size=min(32000, max(vocab_size, 101)))
     elif name == "sharegpt":
         samples = ds.sharegpt_dataset(_need_file(ns), ns.num_prompts, get_tokenizer(), ns.seed,
@@ -239,11 +282,41 @@ def build_workload(ns: argparse.Namespace, vocab_size: int, get_tokenizer: Calla
         samples = ds.random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len,
                                     ns.random_range_ratio, vocab_size, ns.seed, ns.random_prefix_len)
     ignore_eos = default_ignore_eos(ns)
-    if name == "trace" and ns.request_rate is None:
+    if name in ("trace", "mooncake") and ns.request_rate is None:
         return Workload(samples, [s.arrival_offset_s or 0.0 for s in samples], ignore_eos, "trace")
     req_rate = ns.request_rate if ns.request_rate is not None else math.inf
     arrivals = arrival_times_s(len(samples), req_rate, ns.burstiness, ns.seed).tolist()
     return Workload(samples, arrivals, ignore_eos, "inf" if math.isinf(req_rate) else req_rate)
+
+
+def _session_workload(ns: argparse.Namespace, vocab_size: int, get_tokenizer: Callable[[], Any],
+                      max_context: int | None) -> Workload:
+    from kernelsight.loadgen import sessions as ss
+    from kernelsight.loadgen.arrivals import arrival_times_s
+
+    if ns.dataset_name not in SESSION_DATASETS:
+        raise ValueError(f"--num-sessions works with --dataset-name {' or '.join(SESSION_DATASETS)}, not "
+                         f"{ns.dataset_name}")
+    if ns.max_concurrency is not None:
+        raise ValueError("--max-concurrency limits single requests: with --num-sessions use --session-concurrency")
+    delay = {"delay_mean_ms": ns.session_turn_delay_mean, "delay_stddev_ms": ns.session_turn_delay_stddev}
+    if ns.dataset_name == "sharegpt":
+        sessions = ss.sharegpt_sessions(_need_file(ns), ns.num_sessions, get_tokenizer(), ns.seed,
+                                        output_len=ns.sharegpt_output_len, max_context=max_context, **delay)
+        options: dict[str, Any] = {}
+    else:
+        sessions = ss.synthetic_sessions(
+            ns.num_sessions, turns_mean=ns.session_turns_mean, turns_stddev=ns.session_turns_stddev,
+            input_len=ns.random_input_len, output_len=ns.random_output_len, range_ratio=ns.random_range_ratio,
+            vocab_size=vocab_size, seed=ns.seed, prefix_len=ns.random_prefix_len, max_context=max_context, **delay)
+        options = {"turns_mean": ns.session_turns_mean, "turns_stddev": ns.session_turns_stddev}
+    options.update({"turn_delay_mean_ms": ns.session_turn_delay_mean,
+                    "turn_delay_stddev_ms": ns.session_turn_delay_stddev})
+    req_rate = ns.request_rate if ns.request_rate is not None else math.inf
+    starts = arrival_times_s(len(sessions), req_rate, ns.burstiness, ns.seed).tolist()
+    wl = ss.SessionWorkload(sessions, starts, ns.session_concurrency, ns.dataset_name.replace("random", "synthetic"),
+                            options)
+    return Workload([], [], default_ignore_eos(ns), "inf" if math.isinf(req_rate) else req_rate, wl)
 
 
 def _chat_wrapper(tok: Any) -> Callable[[str], str] | None:

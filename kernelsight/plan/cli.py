@@ -103,7 +103,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                     "deployment that meets a "
                     "latency SLO at the workload's request rate; every point is a `kernelsight simulate` run. "
                     "Prints the Pareto front of cost vs goodput and why each point fails; writes HTML/JSON/CSV.")
-    add_workload_args(p, with_seed=False)
+    add_workload_args(p, with_seed=False, with_sessions=False)
     g = p.add_argument_group("model, SLO and search space")
     g.add_argument("--model", default=DEFAULT_MODEL, help="bundled HF id or config directory (default: %(default)s)")
     g.add_argument("--slo", required=True,
