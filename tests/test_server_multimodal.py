@@ -1,5 +1,5 @@
 """Images over HTTP against a served Qwen2.5-VL-7B: the openai SDK's image message, the Anthropic base64 image block
-(raw HTTP in its exact shape: the anthropic SDK is not a test dependency), Responses input_image, /tokenize, the
+(the anthropic SDK, and raw HTTP in its exact shape), Responses input_image, /tokenize, the
 refusals with vLLM's bodies (nothing reaching the engine), and a text-only model's refusal."""
 
 from __future__ import annotations
@@ -104,6 +104,20 @@ def test_request_mm_processor_kwargs_override_the_served_ones(c):
     bad = c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,
                                                "mm_processor_kwargs": {"crop": True}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs"
+
+
+def test_the_anthropic_sdk_sends_a_base64_image_block(srv, c):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=srv.base_url, api_key="x")
+    data = base64.b64encode(_png(448, 448)).decode()
+    msg = client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+        {"type": "text", "text": "What is in the picture?"}]}])
+    chat = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [_image_part(448, 448), *TEXT]}]}).json()
+    # the image's 256 placeholders (+ its start/end tokens) are in the SDK request's input tokens, as in chat's
+    assert msg.usage.input_tokens == chat["usage"]["prompt_tokens"] > 258
+    assert msg.usage.output_tokens == 3 and msg.content[0].type == "text"
 
 
 def test_anthropic_base64_image_block(c):
