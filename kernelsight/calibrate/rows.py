@@ -29,11 +29,21 @@ from kernelsight.simcore.eta import (
 )
 from kernelsight.simcore.fp4_dispatch import NVFP4, NVFP4_BYTES_PER_ELEMENT
 from kernelsight.simcore.hardware import HardwareSpec
+from kernelsight.simcore.mla import mla_decode_attention_kernel, mla_prefill_attention_kernel
+from kernelsight.simcore.model_spec import MLASpec
 from kernelsight.simcore.roofline import roofline_s
 
 Columns = Mapping[str, np.ndarray]
 
+#: The MLA shape of the shared module tables' model (DeepSeek-V3; Kimi K2 and R1 share it): the ranks, not the
+#: heads, which each row gives.
+MLA_TABLE_SPEC = MLASpec(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128)
+
 KERNEL_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "moe_gemm", "attn_encoder")
+#: vLLM's MLA attention op (``simcore.mla``): rows come from the module tables less the module's other kernels
+#: (``calibrate.mla_tables``), never from a measurement folder's own family files.
+MLA_FAMILIES: tuple[str, ...] = ("mla_prefill", "mla_decode")
 #: Bytes per element of the dtype names a measurement's ``kv_dtype`` may hold ("auto": vLLM's name for the model's
 #: own 16-bit dtype).
 ELEMENT_BYTES = {
@@ -49,7 +59,8 @@ ELEMENT_BYTES = {
     "float": 4.0,
 }
 #: Which feature selects the sub-model (categorical variant) per family.
-SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5, "moe_gemm": 4, "attn_encoder": 6}
+SWITCH_INDEX = {"gemm": 3, "attn_prefill": 6, "attn_decode": 5, "moe_gemm": 4, "attn_encoder": 6, "mla_prefill": 6,
+                "mla_decode": 5}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,6 +123,14 @@ def _row_kernel(family: str, key: tuple) -> K.Kernel:
     if family == "attn_encoder":
         batch, seq, heads, hd, dtype = key
         return K.attention_encoder_kernel(int(batch), int(seq), int(heads), int(hd), element_bytes(dtype))
+    if family == "mla_decode":
+        batch, ctx, heads, kv_dtype = key
+        return mla_decode_attention_kernel(MLA_TABLE_SPEC, int(batch), int(batch) * int(ctx), int(heads), 2.0,
+                                           element_bytes(kv_dtype))
+    if family == "mla_prefill":
+        batch, seq, heads, kv_dtype = key
+        return mla_prefill_attention_kernel(MLA_TABLE_SPEC, (K.PrefillChunk(int(seq), 0, True),) * int(batch),
+                                            int(heads), 2.0, element_bytes(kv_dtype), measured=True)
     if family == "moe_gemm":
         dtype, tokens, hidden, inter, topk, experts, tp, ep, distribution, *scope = key
         # the rank holds inter / tp of every expert (TP) or experts / ep whole experts (EP); the routing relation
@@ -128,6 +147,10 @@ _KEY_COLUMNS = {
     "attn_encoder": ("batch", "seq_len", "num_heads", "head_dim", "dtype"),
     "moe_gemm": ("dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size",
                  "moe_ep_size", "distribution"),
+    # the MLA op's rows (``calibrate.mla_tables``): sequences, tokens each attends (decode: cached + 1; prefill: its
+    # new tokens, nothing cached), the rank's heads, the KV-cache dtype
+    "mla_decode": ("batch", "context_len", "num_heads", "kv_dtype"),
+    "mla_prefill": ("batch", "seq_len", "num_heads", "kv_dtype"),
 }
 
 
@@ -155,7 +178,8 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
         inverse[i] = uniq.setdefault(key, len(uniq))
     kernels = [_row_kernel(family, key) for key in uniq]
     if not kernels:
-        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "moe_gemm": 7, "attn_encoder": 8}[family]
+        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "moe_gemm": 7, "attn_encoder": 8, "mla_prefill": 8,
+              "mla_decode": 7}[family]
         z = np.zeros(0)
         return KernelRows(family, z, z, z, np.zeros(0, dtype=str), np.zeros((0, nf)), np.zeros(0, dtype=str))
     flops = np.array([k.flops for k in kernels])[inverse]
@@ -268,6 +292,8 @@ def eta_and_overhead(calib: Calibration, family: str, rows: KernelRows) -> tuple
 __all__ = [
     "ELEMENT_BYTES",
     "KERNEL_FAMILIES",
+    "MLA_FAMILIES",
+    "MLA_TABLE_SPEC",
     "SWITCH_INDEX",
     "Columns",
     "KernelRows",

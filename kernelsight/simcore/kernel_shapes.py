@@ -25,6 +25,10 @@ MOE_GEMM = "moe_gemm"
 ATTN_PREFILL = "attn_prefill"
 ATTN_DECODE = "attn_decode"
 ATTN_ENCODER = "attn_encoder"   # a vision encoder's (ViT) bidirectional attention (not a decoder step's family)
+# vLLM's MLA attention op as measured (``mla.py``; priced into the step's prefill / decode attention, not a family of
+# the breakdown): the up-projected prefill's MHA, and the absorbed decode (W_UK bmm, MQA over the latent, W_UV bmm)
+MLA_PREFILL = "mla_prefill"
+MLA_DECODE = "mla_decode"
 KV_WRITE = "kv_write"
 ROPE = "rope"
 NORM = "norm"

@@ -52,6 +52,8 @@ from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: call
     HOST,
     KV_WRITE,
     LAUNCH,
+    MLA_DECODE,
+    MLA_PREFILL,
     MOE_FORMAT_CODES,
     MOE_FORMATS,
     MOE_GEMM,
@@ -168,16 +170,19 @@ def sampling_kernels(model: ModelSpec, sampling_rows: int, tp: int, precision: P
             elementwise_kernel("sampler", SAMPLER, 3.0 * sampling_rows * model.vocab_size * _FP32_BYTES, "bf16")]
 
 
-def attention_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: Precision) -> list[Kernel]:
+def attention_kernels(model: ModelSpec, batch: BatchShape, tp: int, precision: Precision,
+                      measured: frozenset[str] = frozenset()) -> list[Kernel]:
     """The attention of every layer: MLA's two paths, or standard attention with sliding-window layers (every
-    layer for Mistral-style configs, some for gpt-oss) and full-attention layers priced apart."""
+    layer for Mistral-style configs, some for gpt-oss) and full-attention layers priced apart. ``measured``: the MLA
+    families (``MLA_PREFILL``, ``MLA_DECODE``) the calibration fitted, priced as one kernel of their own."""
     if model.mla is not None:
         out = []
         if batch.prefills:
-            out += mla_prefill_kernels(model, batch.prefills, tp, precision, model.num_layers)
+            out += mla_prefill_kernels(model, batch.prefills, tp, precision, model.num_layers,
+                                       MLA_PREFILL in measured)
         if batch.num_decodes:
             out += mla_decode_kernels(model, batch.num_decodes, batch.decode_context_tokens, tp, precision,
-                                      model.num_layers)
+                                      model.num_layers, MLA_DECODE in measured)
         return out
     q_heads = model.num_attention_heads // tp
     kv_heads = max(model.num_kv_heads // tp, 1)

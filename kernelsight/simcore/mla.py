@@ -22,6 +22,14 @@ sequences of 1k tokens on H100/H200), while FlashMLA is a Hopper-tuned kernel of
 kernel uses its true FLOPs and bytes (576-wide keys, 512-wide values, all H/T heads). The two
 bmms and ``kv_b_proj`` are GEMMs (η of the ``gemm`` family) timed inside the attention parts, since vLLM runs them
 inside its MLA attention op and their shapes follow the decode rows / the prefill context, not the padded rows.
+
+Measured families (a calibration fitted on the shared ``mla_*`` module tables, ``calibrate/mla_tables.py``): the
+attention op is then one kernel of its own family, its η and fixed latency fitted on the module rows minus the
+module's other kernels. ``mla_decode`` is the absorbed decode whole (both bmms and the MQA, as vLLM runs them in one
+op), features in ``attn_decode``'s layout (batch, context per sequence, H/T heads, 1 KV head, head_dim 288 so that
+the basis's K+V bytes per token are the 576-wide latent, KV bytes, no window); ``mla_prefill`` is the up-projected
+MHA (``kv_b_proj`` stays a GEMM of the checkpoint's format: a linear layer like the other projections), features in
+``attn_prefill``'s layout with the KV-cache bytes as its variant.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from kernelsight.simcore.kernel_shapes import (
     ATTN_DECODE,
     ATTN_PREFILL,
     KV_WRITE,
+    MLA_DECODE,
+    MLA_PREFILL,
     NORM,
     ROPE,
     Kernel,
@@ -48,6 +58,26 @@ _ATTN_Q_TILE = 128
 _MAX_MEASURED_GROUP = 64
 #: The widest head dim the tables time with FlashAttention-3 (MQA rows): where the decode η is looked up.
 _DECODE_ETA_HEAD_DIM = 256
+#: head_dim of the measured decode family's features: K + V bytes per token of a head_dim-d head (2·d) equal the
+#: latent's 576 elements, so the decode basis's KV-cache-vs-L2 term sees the latent's real bytes.
+_MLA_DECODE_FEATURE_HEAD_DIM = 288
+
+
+def mla_decode_backend(compute_capability: str, kv_dtype: str) -> str:
+    """The MLA backend vLLM (0.19-0.24) picks by default for a GPU of ``compute_capability`` and a KV cache of
+    ``kv_dtype``: its CUDA platform walks a priority list per compute capability (SM 10.x: FlashInfer-MLA and
+    CUTLASS-MLA first; elsewhere FLASH_ATTN_MLA, FLASHMLA, FLASHINFER_MLA, TRITON_MLA) and takes the first that
+    supports the GPU and the KV dtype: FLASH_ATTN_MLA is SM 9.0 with a 16-bit cache, FlashMLA SM 9.0 / 10.x (fp8
+    too), FlashInfer-MLA SM 10.x, Triton MLA any GPU (and the only one off CUDA's list here)."""
+    try:
+        major, minor = (int(x) for x in compute_capability.split(".")[:2])
+    except ValueError:
+        return "TRITON_MLA"
+    if major == 10:
+        return "FLASHINFER_MLA"
+    if (major, minor) == (9, 0):
+        return "FLASH_ATTN_MLA" if kv_dtype in ("bf16", "fp16", "auto") else "FLASHMLA"
+    return "TRITON_MLA"
 
 
 def _mla(model: ModelSpec) -> MLASpec:
@@ -89,12 +119,10 @@ def mla_row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision, n_l
     return out
 
 
-def mla_prefill_kernels(model: ModelSpec, chunks: tuple[PrefillChunk, ...], tp: int, precision: Precision,
-                        n_layers: int) -> list[Kernel]:
-    """Up-projected prefill: kv_b_proj over every context token's latent, then MHA (qk 192, v 128)."""
-    a = _mla(model)
-    heads = model.num_attention_heads // tp
-    act = precision.act_bytes
+def mla_prefill_attention_kernel(a: MLASpec, chunks: tuple[PrefillChunk, ...], heads: int, act_bytes: float,
+                                 kv_bytes: float, measured: bool = False, count: int = 1) -> Kernel:
+    """The up-projected prefill's MHA (qk 192, v 128) over ``heads`` heads: the ``attn_prefill`` kernel at its own
+    shape, or (``measured``) one kernel of the ``mla_prefill`` family (the KV-cache bytes as its variant)."""
     pairs = 0.0
     kv_tokens = tiles = new_tokens = 0
     for c in chunks:
@@ -106,27 +134,41 @@ def mla_prefill_kernels(model: ModelSpec, chunks: tuple[PrefillChunk, ...], tp: 
     dqk, dv = a.qk_head_dim, a.v_head_dim
     flops = 2.0 * heads * pairs * (dqk + dv)
     # queries in, outputs out; the up-projected K (nope part per head + the shared rope part) and V in 16-bit
-    bytes_moved = (new_tokens * heads * (dqk + dv) * act
-                   + kv_tokens * (heads * (a.qk_nope_head_dim + dv) + a.qk_rope_head_dim) * act)
+    bytes_moved = (new_tokens * heads * (dqk + dv) * act_bytes
+                   + kv_tokens * (heads * (a.qk_nope_head_dim + dv) + a.qk_rope_head_dim) * act_bytes)
     n = max(len(chunks), 1)
     features = (float(len(chunks)), new_tokens / n, kv_tokens / n, float(heads), float(heads), float(dqk),
-                float(act), 0.0)
-    attn = Kernel("mla_attention_prefill", ATTN_PREFILL, flops, bytes_moved, max(tiles * heads, 1), "bf16",
-                  features, n_layers)
-    up = linear_kernel("kv_b_proj", max(kv_tokens, 1), heads * (a.qk_nope_head_dim + dv), a.kv_lora_rank,
+                float(kv_bytes if measured else act_bytes), 0.0)
+    family, name = (MLA_PREFILL, "mla_prefill") if measured else (ATTN_PREFILL, "mla_attention_prefill")
+    return Kernel(name, family, flops, bytes_moved, max(tiles * heads, 1), "bf16", features, count)
+
+
+def mla_prefill_kernels(model: ModelSpec, chunks: tuple[PrefillChunk, ...], tp: int, precision: Precision,
+                        n_layers: int, measured: bool = False) -> list[Kernel]:
+    """Up-projected prefill: kv_b_proj over every context token's latent, then MHA (qk 192, v 128); ``measured``:
+    the MHA as the calibration's ``mla_prefill`` family."""
+    a = _mla(model)
+    heads = model.num_attention_heads // tp
+    attn = mla_prefill_attention_kernel(a, chunks, heads, precision.act_bytes, precision.kv_bytes_per_element,
+                                        measured, n_layers)
+    kv_tokens = sum(c.num_cached_tokens + c.num_new_tokens for c in chunks)
+    up = linear_kernel("kv_b_proj", max(kv_tokens, 1), heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank,
                        precision, n_layers)
     return [up, attn]
 
 
 def mla_decode_kernels(model: ModelSpec, num_decodes: int, context_tokens: int, tp: int, precision: Precision,
-                       n_layers: int) -> list[Kernel]:
-    """Absorbed decode: W_UK bmm, MQA over the latent (FlashMLA), W_UV bmm.
+                       n_layers: int, measured: bool = False) -> list[Kernel]:
+    """Absorbed decode: W_UK bmm, MQA over the latent (FlashMLA), W_UV bmm; ``measured``: the three as one kernel of
+    the calibration's ``mla_decode`` family (:func:`mla_decode_attention_kernel`).
 
     The bmms are priced as one GEMM each with the per-head weights side by side (same FLOPs and weight bytes as
     the batched product; bf16 weights)."""
     a = _mla(model)
     heads = model.num_attention_heads // tp
     act, kv = precision.act_bytes, precision.kv_bytes_per_element
+    if measured:
+        return [mla_decode_attention_kernel(a, num_decodes, context_tokens, heads, act, kv, n_layers)]
     lat, lora = a.latent_dim, a.kv_lora_rank
     flops = 2.0 * heads * context_tokens * (lat + lora)
     bytes_moved = context_tokens * lat * kv + num_decodes * heads * (lat + lora) * act
@@ -138,3 +180,18 @@ def mla_decode_kernels(model: ModelSpec, num_decodes: int, context_tokens: int, 
     w_uk = gemm_kernel("mla_w_uk_bmm", n, heads * lora, a.qk_nope_head_dim, "bf16", 2.0, act, n_layers)
     w_uv = gemm_kernel("mla_w_uv_bmm", n, heads * a.v_head_dim, lora, "bf16", 2.0, act, n_layers)
     return [w_uk, attn, w_uv]
+
+
+def mla_decode_attention_kernel(a: MLASpec, num_decodes: int, context_tokens: int, heads: int, act_bytes: float,
+                                kv_bytes: float, count: int = 1) -> Kernel:
+    """vLLM's absorbed MLA decode op as one kernel of the ``mla_decode`` family: the W_UK bmm, the MQA over the
+    576-wide latent (values the 512-wide latent) and the W_UV bmm, with their summed FLOPs and bytes (latent KV
+    cache read once, both bf16 per-head weights, queries and outputs)."""
+    lat, lora, nope, dv = a.latent_dim, a.kv_lora_rank, a.qk_nope_head_dim, a.v_head_dim
+    n = max(num_decodes, 1)
+    flops = 2.0 * heads * context_tokens * (lat + lora) + 2.0 * n * heads * lora * (nope + dv)
+    bytes_moved = (context_tokens * lat * kv_bytes + num_decodes * heads * (lat + lora) * act_bytes
+                   + heads * lora * (nope + dv) * 2.0 + n * heads * (nope + dv) * act_bytes)
+    features = (float(num_decodes), context_tokens / n, float(heads), 1.0, float(_MLA_DECODE_FEATURE_HEAD_DIM),
+                float(kv_bytes), 0.0)
+    return Kernel("mla_decode", MLA_DECODE, flops, bytes_moved, max(num_decodes * heads, 1), "bf16", features, count)

@@ -75,6 +75,8 @@ def _fits_own_block_rows(calib: Calibration) -> bool:
 
 
 FULL_GRAPH = "full"
+#: Families whose time never goes below their roofline (fitted η may exceed 1 on L2-warm table rows).
+_FLOORED_AT_ROOF = frozenset({K.MOE_GEMM, K.MLA_DECODE, K.MLA_PREFILL})
 PIECEWISE = "piecewise"
 EAGER = "eager"
 
@@ -143,9 +145,9 @@ def eta_lookup_features(family: str, features: tuple[float, ...]) -> tuple[float
             snapped = math.ceil(m / 16.0) * 16
             return (float(snapped if m % 16 == 0 else snapped - 1),) + features[1:]
         return features
-    if family == K.ATTN_DECODE:
+    if family in (K.ATTN_DECODE, K.MLA_DECODE):
         return (features[0], _snap_log(features[1])) + features[2:]
-    if family == K.ATTN_PREFILL:
+    if family in (K.ATTN_PREFILL, K.MLA_PREFILL):
         return (features[0], _snap_log(features[1]), _snap_log(features[2])) + features[3:]
     return features
 
@@ -182,6 +184,10 @@ class StepModel:
         # MLA and mixed sliding/full layers price attention as several kernels (kernels.attention_kernels): the
         # inline GQA decode path below is for one uniform attention kind
         self._generic_attention = model.has_mixed_attention
+        # the MLA attention families this calibration measured (``mla.py``): each priced as one kernel of its own
+        self._mla_measured = frozenset(f for f in (K.MLA_PREFILL, K.MLA_DECODE) if f in calib.eta) if m.mla \
+            else frozenset()
+        self._mla_graph_excess: dict[tuple[int, float], float] = {}
         # decode attention as a serving step streams it (see _decode_stream_s): the kernel's DRAM-side bandwidth, and
         # on FlashAttention-2's unsplit GQA path the bandwidth one CTA streams at and the longest contexts it needs
         self._decode_cold_bw = 0.0
@@ -246,9 +252,10 @@ class StepModel:
         t = max(roof / eta + overhead_s, (k.bytes_moved - self._l2_bytes) / self._dram_bytes_per_s)
         if k.family == K.ATTN_DECODE and self.calib.decode_cta_bytes_per_s:
             t = max(t, self.calib.decode_floor_s(k.features, self.hw.num_sms))   # exact shape, like the roof
-        if k.family == K.MOE_GEMM:
+        if k.family in _FLOORED_AT_ROOF:
             # a serving step's MoE layers each read other experts' weights, cold in L2: never below the DRAM
-            # roofline (the MoE tables repeat one layer, L2-warm, and η > 1 fits their fastest rows)
+            # roofline (the MoE tables repeat one layer, L2-warm, and η > 1 fits their fastest rows); the MLA
+            # families likewise (fitted on the module tables' residuals, never credited with more than the roof)
             t = max(t, roof)
         if k.impl and k.dtype == "fp8":
             t = max(self._fp8_linear_s(k, t), roof)
@@ -467,7 +474,7 @@ class StepModel:
                 self._prefill_attn_memo.clear()
             if self._generic_attention:
                 t = sum(self.kernel_time_s(k) for k in K.attention_kernels(
-                    self.model, BatchShape(prefills), self.config.tp, self.precision))
+                    self.model, BatchShape(prefills), self.config.tp, self.precision, self._mla_measured))
             else:
                 t = self.kernel_time_s(self._prefill_attention_kernel(BatchShape(prefills)))
             self._prefill_attn_memo[key] = t
@@ -485,12 +492,43 @@ class StepModel:
         serving step streams the KV cache (``_decode_stream_s``; ``top``: the longest contexts, longest first;
         ``mixed``: the step also prefills)."""
         if self._generic_attention:
-            return sum(self.kernel_time_s(k) for k in K.attention_kernels(
-                self.model, BatchShape((), num_decodes, context_tokens), self.config.tp, self.precision))
+            ks = K.attention_kernels(self.model, BatchShape((), num_decodes, context_tokens), self.config.tp,
+                                     self.precision, self._mla_measured)
+            t = sum(self.kernel_time_s(k) for k in ks)
+            if K.MLA_DECODE in self._mla_measured and not mixed and \
+                    self._graph_mode(num_decodes, True)[0] == FULL_GRAPH:
+                t -= self._mla_graph_excess_s(num_decodes, context_tokens) * self.model.num_layers
+            return t
         t = self._decode_eta_s(num_decodes, context_tokens)
         if self._decode_cold_bw:
             t = max(t, self._decode_stream_s(num_decodes, context_tokens, top, mixed))
         return t * self._decode_consts[10]
+
+    def _mla_graph_excess_s(self, num_decodes: int, context_tokens: int) -> float:
+        """Per layer, the part of the measured ``mla_decode`` family's fixed latency a full CUDA graph does not replay.
+
+        The module tables time vLLM's MLA attention op eagerly: at their smallest shapes (one sequence, a few cached
+        tokens, 1-32 heads) the attention's residual is 38-56 µs on H100 and 25-45 µs on the RTX PRO 6000 whatever
+        the heads, where the calibration's own eager fixed latencies of the kernels the op launches (the decode
+        attention kernel and the two bf16 bmms) sum to 15-19 µs: the rest is the op's host work (metadata, splits,
+        Python), which a full graph replay removes. So a decode-only step in a full graph keeps the fixed latency
+        of the composed kernels (that sum, as the rest of the calibration keeps its per-kernel ones) and drops the
+        excess; a piecewise or eager step runs the op outside any graph and pays it whole."""
+        key = (num_decodes, _snap_log(context_tokens / max(num_decodes, 1)))
+        hit = self._mla_graph_excess.get(key)
+        if hit is None:
+            m, tp, p = self.model, self.config.tp, self.precision
+            (k,) = K.mla_decode_kernels(m, num_decodes, context_tokens, tp, p, 1, measured=True)
+            own = self.calib.kernel_eta_overhead_s(k.family, eta_lookup_features(k.family, k.features))[1]
+            composed = sum(self.calib.kernel_eta_overhead_s(c.family, eta_lookup_features(c.family, c.features))[1]
+                           for c in K.mla_decode_kernels(m, num_decodes, context_tokens, tp, p, 1))
+            roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
+            # never below the roofline: the excess is at most what the kernel's time holds above it
+            hit = max(min(own - composed, self.kernel_time_s(k) - roof), 0.0)
+            if len(self._mla_graph_excess) > 100_000:
+                self._mla_graph_excess.clear()
+            self._mla_graph_excess[key] = hit
+        return hit
 
     def _decode_eta_s(self, num_decodes: int, context_tokens: int) -> float:
         """One layer's decode attention as calibrated: ``kernel_time_s`` of ``attention_decode_kernel``, specialised.

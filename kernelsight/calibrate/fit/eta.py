@@ -81,7 +81,7 @@ def fit_submodel(
 ) -> SubFit:
     """Fit η (+ overhead) of one family variant on one GPU (``spill_center`` given: decode's L2 step not searched)."""
     dev = device_constants(family, variant, hw)
-    if family == "attn_decode":
+    if basis_name(family) == "attn_decode":
         dev["l2_spill_center"] = (
             fit_spill_center(rows.features, dev, roof_s, lat_s) if spill_center is None else spill_center
         )

@@ -158,7 +158,7 @@ def fit_residual_grid(
 GRID_DIMS = {"gemm": (0, 1, 2, 3), "moe_gemm": (0, 2, 3, 4), "attn_prefill": (0, 1, 2, 3, 4, 5),
              "attn_decode": (7, 1, 6, 3, 4, 5)}
 #: Families fitted on another family's lattice layout (a ViT's attention has the prefill kernel's features).
-GRID_LAYOUT_OF = {"attn_encoder": "attn_prefill"}
+GRID_LAYOUT_OF = {"attn_encoder": "attn_prefill", "mla_prefill": "attn_prefill", "mla_decode": "attn_decode"}
 #: Largest |log(measured / smooth)| a lattice is fitted to (outliers beyond it are clipped).
 GRID_FIT_CLIP = 2.0
 #: Smallest log-gap between lattice knots per dim (0: a knot at every measured value; < 0: a regular

@@ -54,7 +54,9 @@ def device_constants(family: str, variant: str, hw: HardwareSpec) -> dict[str, f
 
 def basis_name(family: str) -> str:
     # a ViT's attention has the prefill kernel's feature layout (kernel_shapes.attention_encoder_kernel)
-    return {"gemm": "gemm", "lm_head": "gemm", "moe_gemm": "moe", "attn_encoder": "attn_prefill"}.get(family, family)
+    # the MLA op's families take the attention kernels' layouts (simcore.mla: mla_*_attention_kernel)
+    return {"gemm": "gemm", "lm_head": "gemm", "moe_gemm": "moe", "attn_encoder": "attn_prefill",
+            "mla_prefill": "attn_prefill", "mla_decode": "attn_decode"}.get(family, family)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -84,12 +84,14 @@ from dataclasses import replace
 
 from kernelsight.calibrate.fit.comm import comm_source_pool, transfer_comm_curves
 from kernelsight.calibrate.fit.logpoly import device_constants
+from kernelsight.calibrate.rows import MLA_FAMILIES
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.attention_dispatch import FLASH_ATTN_2, attention_kernel, kernel_lineage
 from kernelsight.simcore.calibration import Calibration, default_calibration
 from kernelsight.simcore.comm import CommModel
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, EtaModel, LogPolyEta, SwitchEta, switch_key
 from kernelsight.simcore.hardware import HardwareSpec, sustained_clock_share
+from kernelsight.simcore.mla import mla_decode_backend
 
 #: Temperature of the similarity weights (units of the log-spec distance).
 SIMILARITY_TAU = 1.0
@@ -104,7 +106,8 @@ OVERHEAD_CLOCK_EXPONENT = 0.5
 #: two GPUs that show the path (A100 21.7, L40S 26.2 GB/s), error on A100 / L40S: exponent 0 → +21 / −17 %,
 #: 0.5 → −10 / +11 %, 1 → −32 / +48 %.
 DECODE_FLOOR_CLOCK_EXPONENT = 0.5
-TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm",
+TRANSFERRED_FAMILIES: tuple[str, ...] = ("gemm", "attn_prefill", "attn_decode", "lm_head", "moe_gemm", "mla_prefill",
+                                         "mla_decode",
                                          "attn_encoder")
 #: GPUs whose MoE model is not transferred: the shared A100 MoE tables time only the tokens that picked the rank's
 #: experts (``calibrate.rows.RANK_TOKENS``), so their fit never sees the layer-wide traffic of every token that a
@@ -204,6 +207,8 @@ def transfer_family(
               and not (family == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)]
     if family == "moe_gemm":
         picked = moe_sources(picked, target)
+    if family in MLA_FAMILIES:
+        picked = mla_sources(picked, target, family)
     if not picked:
         return None
     total = sum(w for _, w, _ in picked)
@@ -246,6 +251,31 @@ def moe_sources(picked: list, target: HardwareSpec) -> list:
     runs."""
     same = [p for p in picked if _arch(p[2]) == _arch(target)]
     return same or picked
+
+
+def mla_sources(picked: list, target: HardwareSpec, family: str) -> list:
+    """The sources a target takes an MLA family's η from, by the kernel vLLM runs for it (``simcore.mla``):
+
+    * ``mla_decode``: those whose default MLA decode backend (``mla_decode_backend``, 16-bit KV) is the target's
+      (FLASH_ATTN_MLA / FlashMLA on SM 9.0, Triton MLA on the other GPUs measured), else none;
+    * ``mla_prefill``: every source, unless the target is an SM 10.x GPU (its MLA prefill runs FlashInfer / cuDNN /
+      TRT-LLM kernels no source times): FlashAttention's varlen kernel runs the up-projected prefill on all of them.
+
+    Without a source the family is not transferred and the composed dense-family pricing stays. Leave-one-GPU-out on
+    the shared module tables (``benchmarks/mla_accuracy.py``, fit rows, MAPE of the module): decode from the same
+    backend L40S 19 % / RTX PRO 6000 19 % / its 0.19 stack 28 % against the composed 26 / 40 / 41 %, from every
+    source the H100 39 % against 36 % (another kernel's η); prefill from every source H100 18 / PRO 6000 6 /
+    0.19 8 / L40S 14 % against 29 / 17 / 22 / 10 %."""
+    if family == "mla_prefill":
+        return [] if target.compute_capability.startswith("10.") else picked
+    want = mla_decode_backend(target.compute_capability, "bf16")
+    return [p for p in picked if mla_decode_backend(p[2].compute_capability, "bf16") == want]
+
+
+def mla_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec], family: str) -> list[str]:
+    """The GPUs (of ``sources``) a cross-generation calibration of ``target`` takes an MLA family from."""
+    return [h.name for _, _, h in mla_sources([(None, 1.0, h) for h in sources if h.name != target.name], target,
+                                              family)]
 
 
 def moe_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec]) -> list[str]:
@@ -380,6 +410,8 @@ def cross_generation_calibration(
                     and not (fam == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)]
         if fam == "moe_gemm":   # the same sources as its η
             eligible = moe_sources(eligible, target)
+        if fam in MLA_FAMILIES:
+            eligible = mla_sources(eligible, target, fam)
         vals = [(c.overhead_s[fam] * overhead_scale(h, target), w) for c, w, h in eligible]
         if vals:
             calib.overhead_s[fam] = math.exp(sum(w * math.log(v) for v, w in vals) / sum(w for _, w in vals))
