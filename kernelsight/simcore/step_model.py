@@ -132,6 +132,13 @@ def _snap_log(x: float) -> float:
     return float(2.0 ** (round(math.log2(x) * _SNAP_PER_OCTAVE) / _SNAP_PER_OCTAVE))
 
 
+def prefill_composed_kernel(model: ModelSpec, prefills: tuple[PrefillChunk, ...], tp: int, precision: Precision
+                            ) -> list[Kernel]:
+    """The up-projected prefill's attention as the dense families compose it (``attn_prefill``): the kernel whose
+    fixed latency an MLA prefill op keeps on the GPU."""
+    return [K.mla_prefill_kernels(model, prefills, tp, precision, 1)[1]]
+
+
 def eta_lookup_features(family: str, features: tuple[float, ...]) -> tuple[float, ...]:
     """Features at which η is looked up: token counts above 64 rounded up to a multiple of 16 (one less when
     not a multiple: both keep every 64/128-row tile count and the 16-alignment unchanged), mean lengths
@@ -187,7 +194,8 @@ class StepModel:
         # the MLA attention families this calibration measured (``mla.py``): each priced as one kernel of its own
         self._mla_measured = frozenset(f for f in (K.MLA_PREFILL, K.MLA_DECODE) if f in calib.eta) if m.mla \
             else frozenset()
-        self._mla_graph_excess: dict[tuple[int, float], float] = {}
+        self._mla_excess_memo: dict[tuple[int, float], float] = {}
+        self._mla_prefill_host_memo: dict[tuple[tuple[int, int], ...], float] = {}
         # decode attention as a serving step streams it (see _decode_stream_s): the kernel's DRAM-side bandwidth, and
         # on FlashAttention-2's unsplit GQA path the bandwidth one CTA streams at and the longest contexts it needs
         self._decode_cold_bw = 0.0
@@ -373,8 +381,9 @@ class StepModel:
             samp = self._sampling_cache[sampling_rows] = (arr, float(arr.sum()))
         return rows[0] + samp[0], rows[1] + samp[1]
 
-    def _launch_s(self, mode: str, gpu_s: float) -> float:
-        """CPU launch time not hidden behind GPU work (launches run ahead of the GPU asynchronously)."""
+    def _launch_s(self, mode: str, gpu_s: float, extra_cpu_s: float = 0.0) -> float:
+        """CPU launch time not hidden behind GPU work (launches run ahead of the GPU asynchronously);
+        ``extra_cpu_s``: host work of ops run outside the graphs beyond their launches (measured MLA ops)."""
         lm = self.calib.launch
         if mode == FULL_GRAPH:
             return lm.full_graph_step_s
@@ -382,7 +391,7 @@ class StepModel:
             cpu_s = lm.piecewise_per_layer_s * self.model.num_layers
         else:
             cpu_s = lm.eager_per_kernel_s * self.model.num_layers * 14
-        return max(cpu_s - gpu_s, 0.0) + lm.full_graph_step_s
+        return max(cpu_s + extra_cpu_s - gpu_s, 0.0) + lm.full_graph_step_s
 
     # -- public step API ----------------------------------------------------------------------------
     def breakdown_s(self, batch: BatchShape) -> np.ndarray:
@@ -414,12 +423,15 @@ class StepModel:
             t = self.encoder_pass_s(batch.encoder_items)
             out[_I_ENCODER] += t
             attn_s += t
-        return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens)
+        extra = (self._mla_host_s(prefills, num_decodes, batch.decode_context_tokens)
+                 if self._mla_measured and mode != FULL_GRAPH else 0.0)
+        return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens, extra)
 
-    def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int
-                ) -> tuple[np.ndarray, float]:
-        """Add the exposed launch and host time to a step whose kernels (and collectives) take kernels_s."""
-        launch_s = self._launch_s(mode, kernels_s)
+    def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int,
+                extra_cpu_s: float = 0.0) -> tuple[np.ndarray, float]:
+        """Add the exposed launch and host time to a step whose kernels (and collectives) take kernels_s
+        (``extra_cpu_s``: see :meth:`_launch_s`)."""
+        launch_s = self._launch_s(mode, kernels_s, extra_cpu_s)
         gpu_s = kernels_s + launch_s
         host = self.calib.host
         host_s = host.exposed_s(host.cpu_s(num_seqs, num_tokens), gpu_s, self.config.async_scheduling)
@@ -473,8 +485,12 @@ class StepModel:
             if len(self._prefill_attn_memo) > 100_000:   # bounded: mixed batches make many distinct keys
                 self._prefill_attn_memo.clear()
             if self._generic_attention:
-                t = sum(self.kernel_time_s(k) for k in K.attention_kernels(
-                    self.model, BatchShape(prefills), self.config.tp, self.precision, self._mla_measured))
+                ks = K.attention_kernels(self.model, BatchShape(prefills), self.config.tp, self.precision,
+                                         self._mla_measured)
+                t = sum(self.kernel_time_s(k) for k in ks)
+                if K.MLA_PREFILL in self._mla_measured:   # the op's host work is the launch term's (_mla_host_s)
+                    t -= self._mla_excess_s(ks[-1], prefill_composed_kernel(self.model, prefills, self.config.tp,
+                                                                            self.precision)) * self.model.num_layers
             else:
                 t = self.kernel_time_s(self._prefill_attention_kernel(BatchShape(prefills)))
             self._prefill_attn_memo[key] = t
@@ -495,40 +511,65 @@ class StepModel:
             ks = K.attention_kernels(self.model, BatchShape((), num_decodes, context_tokens), self.config.tp,
                                      self.precision, self._mla_measured)
             t = sum(self.kernel_time_s(k) for k in ks)
-            if K.MLA_DECODE in self._mla_measured and not mixed and \
-                    self._graph_mode(num_decodes, True)[0] == FULL_GRAPH:
-                t -= self._mla_graph_excess_s(num_decodes, context_tokens) * self.model.num_layers
+            if K.MLA_DECODE in self._mla_measured:   # the op's host work is the launch term's (_mla_host_s)
+                t -= self._mla_decode_excess_s(num_decodes, context_tokens) * self.model.num_layers
             return t
         t = self._decode_eta_s(num_decodes, context_tokens)
         if self._decode_cold_bw:
             t = max(t, self._decode_stream_s(num_decodes, context_tokens, top, mixed))
         return t * self._decode_consts[10]
 
-    def _mla_graph_excess_s(self, num_decodes: int, context_tokens: int) -> float:
-        """Per layer, the part of the measured ``mla_decode`` family's fixed latency a full CUDA graph does not replay.
+    # -- measured MLA: the eager op's host work ---------------------------------------------------------
+    def _mla_excess_s(self, k: Kernel, composed: list[Kernel]) -> float:
+        """Per layer, the part of a measured MLA family's fixed latency that is the op's host work, not GPU time.
 
-        The module tables time vLLM's MLA attention op eagerly: at their smallest shapes (one sequence, a few cached
-        tokens, 1-32 heads) the attention's residual is 38-56 µs on H100 and 25-45 µs on the RTX PRO 6000 whatever
-        the heads, where the calibration's own eager fixed latencies of the kernels the op launches (the decode
-        attention kernel and the two bf16 bmms) sum to 15-19 µs: the rest is the op's host work (metadata, splits,
-        Python), which a full graph replay removes. So a decode-only step in a full graph keeps the fixed latency
-        of the composed kernels (that sum, as the rest of the calibration keeps its per-kernel ones) and drops the
-        excess; a piecewise or eager step runs the op outside any graph and pays it whole."""
+        The module tables time vLLM's MLA attention op eagerly. At their smallest shapes (1-2 sequences, a few
+        tokens, 1-32 heads) the op's residual is, median over the rows, 54 µs (H100, FLASH_ATTN_MLA) and 78 µs
+        (FlashMLA, fp8 KV), 23 µs (L40S, Triton MLA), 31-36 µs (RTX PRO 6000, Triton MLA) and 37-39 µs (its 0.19
+        stack), nearly flat in the heads; the calibration's own fixed latencies of the kernels the op launches (the
+        decode attention kernel and the two bf16 bmms: ``composed``) sum to 12-21 µs there. The rest (metadata,
+        splits, Python: ~3 µs a launch) runs on the CPU: so the op's GPU time keeps the composed kernels' fixed
+        latency (as every other kernel keeps its per-kernel one) and the excess goes to the launch term
+        (:meth:`_mla_host_s`), where it counts only when the CPU is behind the GPU; a full CUDA graph replays the op
+        without it. Never more than the kernel holds above its roofline."""
+        own = self.calib.kernel_eta_overhead_s(k.family, eta_lookup_features(k.family, k.features))[1]
+        fixed = sum(self.calib.kernel_eta_overhead_s(c.family, eta_lookup_features(c.family, c.features))[1]
+                    for c in composed)
+        roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
+        return max(min(own - fixed, self.kernel_time_s(k) / k.count - roof), 0.0)
+
+    def _mla_decode_excess_s(self, num_decodes: int, context_tokens: int) -> float:
+        """:meth:`_mla_excess_s` of the decode op, memoized per (batch, snapped mean context)."""
         key = (num_decodes, _snap_log(context_tokens / max(num_decodes, 1)))
-        hit = self._mla_graph_excess.get(key)
+        hit = self._mla_excess_memo.get(key)
         if hit is None:
             m, tp, p = self.model, self.config.tp, self.precision
             (k,) = K.mla_decode_kernels(m, num_decodes, context_tokens, tp, p, 1, measured=True)
-            own = self.calib.kernel_eta_overhead_s(k.family, eta_lookup_features(k.family, k.features))[1]
-            composed = sum(self.calib.kernel_eta_overhead_s(c.family, eta_lookup_features(c.family, c.features))[1]
-                           for c in K.mla_decode_kernels(m, num_decodes, context_tokens, tp, p, 1))
-            roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, self.hw)
-            # never below the roofline: the excess is at most what the kernel's time holds above it
-            hit = max(min(own - composed, self.kernel_time_s(k) - roof), 0.0)
-            if len(self._mla_graph_excess) > 100_000:
-                self._mla_graph_excess.clear()
-            self._mla_graph_excess[key] = hit
+            hit = self._mla_excess_s(k, K.mla_decode_kernels(m, num_decodes, context_tokens, tp, p, 1))
+            if len(self._mla_excess_memo) > 100_000:
+                self._mla_excess_memo.clear()
+            self._mla_excess_memo[key] = hit
         return hit
+
+    def _mla_host_s(self, prefills: tuple[PrefillChunk, ...], num_decodes: int, context_tokens: int) -> float:
+        """CPU time of a step's measured MLA ops beyond their kernels' launches, all layers (0 without them): what
+        an op run outside a full CUDA graph adds to the launch term."""
+        out = 0.0
+        if prefills and K.MLA_PREFILL in self._mla_measured:
+            key = tuple([(c.num_new_tokens, c.num_cached_tokens) for c in prefills])
+            hit = self._mla_prefill_host_memo.get(key)
+            if hit is None:
+                (k,) = [k for k in K.attention_kernels(self.model, BatchShape(prefills), self.config.tp,
+                                                       self.precision, self._mla_measured) if k.family == K.MLA_PREFILL]
+                hit = self._mla_excess_s(k, prefill_composed_kernel(self.model, prefills, self.config.tp,
+                                                                    self.precision))
+                if len(self._mla_prefill_host_memo) > 100_000:
+                    self._mla_prefill_host_memo.clear()
+                self._mla_prefill_host_memo[key] = hit
+            out += hit
+        if num_decodes and K.MLA_DECODE in self._mla_measured:
+            out += self._mla_decode_excess_s(num_decodes, context_tokens)
+        return out * self.model.num_layers
 
     def _decode_eta_s(self, num_decodes: int, context_tokens: int) -> float:
         """One layer's decode attention as calibrated: ``kernel_time_s`` of ``attention_decode_kernel``, specialised.
@@ -697,7 +738,9 @@ class StepModel:
         top_last = tuple(c + num_steps - 1 for c in top) if top else top
         attn1 = self._decode_attention_s(num_decodes, ctx_last, top_last)
         kernels1 = t0 - b0[_I_LAUNCH] - b0[_I_HOST] - attn0 + attn1
-        b1, t1 = self._finish(b0.copy(), kernels1, self._graph_mode(num_decodes, True)[0], num_decodes, num_decodes)
+        mode = self._graph_mode(num_decodes, True)[0]
+        extra = self._mla_host_s((), num_decodes, ctx_last) if self._mla_measured and mode != FULL_GRAPH else 0.0
+        b1, t1 = self._finish(b0.copy(), kernels1, mode, num_decodes, num_decodes, extra)
         b1[_I_ATTN_DECODE] = attn1
         slope = (t1 - t0) / (num_steps - 1)
         durations = [t0 + slope * i for i in range(num_steps)]   # windows are short: lists beat arrays
