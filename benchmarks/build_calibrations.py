@@ -18,7 +18,7 @@
 Each file records its tier, source data and licence. The shipped package reads only these JSON files.
 
     python benchmarks/build_calibrations.py [--data ../shared/data/kernels] [--only GPU ...] [--comm-only]
-        [--fp4-only] [--moe-only] [--software-only] [--layers DIR] [--layers-only] [--encoder-only]
+        [--fp4-only] [--moe-only] [--software-only] [--layers DIR] [--layers-only] [--encoder-only] [--mla-only]
 
 ``--moe-only`` refits only the FusedMoE family (``moe_gemm``: one η model per expert format, per vLLM kernel where
 several ran) of every measured GPU (and of every other software stack of one) on all its MoE rows (``moe.csv.gz``) and
@@ -32,6 +32,12 @@ the transferred variant to the bundled cross-generation files; everything else s
 ``--encoder-only`` fits only the ViT attention family (``attn_encoder``) of the GPUs whose folders time it (H100, L40S,
 the RTX PRO 6000 under 0.24) into their bundled files and transfers it to every other file (from the cross-generation
 sources that have it), as a full build would; everything else stays as stored.
+
+``--mla-only`` fits only the MLA families (``mla_prefill``, ``mla_decode``: vLLM's MLA attention op) of every file
+whose folder times DeepSeek-V3's MLA module (``mla_context`` / ``mla_generation``, scope ``module``: H100, L40S, both
+RTX PRO 6000 stacks) on the serving rows, less the module's other kernels priced by that file's calibration
+(``calibrate.mla_tables``), and transfers them by kernel to every other file (``transfer.mla_sources``); a full build
+ends with the same pass. Everything else stays as stored.
 
 ``--comm-only`` rewrites only the collective models of every bundled file (what a full build would write there:
 the comm fit reads nothing but the comm table and, for a GPU fitted on a prior, the prior's collective models) and
@@ -68,6 +74,7 @@ from kernelsight.calibrate.fit.transfer import (  # noqa: E402
     NVFP4_KEY,
     cross_generation_calibration,
     merged_software,
+    mla_source_names,
     transfer_comm,
     transfer_fp4_variant,
 )
@@ -78,10 +85,19 @@ from kernelsight.calibrate.measurements import (  # noqa: E402
     read_measurements,
     read_table,
 )
+from kernelsight.calibrate.mla_tables import (  # noqa: E402
+    MLA_TABLE_MODEL,
+    add_mla_families,
+    fit_mla_family,
+    fit_rows,
+    read_folder_rows,
+)
+from kernelsight.calibrate.rows import MLA_FAMILIES  # noqa: E402
 from kernelsight.profiles import (  # noqa: E402
     calibration_file_name,
     list_hardware,
     load_hardware,
+    load_model,
     read_calibration_file,
 )
 from kernelsight.simcore.calibration import Calibration, default_calibration  # noqa: E402
@@ -335,6 +351,57 @@ def _rebuild_moe(data: Path, out_dir: Path) -> int:
     return 0
 
 
+def _rebuild_mla(data: Path, out_dir: Path) -> int:
+    """The MLA families (``mla_prefill``, ``mla_decode``) of every bundled file: fitted on the serving rows of the
+    folder's own MLA module tables where it has module rows (``calibrate.mla_tables``: the module less its other
+    kernels, priced by the file's own calibration), else transferred by kernel (``transfer.mla_sources``) from the
+    0.24 fits of the GPUs that have them, or left out (the composed pricing stays) where no measured GPU runs the
+    kernel; the rest of each file unchanged. ``eta_max`` stays as stored (the MLA families are never priced below
+    their roofline)."""
+    model = load_model(MLA_TABLE_MODEL)
+    folders = {calibration_file_name(n): (n, data / f) for f, n in measured_gpu_dirs(data).items()}
+    folders.update({calibration_file_name(n, v): (n, data / f) for f, (n, v) in other_stack_dirs(data).items()})
+    sources: list[tuple[Calibration, HardwareSpec]] = []
+    fitted: set[str] = set()
+    for file, (name, folder) in sorted(folders.items()):
+        path = out_dir / file
+        if not path.is_file():
+            continue
+        calib, hw = read_calibration_file(path), load_hardware(name)
+        for fam in MLA_FAMILIES:   # the neighbours are priced without them; a refit starts from nothing
+            calib.eta.pop(fam, None)
+            calib.overhead_s.pop(fam, None)
+        rows = read_folder_rows(folder, model, hw, calib)
+        if not rows:
+            continue
+        t0 = time.perf_counter()
+        fits = {fam: fit_mla_family(r, hw)[0] for fam, r in rows.items()}
+        add_mla_families(calib, fits)
+        path.write_text(json.dumps(calib.to_dict()))
+        fitted.add(file)
+        counts = ", ".join(f"{fam} {int(fit_rows(r).sum())} rows" for fam, r in rows.items())
+        print(f"{file}: {counts} fitted in {time.perf_counter() - t0:.0f} s")
+        if file == calibration_file_name(name):
+            sources.append((calib, hw))
+    for path in sorted(out_dir.glob("*.json")):
+        if path.name in fitted:
+            continue
+        calib = read_calibration_file(path)
+        hw = load_hardware(calib.hardware)
+        moved = cross_generation_calibration(hw, sources)
+        got = []
+        for fam in MLA_FAMILIES:
+            calib.eta.pop(fam, None)
+            calib.overhead_s.pop(fam, None)
+            if fam in moved.eta:
+                calib.eta[fam] = moved.eta[fam]
+                calib.overhead_s[fam] = moved.overhead_s[fam]
+                got.append(f"{fam} from {', '.join(mla_source_names(hw, [h for _, h in sources], fam))}")
+        path.write_text(json.dumps(calib.to_dict()))
+        print(f"{path.name}: {'; '.join(got) or 'no MLA source runs its kernels: composed pricing'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "kernels")
@@ -351,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=Path, default=ROOT.parent / "shared" / "data" / "layers",
                     help="per-layer profile bundles, one folder per GPU (a GPU without kernel tables is fitted "
                          "from its profile)")
+    ap.add_argument("--mla-only", action="store_true",
+                    help="fit (or transfer) only the MLA families (mla_prefill, mla_decode) into the bundled files")
     ap.add_argument("--encoder-only", action="store_true",
                     help="fit (or transfer) only the ViT attention family (attn_encoder) into the bundled files")
     ap.add_argument("--layers-only", action="store_true",
@@ -369,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         return _rebuild_moe(args.data, args.output_dir)
     if args.encoder_only:
         return _add_encoder(args.data, args.output_dir)
+    if args.mla_only:
+        return _rebuild_mla(args.data, args.output_dir)
     profiled = _profiled_gpus(args.layers, set(measured_gpu_dirs(args.data).values()))
     if args.layers_only:
         for name, folder in profiled.items():
@@ -433,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         calib = cross_generation_calibration(hw, measured, fp4_sources=fp4)
         (args.output_dir / f"{name}.json").write_text(json.dumps(calib.to_dict()))
         print(f"{name}: cross-generation ({calib.source})")
+    if only is None:   # the MLA families need every file's neighbours first: the --mla-only pass over the build
+        _rebuild_mla(args.data, args.output_dir)
     return 0
 
 
