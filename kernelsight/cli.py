@@ -288,9 +288,16 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 def cmd_profiles(ns: argparse.Namespace) -> int:
     from kernelsight import profiles
     from kernelsight.calibrate.evaluate import CROSS_GENERATION_SOURCES
-    from kernelsight.calibrate.fit.transfer import FP4_TRANSFER_SOURCES, borrowed_kernels, moe_source_names
+    from kernelsight.calibrate.fit.transfer import (
+        FP4_TRANSFER_SOURCES,
+        MLA_TRANSFER_SOURCES,
+        borrowed_kernels,
+        mla_source_names,
+        moe_source_names,
+    )
     from kernelsight.server.model.bundled_tokenizer import family_for
     from kernelsight.simcore.attention_dispatch import kernel_lineage
+    from kernelsight.simcore.mla import mla_decode_backend
     from kernelsight.simcore.precision import resolve_precision
 
     print("hardware:")
@@ -310,9 +317,14 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
             borrowed = borrowed_kernels(hw, source_hws)
             fp4 = [g for g in FP4_TRANSFER_SOURCES if g != name] if hw.fp4_flops_per_s else []
             moe = moe_source_names(hw, source_hws)
+            mla_hws = [profiles.load_hardware(g) for g in MLA_TRANSFER_SOURCES]
+            mla = {f: ("from " + ", ".join(names) if (names := mla_source_names(hw, mla_hws, f))
+                       else "composed (no measured GPU runs its kernel)") for f in ("mla_decode", "mla_prefill")}
             print(f"  {'':<14} runs {kernel_lineage(hw)}; borrows from "
                   + ", ".join(f"{g} {w:.2f} ({lineage})" for g, w, lineage in borrowed)
-                  + f"; MoE from {', '.join(moe)}" + (f"; NVFP4 GEMMs from {', '.join(fp4)}" if fp4 else ""))
+                  + f"; MoE from {', '.join(moe)}" + (f"; NVFP4 GEMMs from {', '.join(fp4)}" if fp4 else "")
+                  + f"; MLA decode ({mla_decode_backend(hw.compute_capability, 'bf16')}) {mla['mla_decode']},"
+                  f" prefill {mla['mla_prefill']}")
     print("models:")
     for mid in profiles.list_models():
         try:

@@ -253,6 +253,12 @@ def moe_sources(picked: list, target: HardwareSpec) -> list:
     return same or picked
 
 
+#: The bundled calibrations whose folders time the MLA module (``mla_*`` tables, scope ``module``, vLLM 0.24): the
+#: sources of the MLA families (``benchmarks/build_calibrations.py --mla-only`` finds them in the data; this names them
+#: for ``kernelsight profiles``).
+MLA_TRANSFER_SOURCES: tuple[str, ...] = ("h100-sxm", "l40s", "rtx-pro-6000")
+
+
 def mla_sources(picked: list, target: HardwareSpec, family: str) -> list:
     """The sources a target takes an MLA family's η from, by the kernel vLLM runs for it (``simcore.mla``):
 
