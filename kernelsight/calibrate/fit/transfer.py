@@ -69,6 +69,11 @@ Transfer rule (documented contract):
    throttled 79% of peak went to the RTX 4090 (450 W for 128 SMs: unthrottled), whose replay prefilled ~20% slower
    than the GPU did.
 
+11. **MLA by kernel.** The MLA op's families (``mla_decode``, ``mla_prefill``; ``calibrate.mla_tables``) time one
+   vLLM kernel each. A target takes ``mla_decode`` only from the sources whose default MLA backend is its own and
+   ``mla_prefill`` from every source but on SM 10.x (:func:`mla_sources`); with none, the family is not transferred
+   and the composed dense-family pricing stays. Retargeted as rules 1–4 (the decode and prefill bases).
+
 Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in eta_basis.py)
 are global: chosen by leave-one-GPU-out over the three measured GPUs (A100 / H100 / L40S) *jointly*, on the
 mean and the worst per-family MAPE of all folds, never per fold or per target. Tried and not kept: one model
