@@ -146,7 +146,7 @@ def test_a_deepseek_step_prices_attention_with_the_measured_families():
     bare = dataclasses.replace(sm.calib, eta={k: v for k, v in sm.calib.eta.items() if k not in MLA_FAMILIES})
     composed = _deepseek("h100", eager=False, calib=bare)
     batch = K.BatchShape((K.PrefillChunk(300, 0, True),), 16, 16 * 2000)
-    fams = {k.family for k in K.attention_kernels(sm.model, batch, 8, sm.precision, sm._mla_measured)}
+    fams = {k.family for k in K.attention_kernels(sm.model, batch, 8, sm.precision, sm.mla_families)}
     assert {K.MLA_PREFILL, K.MLA_DECODE} <= fams and not {K.ATTN_PREFILL, K.ATTN_DECODE} & fams
     i_p, i_d = K.FAMILY_INDEX[K.ATTN_PREFILL], K.FAMILY_INDEX[K.ATTN_DECODE]
     with_families, without = sm.breakdown_s(batch), composed.breakdown_s(batch)
@@ -163,7 +163,7 @@ def test_the_ops_host_work_is_in_the_launch_term_and_a_full_graph_drops_it():
     i_d, i_l = K.FAMILY_INDEX[K.ATTN_DECODE], K.FAMILY_INDEX[K.LAUNCH]
     g, e = graph.breakdown_s(decode), eager.breakdown_s(decode)
     assert g[i_d] == pytest.approx(e[i_d])
-    host = eager._mla_host_s((), 2, 2 * 64)
+    host = eager.mla_host_s((), 2, 2 * 64)
     assert host > 20e-6 * 61                                    # tens of µs a layer on H100 (see _mla_excess_s)
     assert g[i_l] == pytest.approx(graph.calib.launch.full_graph_step_s)
     assert e[i_l] > 0.0
@@ -183,10 +183,10 @@ def test_every_mla_op_is_priced_at_or_above_its_roofline(gpu):
             assert t >= roof * (1 - 1e-9), (gpu, b, ctx)
     for n, q in ((1, 16), (4, 512), (2, 8192)):
         prefills = (K.PrefillChunk(q, 0, True),) * n
-        k = K.attention_kernels(sm.model, K.BatchShape(prefills), 8, sm.precision, sm._mla_measured)[-1]
+        k = K.attention_kernels(sm.model, K.BatchShape(prefills), 8, sm.precision, sm.mla_families)[-1]
         roof = kernel_roofline_s(k.flops, k.bytes_moved, k.tiles, k.dtype, sm.hw) * k.count
         assert sm._prefill_attention_s(prefills) - sm.kernel_time_s(
-            K.attention_kernels(sm.model, K.BatchShape(prefills), 8, sm.precision, sm._mla_measured)[0]
+            K.attention_kernels(sm.model, K.BatchShape(prefills), 8, sm.precision, sm.mla_families)[0]
         ) >= roof * (1 - 1e-9), (gpu, n, q)
 
 

@@ -246,11 +246,12 @@ def _chunked_attention_kernels(model: ModelSpec, batch: BatchShape, q_heads: int
 
 
 def decompose_step(model: ModelSpec, batch: BatchShape, tp: int, precision: Precision,
-                   padded_tokens: int | None = None) -> list[Kernel]:
-    """Every kernel of one step. ``padded_tokens`` is the CUDA-graph size the token rows are padded to."""
+                   padded_tokens: int | None = None, measured: frozenset[str] = frozenset()) -> list[Kernel]:
+    """Every kernel of one step. ``padded_tokens`` is the CUDA-graph size the token rows are padded to; ``measured``:
+    as in :func:`attention_kernels` (``StepModel.mla_families``)."""
     m = padded_tokens if padded_tokens is not None else batch.num_tokens
     return token_kernels(model, m, batch.num_sampling_rows, tp, precision) + attention_kernels(
-        model, batch, tp, precision)
+        model, batch, tp, precision, measured)
 
 
 def allreduce_message_bytes(model: ModelSpec, m: int, precision: Precision) -> float:

@@ -75,10 +75,10 @@ def _fits_own_block_rows(calib: Calibration) -> bool:
 
 
 FULL_GRAPH = "full"
-#: Families whose time never goes below their roofline (fitted η may exceed 1 on L2-warm table rows).
-_FLOORED_AT_ROOF = frozenset({K.MOE_GEMM, K.MLA_DECODE, K.MLA_PREFILL})
 PIECEWISE = "piecewise"
 EAGER = "eager"
+#: Families whose time never goes below their roofline (fitted η may exceed 1 on L2-warm table rows).
+_FLOORED_AT_ROOF = frozenset({K.MOE_GEMM, K.MLA_DECODE, K.MLA_PREFILL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,8 +192,8 @@ class StepModel:
         # inline GQA decode path below is for one uniform attention kind
         self._generic_attention = model.has_mixed_attention
         # the MLA attention families this calibration measured (``mla.py``): each priced as one kernel of its own
-        self._mla_measured = frozenset(f for f in (K.MLA_PREFILL, K.MLA_DECODE) if f in calib.eta) if m.mla \
-            else frozenset()
+        self.mla_families: frozenset[str] = (frozenset(f for f in (K.MLA_PREFILL, K.MLA_DECODE) if f in calib.eta)
+                                             if m.mla else frozenset())
         self._mla_excess_memo: dict[tuple[int, float], float] = {}
         self._mla_prefill_host_memo: dict[tuple[tuple[int, int], ...], float] = {}
         # decode attention as a serving step streams it (see _decode_stream_s): the kernel's DRAM-side bandwidth, and
@@ -423,8 +423,8 @@ class StepModel:
             t = self.encoder_pass_s(batch.encoder_items)
             out[_I_ENCODER] += t
             attn_s += t
-        extra = (self._mla_host_s(prefills, num_decodes, batch.decode_context_tokens)
-                 if self._mla_measured and mode != FULL_GRAPH else 0.0)
+        extra = (self.mla_host_s(prefills, num_decodes, batch.decode_context_tokens)
+                 if self.mla_families and mode != FULL_GRAPH else 0.0)
         return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens, extra)
 
     def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int,
@@ -486,9 +486,9 @@ class StepModel:
                 self._prefill_attn_memo.clear()
             if self._generic_attention:
                 ks = K.attention_kernels(self.model, BatchShape(prefills), self.config.tp, self.precision,
-                                         self._mla_measured)
+                                         self.mla_families)
                 t = sum(self.kernel_time_s(k) for k in ks)
-                if K.MLA_PREFILL in self._mla_measured:   # the op's host work is the launch term's (_mla_host_s)
+                if K.MLA_PREFILL in self.mla_families:   # the op's host work is the launch term's (mla_host_s)
                     t -= self._mla_excess_s(ks[-1], prefill_composed_kernel(self.model, prefills, self.config.tp,
                                                                             self.precision)) * self.model.num_layers
             else:
@@ -509,9 +509,9 @@ class StepModel:
         ``mixed``: the step also prefills)."""
         if self._generic_attention:
             ks = K.attention_kernels(self.model, BatchShape((), num_decodes, context_tokens), self.config.tp,
-                                     self.precision, self._mla_measured)
+                                     self.precision, self.mla_families)
             t = sum(self.kernel_time_s(k) for k in ks)
-            if K.MLA_DECODE in self._mla_measured:   # the op's host work is the launch term's (_mla_host_s)
+            if K.MLA_DECODE in self.mla_families:   # the op's host work is the launch term's (mla_host_s)
                 t -= self._mla_decode_excess_s(num_decodes, context_tokens) * self.model.num_layers
             return t
         t = self._decode_eta_s(num_decodes, context_tokens)
@@ -530,7 +530,7 @@ class StepModel:
         decode attention kernel and the two bf16 bmms: ``composed``) sum to 12-21 µs there. The rest (metadata,
         splits, Python: ~3 µs a launch) runs on the CPU: so the op's GPU time keeps the composed kernels' fixed
         latency (as every other kernel keeps its per-kernel one) and the excess goes to the launch term
-        (:meth:`_mla_host_s`), where it counts only when the CPU is behind the GPU; a full CUDA graph replays the op
+        (`mla_host_s`), where it counts only when the CPU is behind the GPU; a full CUDA graph replays the op
         without it. Never more than the kernel holds above its roofline."""
         own = self.calib.kernel_eta_overhead_s(k.family, eta_lookup_features(k.family, k.features))[1]
         fixed = sum(self.calib.kernel_eta_overhead_s(c.family, eta_lookup_features(c.family, c.features))[1]
@@ -551,23 +551,23 @@ class StepModel:
             self._mla_excess_memo[key] = hit
         return hit
 
-    def _mla_host_s(self, prefills: tuple[PrefillChunk, ...], num_decodes: int, context_tokens: int) -> float:
+    def mla_host_s(self, prefills: tuple[PrefillChunk, ...], num_decodes: int, context_tokens: int) -> float:
         """CPU time of a step's measured MLA ops beyond their kernels' launches, all layers (0 without them): what
         an op run outside a full CUDA graph adds to the launch term."""
         out = 0.0
-        if prefills and K.MLA_PREFILL in self._mla_measured:
+        if prefills and K.MLA_PREFILL in self.mla_families:
             key = tuple([(c.num_new_tokens, c.num_cached_tokens) for c in prefills])
             hit = self._mla_prefill_host_memo.get(key)
             if hit is None:
                 (k,) = [k for k in K.attention_kernels(self.model, BatchShape(prefills), self.config.tp,
-                                                       self.precision, self._mla_measured) if k.family == K.MLA_PREFILL]
+                                                       self.precision, self.mla_families) if k.family == K.MLA_PREFILL]
                 hit = self._mla_excess_s(k, prefill_composed_kernel(self.model, prefills, self.config.tp,
                                                                     self.precision))
                 if len(self._mla_prefill_host_memo) > 100_000:
                     self._mla_prefill_host_memo.clear()
                 self._mla_prefill_host_memo[key] = hit
             out += hit
-        if num_decodes and K.MLA_DECODE in self._mla_measured:
+        if num_decodes and K.MLA_DECODE in self.mla_families:
             out += self._mla_decode_excess_s(num_decodes, context_tokens)
         return out * self.model.num_layers
 
@@ -739,7 +739,7 @@ class StepModel:
         attn1 = self._decode_attention_s(num_decodes, ctx_last, top_last)
         kernels1 = t0 - b0[_I_LAUNCH] - b0[_I_HOST] - attn0 + attn1
         mode = self._graph_mode(num_decodes, True)[0]
-        extra = self._mla_host_s((), num_decodes, ctx_last) if self._mla_measured and mode != FULL_GRAPH else 0.0
+        extra = self.mla_host_s((), num_decodes, ctx_last) if self.mla_families and mode != FULL_GRAPH else 0.0
         b1, t1 = self._finish(b0.copy(), kernels1, mode, num_decodes, num_decodes, extra)
         b1[_I_ATTN_DECODE] = attn1
         slope = (t1 - t0) / (num_steps - 1)
