@@ -49,9 +49,11 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
                     help="X prefill and Y decode engines of this configuration behind vLLM's toy-proxy semantics "
                          "(e.g. 1P1D, 2P3D): prefill with max_tokens 1, KV pulled over --kv-transfer-link, decode")
     add_kv_link_args(pd)
-    mm = p.add_argument_group("images (random-mm, custom-image)")
+    mm = p.add_argument_group("images and videos (random-mm, custom-image)")
     mm.add_argument("--mm-processor-kwargs", type=_mm_kwargs, default=None, metavar="JSON",
                     help="the image processor's overrides, as serve's (e.g. '{\"max_pixels\": 802816}')")
+    mm.add_argument("--media-io-kwargs", type=_media_io_kwargs, default=None, metavar="JSON",
+                    help="the video loader's settings, as serve's (e.g. '{\"video\": {\"num_frames\": 16}}')")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -60,6 +62,15 @@ def _mm_kwargs(text: str) -> dict[str, Any]:
 
     try:
         return parse_mm_processor_kwargs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _media_io_kwargs(text: str) -> dict[str, Any]:
+    from kernelsight.multimodal.options import parse_media_io_kwargs
+
+    try:
+        return parse_media_io_kwargs(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
