@@ -42,7 +42,9 @@ from kernelsight.server.model.tool_calls import draw_seed
 from kernelsight.server.state import ServerState
 from kernelsight.server.wire.errors import APIError, bad_request
 from kernelsight.server.wire.grpc.errors import RpcFailure
+from kernelsight.server.wire.grpc.mm_inputs import mm_items_of
 from kernelsight.server.wire.jsonio import dumps
+from kernelsight.simcore.multimodal import check_mm_items
 
 log = logging.getLogger("kernelsight.server")
 
@@ -197,11 +199,31 @@ class GenerateCall:
             yield msg
 
     # -- checks and submission ----------------------------------------------------------------
-    async def _prompt(self, sp: Sampling) -> list[int]:
+    def _mm_items(self, ids: list[int]) -> tuple:
+        """The request's images/videos (``mm_inputs.mm_items_of``); none for a text request."""
         state, req = self.state, self.request
-        if req.HasField("mm_inputs") or req.extra_mm_inputs or req.HasField("media_refs"):
+        if not (req.HasField("mm_inputs") or req.extra_mm_inputs or req.HasField("media_refs")):
+            return ()
+        vision = state.config.model.vision
+        if vision is None:
             raise bad_request(f"{state.config.model.architecture} is not a multimodal model: it takes no "
                               f"multimodal inputs (mm_inputs, media_refs)")
+        if req.HasField("media_refs"):
+            raise bad_request("media_refs are not served here: send the gateway's preprocessed mm_inputs")
+        if req.WhichOneof("input") != "tokenized":
+            raise bad_request("mm_inputs need tokenized input: the placeholders' offsets are in its token ids")
+        if len(ids) != len(req.tokenized.input_ids):
+            raise bad_request("truncate_prompt_tokens with mm_inputs: the placeholders' offsets would move")
+        msgs = ([req.mm_inputs] if req.HasField("mm_inputs") else []) + list(req.extra_mm_inputs)
+        try:
+            items = mm_items_of(msgs, vision)
+            check_mm_items(items, len(ids))
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        return items
+
+    async def _prompt(self, sp: Sampling) -> list[int]:
+        state, req = self.state, self.request
         kind = req.WhichOneof("input")
         if kind == "tokenized":
             ids = list(req.tokenized.input_ids)
@@ -250,6 +272,7 @@ class GenerateCall:
         state, req = self.state, self.request
         sp = sampling_of(req.sampling_params, req.stream, state.tok.vocab_size)
         ids = await self._prompt(sp)
+        mm = self._mm_items(ids)
         L = state.max_model_len
         if len(ids) >= L:
             raise bad_request(f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens "
@@ -277,7 +300,7 @@ class GenerateCall:
         self.fault_at = max(1, limit // 2)
         if bridge.kv_agent is not None:
             self.kv_role = transfer_role(kv_params, sp.n == 1)
-        sub = bridge.submit([ids], [limit], sp.n, min_tokens=sp.min_tokens,
+        sub = bridge.submit([ids], [limit], sp.n, min_tokens=sp.min_tokens, mm_items=[mm] if mm else None,
                             ignore_eos=sp.ignore_eos or fixed is not None,
                             keys=output_keys(sp.seed, sp.temperature, ids),
                             echo_output=state.opts.output_mode == "echo", label=self.rid,
