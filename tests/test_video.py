@@ -185,9 +185,13 @@ def _video_part(w: int, h: int, frames: int, key=(0,), fps: float = 30.0) -> dic
 
 
 @pytest.fixture(scope="module")
-def srv():
+def srv(tmp_path_factory):
+    media = tmp_path_factory.mktemp("videos")
+    (media / "clip.mp4").write_bytes(synthetic_mp4(320, 224, 8, (5,)))
     with ServerThread(["--model", Q25, "--hardware", "h100", "--max-model-len", "16384", "--time-scale", "20",
-                       "--limit-mm-per-prompt", '{"image": 2, "video": 1}', "--enable-mm-embeds", "--seed", "3"]) as s:
+                       "--limit-mm-per-prompt", '{"image": 2, "video": 1}', "--enable-mm-embeds", "--seed", "3",
+                       "--allowed-local-media-path", str(media)]) as s:
+        s.media_dir = media
         s.added = []
         add = s.bridge.engine.add_request
 
@@ -223,6 +227,12 @@ def test_openai_sdk_video_message_counts_the_processor_tokens(srv, c):
     assert set(prompt[item.offset:item.end]) == {151656} and prompt[item.offset - 1] == 151652
     tok = c.post("/tokenize", json={"messages": [{"role": "user", "content": [_video_part(320, 224, 8), *TEXT]}]})
     assert tok.json()["count"] == r.usage.prompt_tokens
+
+
+def test_file_url_video_under_the_allowed_path(srv, c):
+    part = {"type": "video_url", "video_url": {"url": (srv.media_dir / "clip.mp4").as_uri()}}
+    r = c.post("/tokenize", json={"messages": [{"role": "user", "content": [part, *TEXT]}]})
+    assert r.status_code == 200 and r.json()["count"] == _text_only(c) + 352 + 2
 
 
 def test_media_io_kwargs_num_frames_caps_the_loader():
