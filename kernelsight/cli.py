@@ -338,8 +338,9 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
                     else "GQA" if m.num_kv_heads < m.num_attention_heads else "MHA")
             fmt = m.quantization or (f"{m.expert_quantization} experts" if m.expert_quantization else m.torch_dtype)
             extra = f"  MTP x{m.num_mtp_layers}" if m.num_mtp_layers else ""
-            if m.vision is not None:    # takes images: its processor family and ViT size
-                extra += f"  images ({m.vision.kind} ViT {m.vision.depth}x{m.vision.hidden_size})"
+            if m.vision is not None:    # takes images (Qwen-VL: and videos): its processor family and ViT size
+                media = "images+video" if m.vision.kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") else "images"
+                extra += f"  {media} ({m.vision.kind} ViT {m.vision.depth}x{m.vision.hidden_size})"
             fam = family_for(mid, m.vocab_size)
             tok = f"tokenizer: bundled {fam.name}" if fam else "tokenizer: none bundled (--tokenizer DIR / HF cache)"
             print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}"
