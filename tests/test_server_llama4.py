@@ -120,3 +120,14 @@ def test_the_base_model_starts_offline_and_takes_an_image():
         assert img - text == 147 + 2
         done = c.post("/v1/completions", json={"model": BASE, "prompt": "Hello", "max_tokens": 2}).json()
         assert done["usage"]["prompt_tokens"] == 2        # <|begin_of_text|> Hello
+
+
+def test_a_video_is_refused_before_the_engine(srv, c):
+    """Llama 4 takes no video: vLLM's limit of 0 for the modality, and nothing reaches the engine."""
+    n = len(srv.added_prompts)
+    content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+               {"type": "text", "text": "hi"}]
+    r = c.post("/v1/chat/completions", json={"model": INSTRUCT, "max_tokens": 1,
+                                             "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "video"
+    assert "At most 0 video(s)" in r.json()["error"]["message"] and len(srv.added_prompts) == n
