@@ -1,7 +1,8 @@
 """TTFT against image size for Qwen2.5-VL-7B-Instruct on H100 and A100 (issue 37), with the roofline bound beside
 each, and the server's CPU cost per image request.
 
-1. For each GPU and square image side, one request (a short question after one image) on an idle simulated engine
+1. For each GPU and square image side (and one short video: ``--video``, 448x448, 4 s at 30 fps by default, which
+   vLLM's loader cuts to 32 frames), one request (a short question after one image) on an idle simulated engine
    (``kernelsight simulate``'s fast-forward path): its prompt tokens (the processor's image tokens + the chat
    template), the simulated TTFT, and the roofline bound of the same work: the language model's prefill kernels at
    η = 1 (every kernel's compute or memory roof, wave-quantized, summed over the prefill chunks) plus the vision
@@ -13,7 +14,7 @@ each, and the server's CPU cost per image request.
 
 No public per-image-size TTFT figure for Qwen2.5-VL-7B on these GPUs was found to cite; none is copied here.
 
-    python benchmarks/mm_ttft.py [--sides 224,448,672,896,1344,1792] [--cpu-requests 40]
+    python benchmarks/mm_ttft.py [--sides 224,448,672,896,1344,1792] [--video 448x448x120] [--cpu-requests 40]
 
 Prints two tables and writes ``benchmarks/results/mm_ttft.json``.
 """
@@ -35,7 +36,7 @@ from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
 from kernelsight.loadgen.mm_dataset import materialize_for_engine, synthetic_png  # noqa: E402
 from kernelsight.loadgen.tokenizer import resolve_tokenizer  # noqa: E402
 from kernelsight.multimodal import processor_for_model  # noqa: E402
-from kernelsight.profiles import load_preprocessor_config  # noqa: E402
+from kernelsight.profiles import load_preprocessor_config, load_video_preprocessor_config  # noqa: E402
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model  # noqa: E402
 from kernelsight.simcore.kernel_shapes import BatchShape, PrefillChunk  # noqa: E402
 from kernelsight.simcore.kernels import decompose_step  # noqa: E402
@@ -59,16 +60,20 @@ def prefill_roofline_s(config, prompt_len: int) -> float:
     return total
 
 
-def ttft_rows(sides: list[int]) -> list[dict]:
+def ttft_rows(sides: list[int], video: tuple[int, int, int] | None = None) -> list[dict]:
     tok = resolve_tokenizer(MODEL)
     rows = []
     for gpu in GPUS:
         config = create_engine_config(EngineArgs(model=MODEL, hardware=gpu, max_model_len=16384))
-        processor = processor_for_model(config.model, load_preprocessor_config(MODEL))
+        processor = processor_for_model(config.model, load_preprocessor_config(MODEL), None,
+                                        load_video_preprocessor_config(MODEL))
         sm = build_step_model(config)
-        for side in [0, *sides]:
+        for side in [0, *sides, *([video] if video else [])]:
             s = SampleRequest(None, 0, 1, prompt=QUESTION)
-            s.mm_sizes = [(side, side)] if side else []
+            if isinstance(side, tuple):          # a video: (width, height, frames) at 30 fps
+                s.mm_sizes, s.mm_frames = [side[:2]], [side[2]]
+            else:
+                s.mm_sizes = [(side, side)] if side else []
             materialize_for_engine([s], tok, processor, config.model.name, seed=0)
             res = run_fast_forward(config, [s], [0.0], ignore_eos=True)
             rec = res.records[0]
@@ -77,7 +82,8 @@ def ttft_rows(sides: list[int]) -> list[dict]:
             enc_roof_s = sm.encoder_roofline_s(s.mm_items) if s.mm_items else 0.0
             lm_roof_s = prefill_roofline_s(config, s.prompt_len)
             roof_s = lm_roof_s + enc_roof_s
-            rows.append({"gpu": gpu, "image_px": side, "image_tokens": image_tokens, "prompt_tokens": s.prompt_len,
+            label = f"video {side[0]}x{side[1]}x{side[2]}" if isinstance(side, tuple) else side
+            rows.append({"gpu": gpu, "image_px": label, "image_tokens": image_tokens, "prompt_tokens": s.prompt_len,
                          "ttft_ms": round(1e3 * rec.ttft_s, 3), "encoder_ms": round(1e3 * encoder_s, 3),
                          "encoder_roofline_ms": round(1e3 * enc_roof_s, 3),
                          "lm_prefill_roofline_ms": round(1e3 * lm_roof_s, 3), "roofline_ms": round(1e3 * roof_s, 3),
@@ -118,14 +124,16 @@ def cpu_rows(n: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sides", default="224,448,672,896,1344,1792", help="square image sides in pixels")
+    ap.add_argument("--video", default="448x448x120", help="one video row: WIDTHxHEIGHTxFRAMES at 30 fps ('': none)")
     ap.add_argument("--cpu-requests", type=int, default=40, help="requests per kind for the CPU cost (0: skip)")
     ns = ap.parse_args()
     sides = [int(x) for x in ns.sides.split(",") if x.strip()]
-    rows = ttft_rows(sides)
-    print(f"{'gpu':<6}{'image px':>9}{'img tok':>9}{'prompt':>8}{'TTFT ms':>10}{'roofline ms':>13}{'TTFT/roof':>11}"
+    video = tuple(int(x) for x in ns.video.split("x")) if ns.video else None
+    rows = ttft_rows(sides, video)
+    print(f"{'gpu':<6}{'image px':>22}{'img tok':>9}{'prompt':>8}{'TTFT ms':>10}{'roofline ms':>13}{'TTFT/roof':>11}"
           f"{'encoder ms':>12}{'enc roof ms':>13}{'LM roof ms':>12}")
     for r in rows:
-        print(f"{r['gpu']:<6}{r['image_px'] or 'none':>9}{r['image_tokens']:>9}{r['prompt_tokens']:>8}"
+        print(f"{r['gpu']:<6}{r['image_px'] or 'none':>22}{r['image_tokens']:>9}{r['prompt_tokens']:>8}"
               f"{r['ttft_ms']:>10.2f}{r['roofline_ms']:>13.2f}{r['ttft_over_roofline']:>11.2f}{r['encoder_ms']:>12.2f}"
               f"{r['encoder_roofline_ms']:>13.2f}{r['lm_prefill_roofline_ms']:>12.2f}")
     cpu = cpu_rows(ns.cpu_requests) if ns.cpu_requests > 0 else None

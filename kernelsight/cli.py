@@ -49,9 +49,11 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
                     help="X prefill and Y decode engines of this configuration behind vLLM's toy-proxy semantics "
                          "(e.g. 1P1D, 2P3D): prefill with max_tokens 1, KV pulled over --kv-transfer-link, decode")
     add_kv_link_args(pd)
-    mm = p.add_argument_group("images (random-mm, custom-image)")
+    mm = p.add_argument_group("images and videos (random-mm, custom-image)")
     mm.add_argument("--mm-processor-kwargs", type=_mm_kwargs, default=None, metavar="JSON",
                     help="the image processor's overrides, as serve's (e.g. '{\"max_pixels\": 802816}')")
+    mm.add_argument("--media-io-kwargs", type=_media_io_kwargs, default=None, metavar="JSON",
+                    help="the video loader's settings, as serve's (e.g. '{\"video\": {\"num_frames\": 16}}')")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -60,6 +62,15 @@ def _mm_kwargs(text: str) -> dict[str, Any]:
 
     try:
         return parse_mm_processor_kwargs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _media_io_kwargs(text: str) -> dict[str, Any]:
+    from kernelsight.multimodal.options import parse_media_io_kwargs
+
+    try:
+        return parse_media_io_kwargs(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -339,8 +350,9 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
                     else "GQA" if m.num_kv_heads < m.num_attention_heads else "MHA")
             fmt = m.quantization or (f"{m.expert_quantization} experts" if m.expert_quantization else m.torch_dtype)
             extra = f"  MTP x{m.num_mtp_layers}" if m.num_mtp_layers else ""
-            if m.vision is not None:    # takes images: its processor family and ViT size
-                extra += f"  images ({m.vision.kind} ViT {m.vision.depth}x{m.vision.hidden_size})"
+            if m.vision is not None:    # takes images (Qwen-VL: and videos): its processor family and ViT size
+                media = "images+video" if m.vision.kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") else "images"
+                extra += f"  {media} ({m.vision.kind} ViT {m.vision.depth}x{m.vision.hidden_size})"
             fam = family_for(mid, m.vocab_size)
             tok = f"tokenizer: bundled {fam.name}" if fam else "tokenizer: none bundled (--tokenizer DIR / HF cache)"
             print(f"  {mid:<40} {m.num_layers:3d} layers  hidden {m.hidden_size:5d}  {kind}  {attn}  {fmt}{extra}"

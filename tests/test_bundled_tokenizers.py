@@ -1,8 +1,8 @@
 """The bundled tokenizers encode exactly as the models' own tokenizers, offline, from pinned publisher files.
 
 Independent references: Meta's own expected ids (llama-models' llama3/tests/api/test_tokenizer.py), and the
-publishers' reference implementations run on the same pinned file: tiktoken for Llama 3 (Meta's
-llama_models/llama3/tokenizer.py is tiktoken with the pattern in index.json), for Qwen (Qwen's
+publishers' reference implementations run on the same pinned file: tiktoken for Llama 3 and Llama 4 (Meta's
+llama_models/llama3/tokenizer.py and llama4/tokenizer.py are tiktoken with the pattern in index.json), for Qwen (Qwen's
 tokenization_qwen.py is tiktoken after NFC) and for gpt-oss (tiktoken's own o200k_harmony, reading the file
 through its cache under the name and hash OpenAI pins), and sentencepiece for Mistral v0.1 (the library
 that model was trained and shipped with).
@@ -39,6 +39,14 @@ EXPECTED = {
         (MIXED, False, [9906, 11, 127365, 0, 105766, 38672, 66, 3029, 67, 978, 220, 4513, 1774, 4815, 220, 12908,
                         53577, 23204, 91416]),
     ],
+    "llama4": [
+        # Meta's llama4 Tokenizer (tiktoken, bos=True) on the same three strings
+        (SENTENCE, True, [200000, 3231, 373, 262, 1600, 17705, 26]),
+        ("<|header_start|>user<|header_end|>\n\nThis is a test sentence.<|eot|>", False,
+         [200005, 1556, 200006, 368, 3231, 373, 262, 1600, 17705, 26, 200008]),
+        (MIXED, False, [19873, 24, 100788, 13, 11563, 90, 14323, 79, 20003, 397, 220, 7235, 2127, 7283, 220, 15174,
+                        103956, 42988, 51358, 222]),
+    ],
     "qwen3": [
         (SENTENCE, True, [1986, 374, 264, 1273, 11652, 13]),
         (MIXED, True, [9707, 11, 220, 99489, 0, 30512, 77, 37572, 66, 2956, 128505, 220, 16, 17, 18, 19, 20, 4710,
@@ -71,6 +79,7 @@ PROFILE_FAMILIES = {
     "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3", "Qwen/Qwen3-235B-A22B-FP8": "qwen3",
     "mistralai/Mixtral-8x7B-v0.1": "mistral-v1", "mistralai/Mixtral-8x7B-Instruct-v0.1": "mistral-v1",
     "openai/gpt-oss-20b": "gpt-oss", "openai/gpt-oss-120b": "gpt-oss",
+    "meta-llama/Llama-4-Scout-17B-16E": "llama4", "meta-llama/Llama-4-Scout-17B-16E-Instruct": "llama4",
     "deepseek-ai/DeepSeek-V3": None, "moonshotai/Kimi-K2-Instruct": None,
 }
 
@@ -81,7 +90,8 @@ def _vocab_size(model: str) -> int:
     path = profiles.model_config_path(model)
     if path is None:
         return {"openai": 201088, "moonshotai": 163840}[model.split("/")[0]]
-    return json.loads(path.read_text())["vocab_size"]
+    config = json.loads(path.read_text())
+    return config.get("vocab_size") or config["text_config"]["vocab_size"]     # Llama 4 nests it
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))
@@ -96,7 +106,7 @@ def test_fixed_strings_encode_to_the_reference_ids(family):
 def test_vocabulary_sizes_and_special_ids_match_the_models():
     sizes = {name: len(bt.load_bundled(name)) for name in EXPECTED}
     # tokenizer lengths as the models' HF tokenizers report them (Qwen3 pads its embedding to 151936)
-    assert sizes == {"llama3": 128256, "qwen3": 151669, "gpt-oss": 201088, "mistral-v1": 32000}
+    assert sizes == {"llama3": 128256, "llama4": 202048, "qwen3": 151669, "gpt-oss": 201088, "mistral-v1": 32000}
     qwen = bt.load_bundled("qwen3")
     assert qwen.convert_tokens_to_ids(["<|im_end|>", "<think>", "</think>"]) == [151645, 151667, 151668]
     # special=false in Qwen3's tokenizer_config: <think> survives skip_special_tokens, <|im_end|> does not
@@ -142,7 +152,7 @@ def references(tmp_path_factory):
         files[name] = d / name
         files[name].write_bytes(bt.read_verified(fam))
     refs = {}
-    for name in ("llama3", "qwen3"):
+    for name in ("llama3", "llama4", "qwen3"):
         fam, tok = bt.families()[name], bt.load_bundled(name)
         ranks = load_tiktoken_bpe(str(files[name]))
         specials = {t: i for t, i in tok.get_vocab().items() if i >= len(ranks)}
@@ -168,7 +178,7 @@ def references(tmp_path_factory):
 
 def _agree(family: str, reference, texts: list[str]) -> list[str]:
     tok = bt.load_bundled(family)
-    bos = family in ("llama3", "mistral-v1")
+    bos = family in ("llama3", "llama4", "mistral-v1")
     bad = []
     for text in texts:
         if family == "mistral-v1" and any(s in text for s in ("<s>", "</s>", "<unk>")):
@@ -199,8 +209,10 @@ def test_files_carry_their_pinned_hash_and_licences():
         assert hashlib.sha256(data).hexdigest() == fam.sha256
         for lic in fam.spec["licence_files"]:
             assert (bt.TOKENIZER_DIR / lic).stat().st_size > 500, lic
-    notice = (bt.TOKENIZER_DIR / "licences" / "Llama-3.1-NOTICE.txt").read_text(encoding="utf-8")
-    assert "Built with Llama" in notice and "Copyright © Meta Platforms, Inc." in notice
+    for version in ("3.1", "4"):     # the attribution the Llama licences require in a "Notice" file
+        notice = (bt.TOKENIZER_DIR / "licences" / f"Llama-{version}-NOTICE.txt").read_text(encoding="utf-8")
+        assert f"Llama {version} is licensed under the Llama {version} Community License, Copyright © Meta " \
+               "Platforms, Inc. All Rights Reserved." in notice and "Built with Llama" in notice
 
 
 def test_a_tampered_file_is_refused(tmp_path, monkeypatch):
@@ -223,7 +235,7 @@ def test_each_bundled_model_reports_its_tokenizer_source(model, family):
     assert tok.source.kind == "bundled"
     assert fam.publisher in tok.source.where and fam.sha256[:16] in tok.source.where
     assert tok.encode(SENTENCE, add_special_tokens=False) == [
-        i for i in EXPECTED[family][0][2] if i not in (128000, 1)]
+        i for i in EXPECTED[family][0][2] if i not in (128000, 200000, 1)]
 
 
 def test_loads_offline_with_no_hf_cache_and_an_empty_build_cache(tmp_path):
@@ -260,3 +272,53 @@ def test_chat_templates_render_the_models_prompts():
     assert load_tokenizer("mistralai/Mixtral-8x7B-v0.1", None, 32000).chat_template is None   # base: none
     thinking = load_tokenizer("Qwen/Qwen3-30B-A3B-Thinking-2507", None, 151936)
     assert thinking.render_chat(msgs) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def test_llama4_special_tokens_are_metas():
+    """Meta's llama4/tokenizer.py: 5 basic tokens from 200000, the text post-train block 200005..200079, the
+    vision block 200080..201133, the reasoning block 201134..201143, then <|reserved_special_token_i|> up to
+    2048 in all; BOS, EOS, eot, eom and pad as it names them; the image tokens the processor expands."""
+    from kernelsight.multimodal.llama4 import Llama4TokenIds
+
+    base, instruct = bt.load_bundled("llama4"), bt.load_bundled("llama4", instruct=True)
+    names = {200000: "<|begin_of_text|>", 200004: "<|fim_suffix|>", 200005: "<|header_start|>",
+             200007: "<|eom|>", 200008: "<|eot|>", 200015: "<|text_post_train_reserved_special_token_5|>",
+             200016: "<|python_start|>", 200018: "<|finetune_right_pad|>",
+             200019: "<|text_post_train_reserved_special_token_8|>",
+             200079: "<|text_post_train_reserved_special_token_68|>", 200080: "<|image_start|>",
+             200091: "<|vision_reserved_special_token_6|>", 200093: "<|vision_reserved_special_token_7|>",
+             201133: "<|vision_reserved_special_token_1047|>", 201134: "<|reasoning_reserved_special_token_0|>",
+             201142: "<|reasoning_thinking_start|>", 201143: "<|reasoning_thinking_end|>",
+             201144: "<|reserved_special_token_0|>", 202047: "<|reserved_special_token_903|>"}
+    assert {i: base.convert_ids_to_tokens(i) for i in names} == names
+    ids = Llama4TokenIds()
+    assert base.convert_tokens_to_ids(["<|image_start|>", "<|image_end|>", "<|tile_x_separator|>",
+                                       "<|tile_y_separator|>", "<|image|>", "<|patch|>"]) == [
+        ids.image_start, ids.image_end, ids.tile_x_separator, ids.tile_y_separator, ids.image, ids.patch]
+    assert (base.bos_token_id, base.eos_token_id, base.pad_token_id, instruct.eos_token_id) == (
+        200000, 200001, 200018, 200008)
+    # every special token is one id, never split into text pieces, and is dropped by skip_special_tokens
+    assert base.encode("<|image|><|patch|><|reserved_special_token_903|>", add_special_tokens=False) == [
+        200090, 200092, 202047]
+    assert base.decode([200005, 1556, 200006, 200008], skip_special_tokens=True) == "user"
+
+
+def test_llama_families_do_not_take_each_others_ids():
+    for model in ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "meta-llama/Llama-4-Maverick-17B-128E",
+                  "/models/llama4-scout"):
+        assert bt.family_for(model).name == "llama4", model
+    for model in ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.3-70B-Instruct",
+                  "meta-llama/Llama-3.1-405B", "unsloth/llama-3-8b"):
+        assert bt.family_for(model).name == "llama3", model
+    assert bt.family_for("meta-llama/Llama-4-Scout-17B-16E", 128256) is None     # a vocab that is not Llama 4's
+
+
+def test_llama4_instruct_template_renders_images_as_the_processor_expects():
+    tok = load_tokenizer("meta-llama/Llama-4-Scout-17B-16E-Instruct", None, 202048)
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    assert tok.render_chat(msgs) == (
+        "<|begin_of_text|><|header_start|>system<|header_end|>\n\nBe brief.<|eot|>"
+        "<|header_start|>user<|header_end|>\n\n<|image|>What is this?<|eot|>"
+        "<|header_start|>assistant<|header_end|>\n\n")
+    assert load_tokenizer("meta-llama/Llama-4-Scout-17B-16E", None, 202048).chat_template is None   # base: none

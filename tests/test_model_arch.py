@@ -277,6 +277,8 @@ def test_profiles_lists_supported_and_names_what_is_missing(capsys: pytest.Captu
     assert "not supported" not in lines["nvidia/Llama-3.1-8B-Instruct-FP4"]
     assert "nvfp4" in lines["nvidia/Llama-3.1-8B-Instruct-FP4"] and "nvfp4" in lines["nvidia/DeepSeek-R1-FP4"]
     assert "chunked 8192 x36 + full x12" in lines["meta-llama/Llama-4-Scout-17B-16E"]
+    # Llama 4 Scout takes images and has its offline tokenizer (Meta's llama4 tokenizer.model)
+    assert lines["meta-llama/Llama-4-Scout-17B-16E"].endswith("images (llama4 ViT 34x1408)  tokenizer: bundled llama4")
     # each GPU's calibration tier, with the vLLM its kernels were timed under
     assert "calibration: target-measured (vLLM 0.24.0, default); target-measured (vLLM 0.19.0)" in lines["rtx-pro-6000"]
     assert "calibration: target-measured (vLLM 0.19.0)" in lines["rtx-4090"]   # from its layer profile

@@ -48,7 +48,7 @@ class SampleRequest:
     """
 
     __slots__ = ("_ids", "_lazy_ids", "prompt_len", "expected_output_len", "arrival_offset_s", "prompt", "token_array",
-                 "mm_sizes", "mm_items", "mm_urls")
+                 "mm_sizes", "mm_items", "mm_urls", "mm_frames")
 
     def __init__(self, prompt_token_ids: list[int] | None, prompt_len: int, expected_output_len: int,
                  arrival_offset_s: float | None = None, prompt: str | None = None,
@@ -63,6 +63,7 @@ class SampleRequest:
         self.mm_sizes: list[tuple[int, int]] | None = None   # images (width, height) sent with the prompt (random-mm)
         self.mm_items: tuple = ()          # their MultimodalItems in the prompt, once expanded for the engine
         self.mm_urls: list[str] | None = None    # the images' URLs when they are files, not synthetic (custom-image)
+        self.mm_frames: list[int] | None = None  # per mm_sizes entry its frames: 1 an image, > 1 a video (random-mm)
 
     @classmethod
     def from_array(cls, ids: np.ndarray, expected_output_len: int) -> SampleRequest:

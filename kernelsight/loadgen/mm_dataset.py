@@ -8,12 +8,16 @@ vLLM's semantics (``RandomMultiModalDataset``):
   (``--random-mm-limit-mm-per-prompt``, default ``{"image": 255, "video": 1}``);
 - each item's (height, width, frames) is drawn from ``--random-mm-bucket-config`` (probabilities; zero entries
   dropped, the rest renormalised; frames 1 = an image, > 1 a video); a modality at its limit has its buckets removed;
-- the chat message is ``[{"type": "text", "text": prompt}, *images]``.
+- the chat message is ``[{"type": "text", "text": prompt}, *items]``, in the order drawn: an image as an
+  ``image_url`` part, a video (frames > 1) as a ``video_url`` part with an MP4 data URL (vLLM writes an ``mp4v``
+  file of random frames at 30 fps with OpenCV).
 
-Differences, on purpose: the images are flat PNGs with the request and item index written into their first pixels
-(distinct content, so distinct hashes, as vLLM's random-pixel JPEGs are), cheap to make and small on the wire;
-only images are sent (a video bucket is refused, as this server simulates no video). The text is kernelsight's
-``random`` dataset's ids over the tokenizer's text vocabulary (its special tokens excluded, as vLLM does).
+Differences, on purpose: the images are flat PNGs, the videos MPEG-4 (``mpeg4`` in MP4, 30 fps, written by PyAV)
+of flat frames coloured from the request and item index (distinct content, so distinct hashes, as
+vLLM's random pixels are), cheap to make and small on the wire; the processor only needs their sizes, frame counts
+and rates, which are the bucket's. The text is kernelsight's ``random`` dataset's ids over the tokenizer's text
+vocabulary (its special tokens excluded, as vLLM does). ``simulate`` builds the same items from the same numbers
+(frames, 30 fps, size) without writing a file.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kernelsight.loadgen.datasets import SampleRequest, random_dataset
 
 DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 255, "video": 1}
 DEFAULT_BUCKET_CONFIG = {(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}
+SYNTHETIC_VIDEO_FPS = 30.0          # vLLM bench's synthetic videos' rate
 
 
 def parse_bucket_config(text: str) -> dict[tuple[int, int, int], float]:
@@ -135,9 +140,6 @@ def random_mm_dataset(ns: Any, vocab_size: int, tok: Any) -> list[SampleRequest]
     bucket = ns.random_mm_bucket_config or dict(DEFAULT_BUCKET_CONFIG)
     lo, hi, limits = item_count_range(ns.random_mm_base_items_per_request, ns.random_mm_num_mm_items_range_ratio,
                                       limits, bucket)
-    if any(_modality(k) == "video" for k, v in bucket.items() if v > 0):
-        raise ValueError("--dataset-name random-mm: only image buckets (frames 1) are simulated; drop the video "
-                         "buckets from --random-mm-bucket-config")
     text_vocab = _text_vocab(tok, vocab_size)
     base = random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
                           text_vocab, ns.seed, ns.random_prefix_len)
@@ -147,7 +149,9 @@ def random_mm_dataset(ns: Any, vocab_size: int, tok: Any) -> list[SampleRequest]
         ids = s.prompt_token_ids or []
         text = tok.decode(ids)
         sample = SampleRequest(None, len(ids), s.expected_output_len, prompt=text)
-        sample.mm_sizes = [(w, h) for h, w, _ in sample_items(rng, lo, hi, bucket, limits)]
+        drawn = sample_items(rng, lo, hi, bucket, limits)
+        sample.mm_sizes = [(w, h) for h, w, _ in drawn]
+        sample.mm_frames = [f for _, _, f in drawn]
         out.append(sample)
     return out
 
@@ -163,6 +167,33 @@ def synthetic_png(width: int, height: int, key: Sequence[int]) -> bytes:
         img.putpixel((p % width, p // width), tuple(chunk))
     buf = io.BytesIO()
     img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def synthetic_mp4(width: int, height: int, num_frames: int, key: Sequence[int],
+                  fps: float = SYNTHETIC_VIDEO_FPS) -> bytes:
+    """An MPEG-4 video in MP4 of the given size and frames, each frame a flat colour drawn from ``key``'s digest
+    (deterministic bytes for the same arguments, distinct for distinct keys)."""
+    import hashlib
+
+    import av
+    import numpy as np
+
+    digest = hashlib.sha256(b"".join(int(k).to_bytes(8, "little", signed=False) for k in key)).digest()
+    buf = io.BytesIO()
+    # bit-exact and single-threaded: the same arguments give the same bytes
+    with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
+        stream = container.add_stream("mpeg4", rate=int(round(fps)), options={"flags": "+bitexact"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.thread_count = 1
+        for i in range(num_frames):
+            # each frame a flat colour from the key's digest, on a 16-level grid a lossy codec keeps apart
+            rgb = [16 * (digest[(3 * i + c) % len(digest)] % 16) + 8 for c in range(3)]
+            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), rgb, dtype=np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
     return buf.getvalue()
 
 
@@ -203,42 +234,75 @@ def custom_image_dataset(path: str, num_prompts: int, output_len: int, seed: int
 
 
 def image_parts(sample: SampleRequest, seed: int, index: int) -> list[dict[str, Any]]:
-    """The chat content parts of a sample's images: its files' URLs, else synthetic PNGs as data URLs (bench)."""
+    """The chat content parts of a sample's images and videos: its files' URLs, else synthetic PNGs and MP4s as
+    data URLs (bench)."""
     if sample.mm_urls:
         return [{"type": "image_url", "image_url": {"url": u}} for u in sample.mm_urls]
-    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
-        synthetic_png(w, h, (seed, index, j))).decode()}} for j, (w, h) in enumerate(sample.mm_sizes or ())]
+    sizes = sample.mm_sizes or []
+    frames = sample.mm_frames or [1] * len(sizes)
+    out: list[dict[str, Any]] = []
+    for j, ((w, h), f) in enumerate(zip(sizes, frames, strict=True)):
+        if f > 1:
+            out.append({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(
+                synthetic_mp4(w, h, f, (seed, index, j))).decode()}})
+        else:
+            out.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+                synthetic_png(w, h, (seed, index, j))).decode()}})
+    return out
 
 
-def materialize_for_engine(samples: Sequence[SampleRequest], tok: Any, processor: Any, model: str, seed: int) -> None:
+def materialize_for_engine(samples: Sequence[SampleRequest], tok: Any, processor: Any, model: str, seed: int,
+                           media_io_kwargs: dict[str, Any] | None = None) -> None:
     """Give each sample the token ids and ``MultimodalItem``s the server would give the engine for it (simulate):
-    the chat template over ``[text, image, ...]``, encoded, each image's placeholder expanded by the model's
-    processor; the content hash is derived from (seed, request, item) since no bytes exist."""
-    from kernelsight.multimodal import expand_prompt
+    the chat template over ``[text, image or video, ...]``, encoded, each placeholder expanded by the model's
+    processor (a video: ``frames`` at 30 fps of its size, through vLLM's loader's selection under
+    ``media_io_kwargs``); the content hash is derived from (seed, request, item) since no bytes exist."""
+    from kernelsight.multimodal import VideoInfo, expand_media, loader_frames
     from kernelsight.multimodal.hashing import synthetic_hash
+    from kernelsight.multimodal.videos import DEFAULT_NUM_FRAMES
 
     inner = getattr(tok, "_tok", None)
     if inner is None or not hasattr(inner, "render_chat"):
         raise ValueError("simulate --dataset-name random-mm needs the model's tokenizer and chat template "
                          "(bundled, --tokenizer DIR, or the HF cache)")
+    io_kw = (media_io_kwargs or {}).get("video", {})
+    num_frames = int(io_kw.get("num_frames", DEFAULT_NUM_FRAMES))
+    loader_fps = float(io_kw.get("fps", -1))
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
     for i, s in enumerate(samples):
         sizes = s.mm_sizes or []
-        parts = [{"type": "text", "text": s.prompt or ""}] + [{"type": "image"}] * len(sizes)
+        frames = s.mm_frames or [1] * len(sizes)
+        if any(f > 1 for f in frames) and getattr(processor, "video", None) is None:
+            raise ValueError(f"{model}'s processor takes no video: drop the video buckets (frames > 1)")
+        parts = [{"type": "text", "text": s.prompt or ""}] + [{"type": "video" if f > 1 else "image"}
+                                                              for f in frames]
         text = inner.render_chat([{"role": "user", "content": parts}])
         ids = tok.encode(text, add_special_tokens=False)
         if s.mm_urls and any(not u.startswith("file://") for u in s.mm_urls):
             raise ValueError("simulate needs local image files (an http(s) image's size is unknown offline)")
-        layouts = [processor.layout(w, h) for w, h in sizes]
+        img_layouts, img_hashes, vid_layouts, vid_hashes = [], [], [], []
+        for j, ((w, h), f) in enumerate(zip(sizes, frames, strict=True)):
+            if f > 1:
+                info = VideoInfo(total_frames=f, fps=SYNTHETIC_VIDEO_FPS, width_px=w, height_px=h)
+                vid_layouts.append(processor.video_layout(loader_frames(info, num_frames, loader_fps), encode))
+                vid_hashes.append(synthetic_hash(model, "video", f"{seed}:{i}:{j}"))
+            else:
+                img_layouts.append(processor.layout(w, h))
+                img_hashes.append(synthetic_hash(model, "image", f"{seed}:{i}:{j}"))
         if s.mm_urls:         # files: the hash the server computes from their bytes
             from urllib.request import url2pathname
 
             from kernelsight.multimodal.hashing import mm_content_hash
 
-            hashes = [mm_content_hash(model, "image", open(url2pathname(u[len("file://"):]), "rb").read(),
-                                      processor.kwargs) for u in s.mm_urls]
-        else:
-            hashes = [synthetic_hash(model, "image", f"{seed}:{i}:{j}") for j in range(len(sizes))]
-        ids, items = expand_prompt(ids, processor.placeholder_id, layouts, hashes)
+            img_hashes = [mm_content_hash(model, "image", open(url2pathname(u[len("file://"):]), "rb").read(),
+                                          processor.kwargs) for u in s.mm_urls]
+        groups = {"image": (processor.placeholder_id, img_layouts, img_hashes)}
+        if vid_layouts:
+            groups["video"] = (processor.video_placeholder_id, vid_layouts, vid_hashes)
+        ids, items = expand_media(ids, groups)
         s.prompt_token_ids = ids
         s.token_array = np.asarray(ids, dtype=np.int64)
         s.prompt_len = len(ids)
@@ -254,9 +318,11 @@ def prepare_for_engine(ns: Any, samples: Sequence[SampleRequest], model: Any, ge
     if ns.dataset_name not in MM_DATASETS:
         return
     from kernelsight.multimodal import processor_for_model
-    from kernelsight.profiles import load_preprocessor_config
+    from kernelsight.profiles import load_preprocessor_config, load_video_preprocessor_config
 
-    processor = processor_for_model(model, load_preprocessor_config(ns.model), getattr(ns, "mm_processor_kwargs", None))
+    processor = processor_for_model(model, load_preprocessor_config(ns.model), getattr(ns, "mm_processor_kwargs", None),
+                                    load_video_preprocessor_config(ns.model))
     if processor is None:
         raise ValueError(f"{model.name} is not a multimodal model: --dataset-name {ns.dataset_name} needs one")
-    materialize_for_engine(samples, get_tokenizer(), processor, model.name, ns.seed)
+    materialize_for_engine(samples, get_tokenizer(), processor, model.name, ns.seed,
+                           getattr(ns, "media_io_kwargs", None))

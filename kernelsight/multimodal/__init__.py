@@ -10,9 +10,12 @@ from kernelsight.multimodal.processor import (
     ImageLayout,
     MultimodalProcessor,
     PlaceholderError,
+    VideoSizeError,
+    expand_media,
     expand_prompt,
     processor_for_model,
 )
+from kernelsight.multimodal.videos import LoadedVideo, UnreadableVideoError, VideoInfo, loader_frames, video_info
 
 __all__ = [
     "ImageInfo",
@@ -20,7 +23,14 @@ __all__ = [
     "MultimodalProcessor",
     "PlaceholderError",
     "UnreadableImageError",
+    "UnreadableVideoError",
+    "VideoInfo",
+    "LoadedVideo",
+    "VideoSizeError",
+    "expand_media",
     "expand_prompt",
+    "loader_frames",
+    "video_info",
     "image_info",
     "processor_for_model",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "load_hardware",
     "load_model",
     "load_preprocessor_config",
+    "load_video_preprocessor_config",
     "model_config_path",
 ]
 
@@ -247,6 +248,23 @@ def load_preprocessor_config(model: str) -> dict[str, Any] | None:
     path = _local_config(model) or _hf_cache_config(model.strip())
     if path is not None and path.with_name("preprocessor_config.json").is_file():
         return _read_json(path.with_name("preprocessor_config.json"))
+    return None
+
+
+def load_video_preprocessor_config(model: str) -> dict[str, Any] | None:
+    """The model's video processor config (HF ``video_preprocessor_config.json``): bundled beside its config, or
+    next to a local directory's / the HF cache's config.json; None when there is none (transformers then falls back to
+    the image processor's config). Never touches the network."""
+    for entry in _model_index()["models"]:
+        ids = {entry["id"].lower(), *(a.lower() for a in entry.get("aliases", ()))}
+        for vid, variant in entry.get("variants", {}).items():
+            ids |= {vid.lower(), *(a.lower() for a in variant.get("aliases", ()))}
+        if model.strip().lower() in ids:
+            name = entry.get("video_preprocessor")
+            return _read_json(_package_dir("models").joinpath(name)) if name else None
+    path = _local_config(model) or _hf_cache_config(model.strip())
+    if path is not None and path.with_name("video_preprocessor_config.json").is_file():
+        return _read_json(path.with_name("video_preprocessor_config.json"))
     return None
 
 

@@ -22,6 +22,8 @@ class MediaOptions:
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
+    media_io_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)   # per modality: the loaders' settings
+    enable_mm_embeds: bool = False
 
     def limit(self, modality: str) -> int:
         return self.limit_mm_per_prompt.get(modality, DEFAULT_LIMIT_PER_PROMPT)

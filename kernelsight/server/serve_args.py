@@ -80,11 +80,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--mm-processor-kwargs", type=_mm_kwargs, default=None, metavar="JSON",
                    help="the image processor's overrides, as vLLM: e.g. '{\"max_pixels\": 802816}' for Qwen-VL "
                         "(min_pixels, max_pixels, size), '{\"max_patches\": 4}' for Llama 4")
+    s.add_argument("--media-io-kwargs", type=_media_io_kwargs, default=None, metavar="JSON",
+                   help="the media loaders' settings, as vLLM: '{\"video\": {\"num_frames\": 16, \"fps\": 2}}' "
+                        "(frames a video loader keeps: default 32, no fps cap)")
+    s.add_argument("--enable-mm-embeds", action="store_true",
+                   help="accept image_embeds content parts (torch.save payloads, read without unpickling), as vLLM")
     s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="serve file:// image URLs from under this directory (default: refused, as vLLM)")
+                   help="serve file:// image and video URLs from under this directory (default: refused, as vLLM)")
     s.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
-                   help="fetch http(s) image URLs only from these hosts (default: any; the fetch timeout is "
-                        "VLLM_IMAGE_FETCH_TIMEOUT seconds, default 5)")
+                   help="fetch http(s) media URLs only from these hosts (default: any; the fetch timeout is "
+                        "VLLM_IMAGE_FETCH_TIMEOUT seconds, default 5, and VLLM_VIDEO_FETCH_TIMEOUT for videos, "
+                        "default 30)")
     s.add_argument("--api-key", nargs="+", default=None, help="require `Authorization: Bearer KEY` on /v1 (env "
                                                                "VLLM_API_KEY also works)")
     s.add_argument("--uvicorn-log-level", default="info",
@@ -248,6 +254,13 @@ def _limit_mm(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _media_io_kwargs(text: str) -> dict[str, Any]:
+    try:
+        return mm_options.parse_media_io_kwargs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _mm_kwargs(text: str) -> dict[str, Any]:
     try:
         return mm_options.parse_mm_processor_kwargs(text)
@@ -325,4 +338,6 @@ def server_options_from(ns: argparse.Namespace) -> ServerOptions:
         media=MediaOptions(limit_mm_per_prompt=ns.limit_mm_per_prompt or {},
                            mm_processor_kwargs=ns.mm_processor_kwargs or {},
                            allowed_local_media_path=ns.allowed_local_media_path,
-                           allowed_media_domains=tuple(ns.allowed_media_domains or ())))
+                           allowed_media_domains=tuple(ns.allowed_media_domains or ()),
+                           media_io_kwargs=ns.media_io_kwargs or {},
+                           enable_mm_embeds=bool(ns.enable_mm_embeds)))

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from kernelsight.multimodal import MultimodalProcessor, processor_for_model
-from kernelsight.profiles import load_preprocessor_config
+from kernelsight.profiles import load_preprocessor_config, load_video_preprocessor_config
 from kernelsight.server.engine.bridge import EngineBridge
 from kernelsight.server.engine.lockstep import LockstepDriver
 from kernelsight.server.integrations.faults import (
@@ -87,8 +87,9 @@ class ServerState:
         self.sleep = SleepMode() if remote is None else _RemoteSleep(remote)
         # images in prompts: the model's processor (None for a text-only model, which refuses them)
         self.mm_preprocessor = load_preprocessor_config(config.args.model)
+        self.mm_video_preprocessor = load_video_preprocessor_config(config.args.model)
         self.mm_processor: MultimodalProcessor | None = processor_for_model(
-            config.model, self.mm_preprocessor, opts.media.mm_processor_kwargs)
+            config.model, self.mm_preprocessor, opts.media.mm_processor_kwargs, self.mm_video_preprocessor)
         if self.mm_processor is not None and config.model.vision is not None:
             self.metrics.bind_mm_cache(config.model.vision)
         self.apply_replica_faults()
@@ -101,7 +102,7 @@ class ServerState:
             raise bad_request("mm_processor_kwargs must be an object", "mm_processor_kwargs")
         try:
             return processor_for_model(self.config.model, self.mm_preprocessor,
-                                       {**self.opts.media.mm_processor_kwargs, **kwargs})
+                                       {**self.opts.media.mm_processor_kwargs, **kwargs}, self.mm_video_preprocessor)
         except ValueError as exc:
             raise bad_request(str(exc), "mm_processor_kwargs") from None
 

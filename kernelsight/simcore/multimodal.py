@@ -57,7 +57,8 @@ class MultimodalItem:
     modality: str                   # "image" | "video" | "audio"
     offset: int                     # prompt index of its first placeholder token
     num_tokens: int                 # prompt positions it occupies (what the LM prefills for it)
-    encoder_seq_lens: tuple[int, ...]  # patches per independent encoder sequence (one per image, or per tile)
+    encoder_seq_lens: tuple[int, ...]  # patches per independent encoder sequence (one per image, per tile, or per
+                                       # video frame group); () for an item given as embeddings: no encoder pass
     mm_hash: str                    # content hash: keys the encoder cache and the prefix cache's block hashes
     grid_thw: tuple[int, int, int] = (1, 0, 0)  # (frames, rows, cols) in patches, for models with a patch grid
 
@@ -75,7 +76,7 @@ def check_mm_items(items: tuple[MultimodalItem, ...], prompt_len: int) -> None:
     """Items must lie in the prompt, in order, without overlapping (ValueError otherwise)."""
     end = 0
     for it in items:
-        if it.num_tokens < 1 or not it.encoder_seq_lens or min(it.encoder_seq_lens) < 1:
+        if it.num_tokens < 1 or (it.encoder_seq_lens and min(it.encoder_seq_lens) < 1):
             raise ValueError(f"multimodal item {it.mm_hash!r} has no tokens or no patches")
         if it.offset < end:
             raise ValueError(f"multimodal item {it.mm_hash!r} at {it.offset} overlaps or precedes the one before")

@@ -420,9 +420,12 @@ class StepModel:
             out[_I_ATTN_DECODE] += t
             attn_s += t
         if batch.encoder_items:
-            t = self.encoder_pass_s(batch.encoder_items)
-            out[_I_ENCODER] += t
-            attn_s += t
+            # items given as embeddings (no patches) hold encoder-cache slots but run no encoder kernel
+            encoded = tuple(it for it in batch.encoder_items if it.encoder_seq_lens)
+            if encoded:
+                t = self.encoder_pass_s(encoded)
+                out[_I_ENCODER] += t
+                attn_s += t
         extra = (self.mla_host_s(prefills, num_decodes, batch.decode_context_tokens)
                  if self.mla_families and mode != FULL_GRAPH else 0.0)
         return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens, extra)

@@ -1,7 +1,7 @@
 """The tokenizers kernelsight ships: each publisher's own vocabulary file, turned into its model's HF tokenizer.
 
-``kernelsight/profiles/tokenizers/index.json`` names, per model family, the bundled file (Meta's Llama 3
-``tokenizer.model``, Qwen's ``qwen.tiktoken``, OpenAI's ``o200k_base.tiktoken``, Mistral's SentencePiece
+``kernelsight/profiles/tokenizers/index.json`` names, per model family, the bundled file (Meta's Llama 3 and
+Llama 4 ``tokenizer.model``, Qwen's ``qwen.tiktoken``, OpenAI's ``o200k_base.tiktoken``, Mistral's SentencePiece
 ``tokenizer.model``), its source, licence and sha256, and the pieces of the Hugging Face tokenizer around the
 vocabulary (pre-tokenizer regex, normalizer, special tokens, BOS rule). The files are stored unmodified
 (xz-compressed) so their hash is the publisher's; the HF tokenizer is built from them here the way Hugging Face
@@ -199,11 +199,12 @@ def _added_tokens(fam: BundledFamily) -> list[tuple[int, str, bool]]:
     spec = fam.spec
     out = [(int(i), t, True) for i, t in spec["special_tokens"].items()]
     out += [(int(i), t, False) for i, t in dict(spec.get("non_special_tokens") or {}).items()]
-    res = spec.get("reserved_special_tokens")
-    if res:
-        skip = set(res.get("skip_ids", []))
-        out += [(i, res["name"].format(res["first_index"] + i - res["first_id"]), True)
-                for i in range(res["first_id"], res["last_id"] + 1) if i not in skip]
+    res = spec.get("reserved_special_tokens") or []
+    # one numbered range, or several (Llama 4 numbers each group of reserved tokens on its own)
+    for rng in [res] if isinstance(res, dict) else res:
+        skip = set(rng.get("skip_ids", []))
+        out += [(i, rng["name"].format(rng["first_index"] + i - rng["first_id"]), True)
+                for i in range(rng["first_id"], rng["last_id"] + 1) if i not in skip]
     return sorted(out)
 
 

@@ -3,9 +3,9 @@
 Resolution order (never touches the network):
 1. ``--tokenizer`` (a local directory with tokenizer files, or an id in the local HF cache);
 2. the tokenizer files beside the model's config.json (local directory / HF cache entry);
-3. the tokenizer bundled for the model's family (Llama 3.x, Qwen3, gpt-oss, Mistral/Mixtral v0.1): the
-   publisher's own vocabulary file shipped in ``kernelsight/profiles/tokenizers/`` (source, licence and sha256
-   in its index.json), built into the model's HF tokenizer by ``bundled_tokenizer``;
+3. the tokenizer bundled for the model's family (Llama 3.x, Llama 4, Qwen3, Qwen2.5-VL, gpt-oss, Mistral/Mixtral
+   v0.1): the publisher's own vocabulary file shipped in ``kernelsight/profiles/tokenizers/`` (source, licence and
+   sha256 in its index.json), built into the model's HF tokenizer by ``bundled_tokenizer``;
 4. otherwise a byte-level fallback (one token per UTF-8 byte), announced by a warning.
 """
 

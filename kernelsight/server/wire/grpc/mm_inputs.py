@@ -54,10 +54,11 @@ def mm_items_of(messages: list[Any], vision: VisionSpec) -> tuple[MultimodalItem
         for i, ph in enumerate(places):
             if grids is not None:
                 grid = grids[i]
-                patches = grid[0] * grid[1] * grid[2]
+                # one ViT sequence per temporal patch, as vLLM's cu_seqlens (h*w repeated t times; an image: t = 1)
+                seqs = (grid[1] * grid[2],) * grid[0]
             else:
-                grid, patches = (1, 0, 0), ph.length * vision.patches_per_token
+                grid, seqs = (1, 0, 0), (ph.length * vision.patches_per_token,)
             key = hashes[i] if hashes else hashlib.sha256(pixels + i.to_bytes(4, "little")).hexdigest()
-            items.append(MultimodalItem(modality, ph.offset, ph.length, (patches,), key, grid))
+            items.append(MultimodalItem(modality, ph.offset, ph.length, seqs, key, grid))
     items.sort(key=lambda it: it.offset)
     return tuple(items)

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from kernelsight.server.engine.generation import check_sampling, request_base, stop_list
 from kernelsight.server.engine.turns import turn_gate
-from kernelsight.server.model.media import expand_images, image_layouts, split_chat_media
+from kernelsight.server.model.media import expand_chat_media, split_chat_media
 from kernelsight.server.model.prompts import encode_prompt, too_many_chars
 from kernelsight.server.model.tool_calls import chat_generation, check_auto_tools
 from kernelsight.server.state import ServerState, server_state
@@ -63,8 +63,8 @@ async def run_chat(state: ServerState, request: Request, req: ChatCompletionRequ
     ids = await encode_prompt(state.tok, text, req.add_special_tokens)
     mm_items = None
     if media.urls:        # fetched, sized and expanded: the prompt holds each image's tokens, as vLLM's
-        layouts, hashes = await image_layouts(media.urls, processor, state.opts.media)
-        ids, items = expand_images(ids, processor, layouts, hashes)
+        ids, items = await expand_chat_media(ids, media, processor, state.opts.media,
+                                             lambda s: state.tok.encode(s, add_special_tokens=False))
         mm_items = [items]
     gen = chat_generation(state, request, req, rid or "chatcmpl-" + request_base(request, req.request_id), lora,
                           stops, messages, ids)

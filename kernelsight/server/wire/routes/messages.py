@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kernelsight.server.engine.chat_relay import chat_chunks, chat_json, chat_request, chat_stream, passed_headers
-from kernelsight.server.model.media import expand_images, image_layouts, split_chat_media
+from kernelsight.server.model.media import expand_chat_media, split_chat_media
 from kernelsight.server.model.prompts import encode_prompt
 from kernelsight.server.state import server_state
 from kernelsight.server.wire.body import parse_body
@@ -175,8 +175,8 @@ async def count_tokens(request: Request) -> Response:
     ids = await encode_prompt(state.tok, text, False)
     if media.urls:        # the images' tokens, as the prompt the engine gets holds them
         try:
-            layouts, hashes = await image_layouts(media.urls, state.mm_processor, state.opts.media)
-            ids = expand_images(ids, state.mm_processor, layouts, hashes)[0]
+            ids = (await expand_chat_media(ids, media, state.mm_processor, state.opts.media,
+                                           lambda s: state.tok.encode(s, add_special_tokens=False)))[0]
         except APIError as exc:
             return anthropic_error(exc)
     n = len(ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kernelsight.server.model.media import expand_images, image_layouts, split_chat_media
+from kernelsight.server.model.media import expand_chat_media, split_chat_media
 from kernelsight.server.model.prompts import encode_prompt
 from kernelsight.server.state import server_state
 from kernelsight.server.wire.body import parse_body
@@ -37,8 +37,8 @@ async def tokenize(request: Request) -> Response:
         # no length limit on /tokenize (as in vLLM): a huge text is encoded off the loop, or every stream would stall
         ids = await encode_prompt(tok, text, bool(req.add_special_tokens))
         if media.urls:      # each image counts its expanded placeholder tokens, as the engine's prompt holds them
-            layouts, hashes = await image_layouts(media.urls, processor, state.opts.media)
-            ids = expand_images(ids, processor, layouts, hashes)[0]
+            ids = (await expand_chat_media(ids, media, processor, state.opts.media,
+                                           lambda s: tok.encode(s, add_special_tokens=False)))[0]
     elif req.prompt is not None:
         ids = await encode_prompt(tok, req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
     else:
