@@ -93,8 +93,9 @@ def measured_op_s(rows: MLARows, hw: HardwareSpec, calib: Calibration) -> tuple[
     return np.maximum(rows_time_s(calib, rows.family, kr, roof, hw), roof), roof
 
 
-def _fitted(hw: HardwareSpec, rows: dict[str, MLARows], sel: dict[str, np.ndarray] | None, residual_grid: bool
-            ) -> Calibration:
+def _fitted(hw: HardwareSpec, rows: dict[str, MLARows], sel: dict[str, np.ndarray] | None, residual_grid: bool,
+            bundled: Calibration) -> Calibration:
+    """A calibration whose only fitted families are the MLA ones, clipped as the GPU's bundled file clips η."""
     calib = default_calibration(hw.name)
     calib.tier = "target-measured"
     fits = {}
@@ -102,7 +103,7 @@ def _fitted(hw: HardwareSpec, rows: dict[str, MLARows], sel: dict[str, np.ndarra
         s = fit_rows(r) & (sel[fam] if sel is not None else True)
         fits[fam] = fit_mla_family(r, hw, s, residual_grid=residual_grid)[0]
     add_mla_families(calib, fits)
-    calib.eta_max = 1.0
+    calib.eta_max, calib.eta_floor = bundled.eta_max, bundled.eta_floor
     return calib
 
 
@@ -126,12 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = read_folder_rows(args.data / folder, model, hw, _without_mla(calib))
         if rows:
             stacks[folder] = (hw, calib, rows)
-    sources = {f: _fitted(hw, rows, None, residual_grid=False) for f, (hw, _, rows) in stacks.items() if "@" not in f}
+    sources = {f: _fitted(hw, rows, None, False, calib) for f, (hw, calib, rows) in stacks.items() if "@" not in f}
     table, groups = [], []
     for folder, (hw, calib, rows) in stacks.items():
         rng = np.random.default_rng(args.seed)
         train = {fam: rng.random(len(r.module_s)) < args.train_fraction for fam, r in rows.items()}
-        target = _fitted(hw, rows, train, residual_grid=True)
+        target = _fitted(hw, rows, train, True, calib)
         src = [(sources[f], stacks[f][0]) for f in sources if stacks[f][0].name != hw.name]
         cross = cross_generation_calibration(hw, src)
         for fam, r in rows.items():
