@@ -37,10 +37,19 @@ from _common import free_port, steal_s, write_result  # noqa: E402
 
 
 def cpu_s(pid: int | None) -> float:
+    """CPU seconds of a process and every process below it (a supervisor's --api-server-count children)."""
     if pid is None:
         return float("nan")
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            todo += [int(x) for x in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 async def one_stream(client: httpx.AsyncClient, body: dict, rid: str) -> dict:
