@@ -48,7 +48,8 @@ def _write_subset(src: Path, dst: Path, every: int) -> None:
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("h100_small")
-    for fam, every in (("gemm", 60), ("attn_prefill", 40), ("attn_decode", 50), ("comm", 1)):
+    for fam, every in (("gemm", 60), ("attn_prefill", 40), ("attn_decode", 50), ("comm", 1),
+                       ("mla_context", 4), ("mla_generation", 6)):
         _write_subset(DATA / "h100_sxm" / f"{fam}.csv.gz", d / f"{fam}.csv", every)
     return d
 
@@ -103,7 +104,9 @@ def test_fit_then_eval_cli(small_dir, tmp_path, capsys):
     )
     calib = calibration_from_dict(json.loads(out.read_text()))
     assert calib.tier == "target-measured" and calib.hardware == "h100-sxm"
-    capsys.readouterr()
+    # the folder's MLA module tables give the MLA op's families, as the bundled H100 file has them
+    assert {"mla_prefill", "mla_decode"} <= set(calib.eta) and {"mla_prefill", "mla_decode"} <= set(calib.overhead_s)
+    assert "mla_decode" in capsys.readouterr().out
     res = tmp_path / "eval.json"
     assert (
         _run(

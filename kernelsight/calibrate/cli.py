@@ -322,10 +322,36 @@ def cmd_fit(args: argparse.Namespace) -> int:
         prior=None if args.no_prior else _prior(hw),
     )
     calib.software = measurement_software(args.measurements)
+    mla_lines = _fit_mla_families(args.measurements, hw, calib)
     Path(args.output).write_text(json.dumps(calib.to_dict()))
     _print_fit_report(report)
+    for line in mla_lines:
+        print(line)
     print(f"wrote {args.output} in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _fit_mla_families(measurements: str | Path, hw: HardwareSpec, calib: Calibration) -> list[str]:
+    """The MLA families (``mla_prefill``, ``mla_decode``) from the folder's ``mla_context`` / ``mla_generation``
+    module tables, when it has them: each row is the module less its other kernels priced by ``calib`` (fitted just
+    before), as ``build_calibrations.py --mla-only`` fits the bundled files. Report lines, one per family."""
+    from kernelsight.calibrate.mla_tables import (
+        MLA_TABLE_MODEL,
+        add_mla_families,
+        fit_mla_family,
+        fit_rows,
+        read_folder_rows,
+    )
+    from kernelsight.profiles import load_model
+
+    folder = Path(measurements)
+    if not folder.is_dir():
+        return []
+    rows = read_folder_rows(folder, load_model(MLA_TABLE_MODEL), hw, calib)
+    fits = {fam: fit_mla_family(r, hw)[0] for fam, r in rows.items() if fit_rows(r).any()}
+    add_mla_families(calib, fits)
+    return [f"{fam:<22} rows {int(fit_rows(rows[fam]).sum()):>7}  MLA op (module tables less their other kernels)"
+            for fam in fits]
 
 
 def _print_fit_report(report: Any) -> None:
