@@ -165,3 +165,36 @@ def test_unsupported_combinations_stop_with_one_line():
     err = proc.stderr.read().decode().strip().splitlines()
     assert err[-1] == ("kernelsight serve: error: not supported: --api-server-count with --replicas > 1 "
                        "(start one server per replica instead)")
+
+
+def _per_engine(url: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            out[engine] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_api_servers_balance_over_data_parallel_ranks():
+    port = free_port_run(1)
+    proc = _serve("--port", str(port), "--api-server-count", "2", "--data-parallel-size", "2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url)
+        assert len(_children(proc.pid)) == 3          # still one engine process, holding both ranks
+        # a pinned rank lands on that engine only
+        with httpx.Client(timeout=60) as c:
+            r = c.post(url + "/v1/completions", headers={"X-data-parallel-rank": "1"},
+                       json={"model": MODEL, "prompt": [300] * 16, "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200
+        assert _per_engine(url, "vllm:generation_tokens_total") == {"0": 0.0, "1": 5.0}
+        # concurrent requests from both API servers spread over both ranks (published counts + what each sent)
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda s: _seeded(httpx.Client(timeout=60), url, s), range(16)))
+        assert all(o["usage"]["completion_tokens"] == 6 for o in outs)
+        per = _per_engine(url, "vllm:generation_tokens_total")
+        assert sum(per.values()) == 5 + 16 * 6 and min(per["0"], per["1"] - 5) >= 6
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

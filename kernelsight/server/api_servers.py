@@ -29,8 +29,6 @@ def api_server_count_refusal(ns: argparse.Namespace) -> str | None:
         return "--api-server-count with --replicas > 1 (start one server per replica instead)"
     if ns.grpc:
         return "--api-server-count with --grpc"
-    if getattr(ns, "data_parallel_size", 1) and ns.data_parallel_size > 1:
-        return "--api-server-count with --data-parallel-size > 1"
     kv = getattr(ns, "kv_transfer_config", None)
     if kv is not None and kv.kv_connector is not None and kv.kv_connector not in CONNECTORS.values():
         return "--api-server-count with --kv-transfer-config (P/D disaggregation)"   # offloading connectors are fine
@@ -71,9 +69,13 @@ def run_engine_process(ns: argparse.Namespace, config: EngineConfig, uds: str, i
     apps, config = build_server_apps(ns, [0], config)
     app = apps[0]
     state = app.state.ks
-    bridge = state.bridges[0]
-    service = EngineService(bridge, ipc, lambda: {"sleeping": state.sleep.is_sleeping, "closing": bridge.closing},
-                            state.metrics)
+    bridges = state.bridges
+
+    def state_of() -> dict:
+        return {"sleeping": state.sleep.is_sleeping, "closing": any(b.closing for b in bridges),
+                "loads": [[b.engine.num_waiting, b.engine.num_running] for b in bridges]}
+
+    service = EngineService(bridges, ipc, state_of, state.metrics)
     cfg = uvicorn.Config(app, uds=uds, log_level=ns.uvicorn_log_level, access_log=False,
                          timeout_graceful_shutdown=uvicorn_shutdown_bound_s(ns.shutdown_timeout))
     server = ReplicaServer(cfg)
@@ -108,8 +110,11 @@ def run_api_server(ns: argparse.Namespace, config: EngineConfig, sock: Any, uds:
 
     tok = load_tokenizer(ns.model, ns.tokenizer, config.model.vocab_size)
     opts = server_options_from(ns)
-    remote = RemoteBridge(tok, ipc, f"api-{index}".encode())
-    app = EngineProxy(build_app(config, opts, tok, 0, remote=remote), uds)
+    # one remote bridge per data-parallel rank this server balances over (--data-parallel-rank: its one)
+    ranks = [config.args.data_parallel_rank] if config.args.data_parallel_rank is not None \
+        else range(opts.data_parallel_size)
+    remotes = [RemoteBridge(tok, ipc, f"api-{index}-rank{r}".encode(), rank=i) for i, r in enumerate(ranks)]
+    app = EngineProxy(build_app(config, opts, tok, 0, remote=remotes), uds)
     host = ns.host or "0.0.0.0"
     cfg = uvicorn.Config(app, log_level=ns.uvicorn_log_level, timeout_keep_alive=http_keep_alive_s(),
                          access_log=False, http=http_protocol(),

@@ -56,8 +56,8 @@ from kernelsight.simcore.engine_config import EngineConfig
 def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0,
               remote: Any = None) -> FastAPI:
     """One server (a replica): its own engines, metrics, LoRA list and KV-event publishers, serving vLLM's
-    routes; or, with ``remote`` (an ``engine.remote.RemoteBridge``), one API-server process of --api-server-count
-    whose engine runs in the engine process."""
+    routes; or, with ``remote`` (``engine.remote.RemoteBridge``s, one per data-parallel rank), one API-server process
+    of --api-server-count whose engines run in the engine process."""
     state = ServerState(config, opts, tok, replica_index, remote=remote)
 
     @contextlib.asynccontextmanager

@@ -38,8 +38,9 @@ from kernelsight.simcore.kv_transfer import kv_link
 class ServerState:
     def __init__(self, config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, replica_index: int = 0,
                  remote: Any = None) -> None:
-        """``remote``: an API-server process's ``engine.remote.RemoteBridge`` (--api-server-count): the engine, its
-        metrics' engine side and its KV events live in the engine process; nothing engine-side is built here."""
+        """``remote``: an API-server process's ``engine.remote.RemoteBridge``s, one per rank (--api-server-count):
+        the engines, their metrics' engine side and their KV events live in the engine process; nothing engine-side
+        is built here."""
         self.config = config
         self.opts = opts
         self.tok = tok
@@ -56,8 +57,9 @@ class ServerState:
         self.kv_publishers = [] if remote is not None else _kv_publishers(config, opts, replica_index,
                                                                           range(first, first + n))
         # a MoE model's ranks served together step in lockstep (vLLM's DP engine core): one group, one loop
-        group = build_dp_group(config) if n > 1 and moe_group_timing(config) is not None else None
-        self.bridges: list[Any] = [remote] if remote is not None else [
+        group = build_dp_group(config) if (remote is None and n > 1 and moe_group_timing(config) is not None) \
+            else None
+        self.bridges: list[Any] = list(remote) if remote is not None else [
             EngineBridge(config, tok, self.metrics.engines[i], opts.time_scale, opts.record_timings,
                          opts.deadline_spin_us * 1e-6, lateness_warn_s=opts.lateness_warn_ms * 1e-3,
                          engine_index=first + i, kv_publisher=self.kv_publishers[i] if self.kv_publishers else None,
@@ -67,9 +69,10 @@ class ServerState:
         self.kv_agents = _kv_transfer_agents(config, opts, self.bridges, first) if remote is None else []
         if remote is not None:
             # counted where /metrics is served: the engine process's registry
-            self.metrics.on_fault = lambda *a: remote.count("on_fault", *a)     # type: ignore[method-assign]
-            self.metrics.on_admission_rejected = (                              # type: ignore[method-assign]
-                lambda *a: remote.count("on_admission_rejected", *a))
+            first_remote = self.bridges[0]
+            self.metrics.on_fault = lambda *a: first_remote.count("on_fault", *a)   # type: ignore[method-assign]
+            self.metrics.on_admission_rejected = (                                  # type: ignore[method-assign]
+                lambda *a: first_remote.count("on_admission_rejected", *a))
         elif config.speculative is not None:
             self.metrics.bind_spec_decode([lambda b=b: b.engine.spec_decoder.stats for b in self.bridges],
                                           config.speculative.num_speculative_tokens)
@@ -84,7 +87,7 @@ class ServerState:
         self.max_chars = self.max_model_len * 64   # text beyond this cannot fit (cheap pre-check before tokenizing)
         self.logprobs = LogprobSynth(tok)
         self.faults = FaultInjector(opts.faults, self.metrics.on_fault)
-        self.sleep = SleepMode() if remote is None else _RemoteSleep(remote)
+        self.sleep = SleepMode() if remote is None else _RemoteSleep(self.bridges[0])
         # images in prompts: the model's processor (None for a text-only model, which refuses them)
         self.mm_preprocessor = load_preprocessor_config(config.args.model)
         self.mm_video_preprocessor = load_video_preprocessor_config(config.args.model)

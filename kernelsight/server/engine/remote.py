@@ -15,7 +15,12 @@ Channel messages (msgpack lists; the first item names the kind):
     API → engine   ["s", sub_id, submit kwargs]   ["a", sub_id] abort   ["r", sub_id] release
                    ["f", sub_id, seq index, tokens, reason] a stop string   ["m", metric method, args] a counter
     engine → API   ["u", [[sub_id, [[released, finished, reason, cached tokens], ...]], ...]] a step's updates
-                   ["x", {"sleeping": bool, "closing": bool}] the engine's state, on connect and on change
+                   ["x", {"sleeping": bool, "closing": bool, "loads": [[waiting, running], ...]}] the engine's
+                   state, on connect and on change (at most every STATE_POLL_S)
+
+With ``-dp N`` the engine process serves every rank's bridge; an API server holds one ``RemoteBridge`` per rank
+(each its own DEALER, its rank in every submission) and balances over them as vLLM's API servers do: on the waiting
+and running counts the engine publishes, plus what it sent since (vLLM's DP coordinator publishes every 100 ms).
 """
 
 from __future__ import annotations
@@ -86,9 +91,9 @@ class _RemoteEvent:
 class EngineService:
     """The engine process's end of the channel: submissions from API-server processes on one bridge."""
 
-    def __init__(self, bridge: EngineBridge, address: str, state_of: Callable[[], dict[str, bool]],
+    def __init__(self, bridges: list[EngineBridge], address: str, state_of: Callable[[], dict[str, Any]],
                  metrics: Any = None) -> None:
-        self.bridge = bridge
+        self.bridges = bridges
         self.address = address
         self.state_of = state_of
         self.metrics = metrics
@@ -97,11 +102,12 @@ class EngineService:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
         self.subs: dict[tuple[bytes, int], Submission] = {}
+        self.bridge_of: dict[tuple[bytes, int], EngineBridge] = {}     # the rank a submission went to
         self.clients: set[bytes] = set()
         self._out: dict[bytes, list] = {}
         self._flush_scheduled = False
         self._tasks: list[asyncio.Task] = []
-        self._last_state: dict[str, bool] = {}
+        self._last_state: dict[str, Any] = {}
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -133,29 +139,31 @@ class EngineService:
         kind = msg[0]
         if kind == "s":
             sub_id, kw = msg[1], msg[2]
+            bridge = self.bridges[kw.pop("rank", 0)]
             if "mm_items" in kw:
                 kw["mm_items"] = [[_item_of(w) for w in items] for items in kw["mm_items"]]
             if kw.get("extra_keys") is not None:
                 kw["extra_keys"] = tuple(kw["extra_keys"])
-            sub = self.bridge.submit(**kw)
+            sub = bridge.submit(**kw)
             sub.event = _RemoteEvent(self, client, sub_id, sub)    # type: ignore[assignment]
             self.subs[(client, sub_id)] = sub
+            self.bridge_of[(client, sub_id)] = bridge
             state = self.state_of()
             if state.get("sleeping") or state.get("closing"):
-                self.bridge.abort(sub)         # raced a sleep or a shutdown: the API side sees an abort
+                bridge.abort(sub)              # raced a sleep or a shutdown: the API side sees an abort
                 sub.event.set()
         elif kind == "a":
             sub = self.subs.pop((client, msg[1]), None)
             if sub is not None:
-                self.bridge.abort(sub)
+                self.bridge_of.pop((client, msg[1])).abort(sub)
         elif kind == "r":
             sub = self.subs.pop((client, msg[1]), None)
             if sub is not None:
-                self.bridge.release(sub)
+                self.bridge_of.pop((client, msg[1])).release(sub)
         elif kind == "f":
             sub = self.subs.get((client, msg[1]))
             if sub is not None:
-                self.bridge.finish_early(sub.seqs[msg[2]], msg[3], msg[4])
+                self.bridge_of[(client, msg[1])].finish_early(sub.seqs[msg[2]], msg[3], msg[4])
         elif kind == "m" and msg[1] in FORWARDED_METRICS and self.metrics is not None:
             getattr(self.metrics, msg[1])(*msg[2])
 
@@ -164,8 +172,9 @@ class EngineService:
         states = [[s.released, s.finished, s.finish_reason,
                    s.req.num_cached_tokens if s.req is not None else -1] for s in sub.seqs]
         self._out.setdefault(client, []).append([sub_id, states])
-        if sub.done or sub.closed:
+        if sub.closed:        # aborted or released here: the API side will not name it again
             self.subs.pop((client, sub_id), None)
+            self.bridge_of.pop((client, sub_id), None)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -202,19 +211,29 @@ class _RemoteReq:
     num_cached_tokens: int = -1
 
 
+@dataclasses.dataclass(slots=True)
+class RemoteLoad:
+    """What an API server knows of one rank's queue (its ``engine`` for DP balancing): the counts the engine last
+    published, plus the requests sent to the rank since."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+
+
 class RemoteBridge(SinkHolder):
     """The bridge's request interface (submit, sinks, abort, release, stop strings) for an API-server process whose
-    engine runs in the engine process (``EngineService``)."""
+    engine runs in the engine process (``EngineService``): one per data-parallel rank."""
 
     kv_agent = None            # P/D disaggregation is refused with --api-server-count
     kv_publisher = None
-    engine = None
     timings: dict = {}
 
-    def __init__(self, tokenizer: ServerTokenizer, address: str, identity: bytes) -> None:
+    def __init__(self, tokenizer: ServerTokenizer, address: str, identity: bytes, rank: int = 0) -> None:
         self.tok = tokenizer
         self.address = address
         self.identity = identity
+        self.rank = rank
+        self.engine = RemoteLoad()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity)
@@ -294,7 +313,9 @@ class RemoteBridge(SinkHolder):
         sub = Submission([str(sub_id)], seqs, max(max_tokens) if max_tokens else 0)
         self._subs[sub_id] = sub
         self._sub_ids[id(sub)] = sub_id
-        kw: dict[str, Any] = {"prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens), "n": n,
+        self.engine.num_waiting += n * len(prompts)     # until the engine's next published counts
+        kw: dict[str, Any] = {"rank": self.rank, "prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens),
+                              "n": n,
                               "min_tokens": min_tokens, "ignore_eos": ignore_eos, "priority": priority,
                               "extra_keys": list(extra_keys) if extra_keys is not None else None, "keys": keys,
                               "echo_output": echo_output, "label": label, "arrival_wall_s": arrival_wall_s,
@@ -361,6 +382,9 @@ class RemoteBridge(SinkHolder):
             elif msg[0] == "x":
                 self.engine_sleeping = bool(msg[1].get("sleeping"))
                 self.engine_closing = bool(msg[1].get("closing"))
+                loads = msg[1].get("loads") or ()
+                if self.rank < len(loads):
+                    self.engine.num_waiting, self.engine.num_running = loads[self.rank]
 
     def _apply(self, updates: list) -> None:
         woken: list[Submission] = []
