@@ -21,13 +21,12 @@ processors call them with the frames its loader kept (``videos.loader_frames``):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kernelsight.multimodal.qwen_vl import MAX_ASPECT_RATIO, ImageSizeError, smart_resize
+from kernelsight.multimodal.qwen_vl import ImageSizeError, smart_resize
 from kernelsight.multimodal.videos import LoadedVideo
 
 
@@ -37,27 +36,17 @@ class VideoSizeError(ValueError):
 
 def smart_resize_clip(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen3-VL's video resize: (height, width) with the pixel budget over the whole clip."""
+    """Qwen3-VL's video resize: (height, width) with the pixel budget over the whole clip; frames smaller than the
+    factor are scaled up first."""
     if num_frames < temporal_factor:
         raise VideoSizeError(f"t:{num_frames} must be larger than temporal_factor:{temporal_factor}")
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise VideoSizeError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got "
-                             f"{max(height, width) / min(height, width)}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    try:
+        return smart_resize(height, width, factor, min_pixels, max_pixels, num_frames, temporal_factor)
+    except ImageSizeError as exc:
+        raise VideoSizeError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

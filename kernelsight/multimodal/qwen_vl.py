@@ -23,19 +23,22 @@ class ImageSizeError(ValueError):
     """The processor refuses the image's shape (vLLM answers 400 with the processor's message)."""
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) after the Qwen-VL resize."""
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, num_frames: int = 1,
+                 temporal_factor: int = 1) -> tuple[int, int]:
+    """(height, width) after the Qwen-VL resize; with ``num_frames`` > 1 the pixel budget is over the whole clip
+    (Qwen3-VL's video resize: frames rounded to the temporal patch count against it)."""
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ImageSizeError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got "
                              f"{max(height, width) / min(height, width)}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
