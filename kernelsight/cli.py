@@ -44,6 +44,11 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the --replicas engines in P worker processes, so that a fleet uses several cores (the "
                         "result is the one process's, bit for bit); auto: one per usable CPU, at most one per replica "
                         "(default: 1, every engine in this process)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="run the --replicas engines as Ray tasks instead, one CPU each (auto, ray://HOST:10001, or "
+                        "local: a Ray instance on this machine with --replica-processes CPUs, every usable CPU when "
+                        "that is 1 or auto); the result is the one process's, bit for bit. Needs `pip install "
+                        "'kernelsight[cluster]'`. A -dp group runs whole inside its replica's task")
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--pd", default=None, metavar="XPyD",
                     help="X prefill and Y decode engines of this configuration behind vLLM's toy-proxy semantics "
@@ -108,6 +113,9 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         raise ValueError(f"{len(too_long)} prompt(s) are longer than max_model_len={config.scheduler.max_model_len} "
                          f"(longest {max(too_long)} tokens)")
     pd = _pd_split(ns, config)
+    if ns.ray_address is not None and (ns.replicas == 1 or pd is not None or wl.sessions is not None):
+        raise ValueError("--ray-address spreads the engines of --replicas N (N > 1): leave it out with one replica, "
+                         "--pd or --num-sessions")
     bar = Progress(wl.num_requests, "requests (simulated)", enabled=ns.progress)
     max_open = None
     if wl.sessions is not None:
@@ -127,7 +135,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     else:
         res = run_replicas(config, samples, wl.arrivals_s, ns.replicas, max_concurrency=ns.max_concurrency,
                            ignore_eos=wl.ignore_eos, record_timeline=ns.timeline is not None or ns.plot is not None,
-                           on_finished=bar.update if bar.enabled else None, processes=ns.replica_processes)
+                           on_finished=bar.update if bar.enabled else None, processes=ns.replica_processes,
+                           ray_address=ns.ray_address)
     bar.close()
     stats = compute_bench_metrics(res.records, max(res.duration_s, 1e-9), percentile_metrics=mopts.percentile_metrics,
                                   percentiles=mopts.percentiles, goodput_slos_ms=mopts.goodput_slos_ms)

@@ -284,11 +284,8 @@ def test_replicas_split_arrivals_round_robin():
         run_replicas(cfg, samples, arrivals, 0)
 
 
-def test_replicas_in_worker_processes_give_the_one_process_result_bit_for_bit():
-    """simulate --replicas N --replica-processes P: each engine runs in a worker process; the merged result (records,
-    every ITL, steps, breakdown, timeline) is the one-process run's, but its wall time."""
-    import dataclasses
-
+def _replicas_run(**kwargs):
+    """A 3-replica run (90 requests, lengths ±50%) with its timeline, as one process or spread by ``kwargs``."""
     from kernelsight.engine_args import create_engine_config
     from kernelsight.loadgen.arrivals import arrival_times_s
     from kernelsight.loadgen.datasets import random_dataset
@@ -298,10 +295,14 @@ def test_replicas_in_worker_processes_give_the_one_process_result_bit_for_bit():
     cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", seed=3))
     samples = random_dataset(90, 300, 40, 0.5, cfg.model.vocab_size, seed=3)
     arrivals = arrival_times_s(90, 30.0, 1.0, seed=3).tolist()
-    finished: list[int] = []
-    one = run_replicas(cfg, samples, arrivals, 3, record_timeline=True, processes=1)
-    many = run_replicas(cfg, samples, arrivals, 3, record_timeline=True, processes=2, on_finished=finished.append)
-    assert sum(finished) == 90
+    return run_replicas(cfg, samples, arrivals, 3, record_timeline=True, **kwargs)
+
+
+def _assert_same_run(one, many) -> None:
+    """The merged result (records, every ITL, steps, breakdown, timeline) is the one-process run's, but its wall
+    time."""
+    import dataclasses
+
     assert len(one.records) == len(many.records) == 90
     for a, b in zip(one.records, many.records, strict=True):
         for f in dataclasses.fields(a):
@@ -311,3 +312,26 @@ def test_replicas_in_worker_processes_give_the_one_process_result_bit_for_bit():
     for f in dataclasses.fields(one):
         if f.name not in skip:
             assert getattr(one, f.name) == getattr(many, f.name), f.name
+
+
+def test_replicas_in_worker_processes_give_the_one_process_result_bit_for_bit():
+    """simulate --replicas N --replica-processes P: each engine runs in a worker process."""
+    finished: list[int] = []
+    one = _replicas_run(processes=1)
+    many = _replicas_run(processes=2, on_finished=finished.append)
+    assert sum(finished) == 90
+    _assert_same_run(one, many)
+
+
+@pytest.mark.slow
+def test_replicas_as_ray_tasks_give_the_one_process_result_bit_for_bit():
+    """simulate --replicas N --ray-address local: each engine is a Ray task on a Ray started in this process."""
+    ray = pytest.importorskip("ray")
+    finished: list[int] = []
+    try:
+        many = _replicas_run(ray_address="local", processes=2, on_finished=finished.append)
+        assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2
+    finally:
+        ray.shutdown()
+    assert sum(finished) == 90
+    _assert_same_run(_replicas_run(processes=1), many)

@@ -419,14 +419,17 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
                  replicas: int = 1, *, max_concurrency: int | None = None, ignore_eos: bool = True,
                  record_timeline: bool = False,
                  on_finished: Callable[[int], None] | None = None,
-                 watch: RunWatch | None = None, processes: int | None = 1) -> FastForwardResult:
+                 watch: RunWatch | None = None, processes: int | None = 1,
+                 ray_address: str | None = None) -> FastForwardResult:
     """``replicas`` independent engines of ``config`` behind a round-robin router: the i-th request in arrival
     order goes to engine ``i mod replicas``.
 
     ``processes``: the engines run in this many worker processes (None: one per usable CPU; at most one per engine;
     1: all in this one). Each engine is the same computation wherever it runs, so the merged result is the one
     process's, bit for bit (but ``wall_s``); ``on_finished`` then hears of an engine's requests when it ends. A run
-    with a ``watch`` runs in this process.
+    with a ``watch`` runs in this process. ``ray_address`` (``auto``, ``ray://HOST:10001``, or ``local``: a Ray
+    instance here with ``processes`` CPUs, 1 or None meaning every usable CPU) runs each engine as a Ray task
+    instead, with the same result.
 
     The simulator has no shared front end, so this is the model of data parallelism and replicas alike: no
     load-aware routing, no cross-replica prefix cache, ``max_concurrency`` split evenly between the engines.
@@ -456,9 +459,13 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
     results = []
     stopped_at_s = None
     workers = min(replica_workers(processes), sum(1 for idx in parts if idx))
-    done = (_run_parts_in_processes(config, samples, arrivals_s, parts, workers, conc, ignore_eos, record_timeline,
-                                    on_finished)
-            if workers > 1 and watch is None else None)
+    done = None
+    if ray_address is not None and watch is None:
+        done = _run_parts_on_ray(config, samples, arrivals_s, parts, conc, ignore_eos, record_timeline, on_finished,
+                                 ray_address, replica_workers(None if processes == 1 else processes))
+    elif workers > 1 and watch is None:
+        done = _run_parts_in_processes(config, samples, arrivals_s, parts, workers, conc, ignore_eos,
+                                       record_timeline, on_finished)
     for r, idx in enumerate(parts):
         if not idx:
             continue
@@ -547,6 +554,39 @@ def _run_parts_in_processes(config: EngineConfig, samples: Sequence[SampleReques
         done = {}
         for f in as_completed(futures):
             res = done[futures[f]] = f.result()
+            if on_finished is not None:
+                on_finished(len(res.records))
+    return done
+
+
+def _run_part(config: EngineConfig, samples: list[SampleRequest], arrivals_s: list[float], conc: int | None,
+              ignore_eos: bool, record_timeline: bool) -> FastForwardResult:
+    """One engine's share of a replicas run (a Ray task: it gets only its own samples)."""
+    return run_fast_forward(config, samples, arrivals_s, max_concurrency=conc, ignore_eos=ignore_eos,
+                            record_timeline=record_timeline)
+
+
+def _run_parts_on_ray(config: EngineConfig, samples: Sequence[SampleRequest], arrivals_s: Sequence[float],
+                      parts: list[list[int]], conc: int | None, ignore_eos: bool, record_timeline: bool,
+                      on_finished: Callable[[int], None] | None, address: str, local_cpus: int
+                      ) -> dict[int, FastForwardResult]:
+    """Each non-empty part's ``run_fast_forward`` as a Ray task of one CPU, by replica index. The config goes to
+    the object store once; each task's samples are its own part's (a 1,000,000-request fleet is not sent whole to
+    each of its engines)."""
+    from kernelsight.loadgen.ray_cluster import connect_ray
+
+    ray = connect_ray(address, local_cpus)
+    remote = ray.remote(num_cpus=1)(_run_part)
+    config_ref = ray.put(config)
+    refs = {remote.remote(config_ref, [samples[i] for i in idx], [arrivals_s[i] for i in idx], conc,
+                          ignore_eos, record_timeline and r == 0): r
+            for r, idx in enumerate(parts) if idx}
+    done: dict[int, FastForwardResult] = {}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            res = done[refs[ref]] = ray.get(ref)
             if on_finished is not None:
                 on_finished(len(res.records))
     return done

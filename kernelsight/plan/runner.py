@@ -75,19 +75,9 @@ class RayExecutor:
     which alone writes the cache, so the cluster needs no shared file system."""
 
     def __init__(self, workload: PlanWorkload, address: str, workers: int | None = None) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise ValueError("--ray-address needs Ray: pip install 'kernelsight[cluster]' (or pip install ray)") \
-                from None
-        self._ray = ray
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"ignore_reinit_error": True, "log_to_driver": False}
-            if address == "local":
-                kwargs["num_cpus"] = workers or default_workers()
-            else:
-                kwargs["address"] = address
-            ray.init(**kwargs)
+        from kernelsight.loadgen.ray_cluster import connect_ray
+
+        self._ray = ray = connect_ray(address, workers or default_workers())
         self._wl = ray.put(workload)
         self._remote = ray.remote(num_cpus=1)(simulate_point)
 
