@@ -37,12 +37,17 @@ _CHILD = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
           "from kernelsight.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
+# One BLAS thread, and bytecode caches written: a PYTHONDONTWRITEBYTECODE=1 environment would have every run compile
+# its ~150 modules from source (~0.1 s more) instead of reading what the unmeasured warm-up run wrote, as an install does
+_ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def run_once(root: str, argv: list[str]) -> tuple[float, float]:
     """(wall s, CPU s) of one ``kernelsight`` process importing the package under ``root``."""
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", _CHILD, root, *argv], check=True, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    subprocess.run([sys.executable, "-c", _CHILD, root, *argv], check=True, stdout=subprocess.DEVNULL, env=_ENV)
     wall = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)

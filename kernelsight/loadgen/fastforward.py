@@ -15,17 +15,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.metrics import RequestRecord
-from kernelsight.loadgen.pd_stages import TTFTStages
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, build_engine
 from kernelsight.simcore.kernels import FAMILIES
 from kernelsight.simcore.spec_decode_step import spec_decode_summary
+
+if TYPE_CHECKING:    # a P/D run's stages: only loadgen/pd_fastforward.py makes them
+    from kernelsight.loadgen.pd_stages import TTFTStages
 
 #: Steps a decode window may cover at once (bounded so a window's linear attention ramp stays exact).
 MAX_WINDOW_STEPS = 256

@@ -13,11 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernelsight.argtypes import non_negative_int, positive_int, range_ratio, rate
 from kernelsight.loadgen.datasets import MOONCAKE_BLOCK_SIZE, SampleRequest
-from kernelsight.loadgen.sessions import SessionWorkload
+
+if TYPE_CHECKING:    # imported when --num-sessions asks for sessions
+    from kernelsight.loadgen.sessions import SessionWorkload
 
 __all__ = ["DATASETS", "Workload", "MetricOptions", "add_workload_args", "add_report_args", "build_workload",
            "metric_options", "result_header", "default_ignore_eos"]
