@@ -60,6 +60,58 @@ def test_sharegpt_shuffled_by_seed_and_oversampled(sharegpt_file):
     assert len(sharegpt_dataset(sharegpt_file, 10, TOK, seed=0, do_oversample=False)) == 3
 
 
+class _BatchTok(ByteTokenizer):
+    """The byte tokenizer with a batch encoder that counts its calls and texts."""
+
+    def __init__(self) -> None:
+        self.calls = self.texts = 0
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        self.calls += 1
+        self.texts += len(texts)
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+
+def test_sharegpt_tokenizes_in_chunks_and_picks_what_one_by_one_picks(tmp_path):
+    """The batched path keeps vLLM's rule exactly: the shuffled conversations in order, each kept if it passes the
+    filters, until --num-prompts; it tokenizes a few chunks, not one conversation at a time."""
+    rng = np.random.default_rng(4)
+    data = [_conv("p" * int(rng.integers(1, 1300)), "c" * int(rng.integers(1, 1300))) for _ in range(3000)]
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(data))
+
+    def one_by_one(n, seed, output_len=None):
+        out = []
+        for k in np.random.default_rng(seed).permutation(len(data)):
+            p, c = data[k]["conversations"][0]["value"], data[k]["conversations"][1]["value"]
+            n_out = output_len if output_len is not None else len(c)
+            if len(p) < 4 or (output_len is None and n_out < 4) or len(p) > 1024 or len(p) + n_out > 2048:
+                continue
+            out.append((len(p), n_out, p))
+            if len(out) == n:
+                break
+        return out
+
+    for n, seed, output_len in ((1, 0, None), (37, 1, None), (900, 2, None), (5000, 3, None), (400, 4, 700)):
+        tok = _BatchTok()
+        got = sharegpt_dataset(path, n, tok, seed, output_len=output_len, do_oversample=False)
+        assert [(x.prompt_len, x.expected_output_len, x.prompt) for x in got] == one_by_one(n, seed, output_len)
+        assert all(x.prompt_token_ids == TOK.encode(x.prompt) for x in got)
+        assert tok.calls <= 12 and (n > 1000 or tok.texts < 3 * n + 100), (n, tok.calls, tok.texts)
+
+
+def test_the_bundled_tokenizers_batch_encoder_gives_encodes_ids():
+    pytest.importorskip("transformers")
+    from kernelsight.loadgen.tokenizer import resolve_tokenizer
+
+    tok = resolve_tokenizer("meta-llama/Llama-3.1-8B", None)
+    texts = ["Hello, world!", "", "  two  spaces\n\nand lines", "naïve café ☕ 日本語", "a" * 3000,
+             "<|begin_of_text|> literal special"]
+    for special in (True, False):
+        assert tok.encode_batch(texts, add_special_tokens=special) == \
+            [tok.encode(t, add_special_tokens=special) for t in texts]
+
+
 def test_prefix_repetition_shares_prefixes():
     s = prefix_repetition_dataset(40, prefix_len=32, suffix_len=8, num_prefixes=4, output_len=5, vocab_size=1000,
                                   seed=3)

@@ -294,6 +294,17 @@ def oversample(samples: list[SampleRequest], num_prompts: int, seed: int) -> lis
     return samples + [samples[int(i)] for i in extra]
 
 
+def _encode_texts(tokenizer: _Encoder, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Each text's ids: in one call when the tokenizer has ``encode_batch`` (the same ids as ``encode``), else one by
+    one."""
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is not None:
+        return batch(texts, add_special_tokens=add_special_tokens)
+    if add_special_tokens:        # as the per-conversation loop called it: the tokenizer's own default
+        return [tokenizer.encode(t) for t in texts]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
 def sharegpt_dataset(path: str | os.PathLike, num_prompts: int, tokenizer: _Encoder, seed: int, *,
                      output_len: int | None = None, do_oversample: bool = True,
                      max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[SampleRequest]:
@@ -308,21 +319,34 @@ def sharegpt_dataset(path: str | os.PathLike, num_prompts: int, tokenizer: _Enco
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
     convs = [d["conversations"] for d in data
              if isinstance(d, dict) and isinstance(d.get("conversations"), list) and len(d["conversations"]) >= 2]
-    order = np.random.default_rng(seed).permutation(len(convs))
+    order = np.random.default_rng(seed).permutation(len(convs)).tolist()
     out: list[SampleRequest] = []
-    for k in order:
-        if len(out) >= num_prompts:
-            break
-        turns = convs[int(k)]
-        prompt, completion = str(turns[0].get("value", "")), str(turns[1].get("value", ""))
-        ids = tokenizer.encode(prompt)
-        n_out = output_len if output_len is not None else len(tokenizer.encode(completion, add_special_tokens=False))
-        if len(ids) < 4 or (output_len is None and n_out < 4):
-            continue
-        if len(ids) > max_prompt_len or len(ids) + n_out > max_total_len:
-            continue
-        out.append(SampleRequest(prompt_token_ids=ids, prompt_len=len(ids), expected_output_len=n_out,
-                                 prompt=prompt))
+    pos = 0
+    while len(out) < num_prompts and pos < len(order):
+        # The conversations are taken in the shuffled order, as one by one, but tokenized a chunk at a time (one
+        # call into the tokenizer's batch encoder): a chunk as large as what is still missing at the pass rate so
+        # far, so at most one chunk's tail is tokenized for nothing.
+        need = num_prompts - len(out)
+        size = need if not out else -(-need * pos // len(out))
+        chunk = [convs[k] for k in order[pos:pos + max(size, 16)]]
+        pos += len(chunk)
+        prompts = [str(turns[0].get("value", "")) for turns in chunk]
+        prompt_ids = _encode_texts(tokenizer, prompts, True)
+        # a completion is counted only when its prompt could pass (a prompt too short or too long fails either way)
+        fit = [i for i, ids in enumerate(prompt_ids) if 4 <= len(ids) <= max_prompt_len]
+        n_outs: dict[int, int] = {}
+        if output_len is None:
+            completions = _encode_texts(tokenizer, [str(chunk[i][1].get("value", "")) for i in fit], False)
+            n_outs = {i: len(ids) for i, ids in zip(fit, completions, strict=True)}
+        for i in fit:
+            ids = prompt_ids[i]
+            n_out = output_len if output_len is not None else n_outs[i]
+            if (output_len is None and n_out < 4) or len(ids) + n_out > max_total_len:
+                continue
+            out.append(SampleRequest(prompt_token_ids=ids, prompt_len=len(ids), expected_output_len=n_out,
+                                     prompt=prompts[i]))
+            if len(out) >= num_prompts:
+                break
     if not out:
         raise ValueError(f"{path}: no conversation passed the ShareGPT length filters")
     return oversample(out, num_prompts, seed) if do_oversample else out

@@ -55,6 +55,10 @@ class LocalTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, in one call (datasets tokenize thousands of prompts)."""
+        return self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 

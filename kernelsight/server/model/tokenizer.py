@@ -67,6 +67,13 @@ class ServerTokenizer:
             return [b + 1 for b in text.encode("utf-8")]   # 0 is kept free as a "BOS"
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, through one call into the fast tokenizer's batch encoder (no per-text Python
+        round trip; the same ids)."""
+        if self.hf is None or not texts:
+            return [self.encode(t, add_special_tokens) for t in texts]
+        return [list(ids) for ids in self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.hf is None:
             return bytes(i - 1 for i in ids if 1 <= i <= 256).decode("utf-8", errors="replace")
