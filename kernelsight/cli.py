@@ -43,7 +43,11 @@ def build_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-processes", type=_processes, default=1, metavar="P|auto",
                    help="run the --replicas engines in P worker processes, so that a fleet uses several cores (the "
                         "result is the one process's, bit for bit); auto: one per usable CPU, at most one per replica "
-                        "(default: 1, every engine in this process)")
+                        "(default: 1, every engine in this process). With one replica and -dp N of a dense model in "
+                        "an open loop (no --max-concurrency, --timeline, --plot, speculative decoding or KV "
+                        "offloading), the group's ranks instead, each running alone from one 100 ms router refresh "
+                        "to the next (same result); a MoE group's lockstep forbids it (every forward pass is a "
+                        "group collective), so such a group runs in one process")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="run the --replicas engines as Ray tasks instead, one CPU each (auto, ray://HOST:10001, or "
                         "local: a Ray instance on this machine with --replica-processes CPUs, every usable CPU when "
@@ -132,6 +136,14 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         res = run_pd(config, samples, wl.arrivals_s, *pd, link=kv_link_from(ns, config.hardware),
                      max_concurrency=ns.max_concurrency, ignore_eos=wl.ignore_eos,
                      on_finished=bar.update if bar.enabled else None)
+    elif ns.replicas == 1 and ns.replica_processes != 1 and config.args.data_parallel_size > 1 and _dp_split(
+            config, ns.max_concurrency, ns.timeline is not None or ns.plot is not None):
+        from kernelsight.loadgen.dp_processes import run_group_in_processes
+        from kernelsight.loadgen.fastforward import replica_workers
+
+        res = run_group_in_processes(config, samples, wl.arrivals_s, wl.ignore_eos,
+                                     replica_workers(ns.replica_processes),
+                                     on_finished=bar.update if bar.enabled else None)
     else:
         res = run_replicas(config, samples, wl.arrivals_s, ns.replicas, max_concurrency=ns.max_concurrency,
                            ignore_eos=wl.ignore_eos, record_timeline=ns.timeline is not None or ns.plot is not None,
@@ -221,6 +233,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
                         summary=summary, timeline=timeline)
         print(f"wrote {ns.plot}")
     return 0
+
+
+def _dp_split(config: Any, max_concurrency: int | None, record_timeline: bool) -> bool:
+    from kernelsight.loadgen.dp_processes import supports
+
+    return supports(config, max_concurrency, record_timeline)
 
 
 def _pd_split(ns: argparse.Namespace, config: Any) -> tuple[int, int] | None:
