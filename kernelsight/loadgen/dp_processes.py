@@ -117,27 +117,40 @@ class _Rank:
                 "queries": e.kv.prefix_queries_tokens}
 
 
+class _Ranks:
+    """Some ranks of the group, run one after the other in this process."""
+
+    def __init__(self, config: EngineConfig, ranks: list[int], times: list[float], order: list[int],
+                 samples: Sequence[SampleRequest], ignore_eos: bool) -> None:
+        group = build_dp_group(config, per_token_events=False)
+        self.ranks = {r: _Rank(group.engines[r], r, times, order, samples, ignore_eos) for r in ranks}
+
+    def go(self, assignments: list[tuple[int, int]], stop: int | None) -> tuple[int, dict[int, Any]]:
+        """Route the assignments (position → rank) to these ranks and run them to ``stop``: their finished requests
+        and (waiting, running) counts, or with ``stop`` None (the end) their results."""
+        mine = self.ranks
+        for pos, r in assignments:
+            if r in mine:
+                mine[r].mine.add(pos)
+        finished = sum(rk.advance(stop) for rk in mine.values())
+        if stop is None:
+            return finished, {r: rk.result() for r, rk in mine.items()}
+        return finished, {r: (rk.engine.num_waiting, rk.engine.num_running) for r, rk in mine.items()}
+
+
 def _worker(conn: Any, config: EngineConfig, ranks: list[int], times: list[float], order: list[int],
             samples: Sequence[SampleRequest], ignore_eos: bool) -> None:
-    """Serves ``("go", assignments, stop)`` messages: routes the assignments (position → rank) to its ranks, runs
-    them to ``stop`` and answers their (waiting, running) counts and finished requests; ``stop`` None ends the run
-    and answers each rank's result."""
+    """Serves ``(assignments, stop)`` messages for its ranks (``_Ranks.go``) until ``stop`` is None."""
     import gc
 
     gc.disable()      # as run_fast_forward: many small objects, no cycles that outlive a step
     try:
-        group = build_dp_group(config, per_token_events=False)
-        mine = {r: _Rank(group.engines[r], r, times, order, samples, ignore_eos) for r in ranks}
+        local = _Ranks(config, ranks, times, order, samples, ignore_eos)
         while True:
             assignments, stop = conn.recv()
-            for pos, r in assignments:
-                if r in mine:
-                    mine[r].mine.add(pos)
-            finished = sum(rk.advance(stop) for rk in mine.values())
+            conn.send(local.go(assignments, stop))
             if stop is None:
-                conn.send((finished, {r: rk.result() for r, rk in mine.items()}))
                 return
-            conn.send((finished, {r: (rk.engine.num_waiting, rk.engine.num_running) for r, rk in mine.items()}))
     except BaseException as exc:         # the parent re-raises it: a worker never hangs the run
         conn.send(("error", repr(exc)))
         raise
@@ -149,7 +162,8 @@ def run_group_in_processes(config: EngineConfig, samples: Sequence[SampleRequest
                            ignore_eos: bool, workers: int,
                            on_finished: Callable[[int], None] | None = None) -> FastForwardResult:
     """``fastforward._run_group``'s result for an open-loop dense ``-dp N`` run, its ranks spread over ``workers``
-    processes (contiguous groups of ranks)."""
+    processes (contiguous groups of ranks; this process runs the first group while the others run theirs)."""
+    import gc
     wall0 = time.perf_counter()
     size = config.args.data_parallel_size
     workers = max(1, min(workers, size))
@@ -158,7 +172,7 @@ def run_group_in_processes(config: EngineConfig, samples: Sequence[SampleRequest
     per = [list(range(size))[w * size // workers:(w + 1) * size // workers] for w in range(workers)]
     ctx = mp.get_context("fork")      # the workers inherit the samples instead of unpickling them
     pipes, procs = [], []
-    for ranks in per:
+    for ranks in per[1:]:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker, args=(child, config, ranks, times, order, samples, ignore_eos), daemon=True)
         p.start()
@@ -166,11 +180,14 @@ def run_group_in_processes(config: EngineConfig, samples: Sequence[SampleRequest
         pipes.append(parent)
         procs.append(p)
 
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    local = _Ranks(config, per[0], times, order, samples, ignore_eos)
+
     def exchange(assignments: list[tuple[int, int]], stop: int | None) -> dict[int, Any]:
         for conn in pipes:
             conn.send((assignments, stop))
-        out: dict[int, Any] = {}
-        finished = 0
+        finished, out = local.go(assignments, stop)
         for conn in pipes:
             msg = conn.recv()
             if msg[0] == "error":
@@ -200,6 +217,8 @@ def run_group_in_processes(config: EngineConfig, samples: Sequence[SampleRequest
             j = k
         results = exchange(assignments, None)
     finally:
+        if gc_was_enabled:
+            gc.enable()
         for conn in pipes:
             conn.close()
         for p in procs:
