@@ -214,3 +214,29 @@ def test_format_table_alignment():
     assert out[3].split() == ["longer", "123.46"]
     # Numbers right-aligned: the decimal columns end at the same offset.
     assert out[2].index("1.50") + 4 == out[3].index("123.46") + 6
+
+
+def test_order_stats_are_numpys_median_and_percentiles_bit_for_bit():
+    """One partition gives np.median and np.percentile's values exactly (odd and even sizes, ties, one element, the
+    0th and 100th percentiles, integer and fractional ones, NaN), leaves the input as it was, and a report no longer
+    imports numpy.ma for them."""
+    import subprocess
+    import sys
+
+    from kernelsight.loadgen.metrics import order_stats
+
+    rng = np.random.default_rng(7)
+    ps = [0, 1, 25, 50, 90, 99, 99.9, 99.99, 100, 33.3]
+    for n in (1, 2, 3, 4, 5, 10, 11, 101, 1000, 1001, 65536, 65537):
+        for x in (rng.random(n), rng.exponential(0.01, n) + 1e3, np.round(rng.random(n), 2), np.full(n, 0.1)):
+            before = x.copy()
+            med, pcts = order_stats(x, ps)
+            assert med == float(np.median(x)) and pcts == [float(np.percentile(x, p)) for p in ps], n
+            assert np.array_equal(x, before)
+    med, pcts = order_stats(np.array([1.0, np.nan, 3.0, 2.0]), [50])
+    assert np.isnan(med) and np.isnan(pcts[0])
+    probe = ("import sys, numpy as np; from kernelsight.loadgen.metrics import compute_bench_metrics, RequestRecord; "
+             "compute_bench_metrics([RequestRecord(True, 5, 3, 0.1, np.array([0.01, 0.02]), 0.13)], 1.0, "
+             "percentiles=(50, 99.9)); print('numpy.ma' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"
