@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import needs_shared
 
@@ -54,6 +55,23 @@ def test_random_body_is_consecutive_ids_mod_vocab():
     for r in reqs:
         ids = r.prompt_token_ids
         assert all((ids[k + 1] - ids[k]) % 17 == 1 for k in range(len(ids) - 1))
+
+
+def test_random_ids_are_the_formula_in_half_the_memory():
+    """Each body is (offset_i + i + j) mod V after the prefix, whatever the array's width: ids in 4-byte ints (a
+    1,000,000-request fleet's prompts in half the memory), the same values an int64 build gives, the prompt list
+    the array's values."""
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(0, 5000, size=24)
+    lens = rng.integers(math.floor(40 * 0.5), math.ceil(40 * 1.5) + 1, size=300)
+    rng.integers(2, 9, size=300)                                # output lengths: drawn, not needed here
+    offsets = rng.integers(0, 5000, size=300)
+    assert np.array_equal(prefix, np.random.default_rng(11).integers(0, 5000, size=24))
+    reqs = random_dataset(300, 40, 5, 0.5, 5000, seed=11, prefix_len=24)
+    for i, r in enumerate(reqs):
+        assert r.token_array.dtype == np.int32
+        body = [(int(offsets[i]) + i + j) % 5000 for j in range(int(lens[i]))]
+        assert r.prompt_token_ids == [int(t) for t in prefix] + body == r.token_array.tolist()
 
 
 def test_random_shared_prefix_in_all_prompts():

@@ -42,7 +42,7 @@ class SampleRequest:
     """One request of a workload: its prompt (ids and/or text), lengths and, for traces, its own arrival offset.
 
     ``prompt_token_ids``: exact ids when known (trace with input_tok_ids, random). ``token_array``: the same ids as an
-    int64 array when the dataset built them that way: the simulator hashes prompt blocks with numpy, and converting
+    integer array when the dataset built them that way: the simulator hashes prompt blocks with numpy, and converting
     10,000 long Python lists would cost it more than the rest of a step. A sample made by ``from_array`` keeps only
     the array and makes the list the first time ``prompt_token_ids`` is read (``kernelsight simulate`` never does).
     """
@@ -152,15 +152,18 @@ def random_dataset(
 
     # Request i's body is consecutive ids from a per-request offset, (offsets[i] + i + j) % vocab_size for j <
     # input_lens[i] (cheap, and distinct bodies across requests), after the shared prefix: built for every request at
-    # once in one flat int64 array, each request's prompt a view of its own stretch.
+    # once in one flat array, each request's prompt a view of its own stretch.
     seg_lens = input_lens.astype(np.int64) + prefix_len
     ends = np.cumsum(seg_lens)
     total = int(ends[-1]) if num_prompts else 0
     seg_starts = ends - seg_lens
+    # int32 when every running value below fits (always, but for absurd sizes): half the memory of a
+    # 1,000,000-request fleet's prompts, and the same ids (the simulator hashes them as uint64 values)
+    dtype = np.int32 if vocab_size + num_prompts + int(in_high) + prefix_len < 2**31 else np.int64
     # flat[seg_starts[i] + p] = base[i] + p (mod vocab_size) for p ≥ prefix_len, built in place as the running sum of
     # its steps (1 within a prompt, the jump to the next prompt's base at its start): one array of the total size
     base = offsets.astype(np.int64) + np.arange(num_prompts, dtype=np.int64) - prefix_len
-    flat = np.ones(total, dtype=np.int64)
+    flat = np.ones(total, dtype=dtype)
     if num_prompts:
         flat[0] = base[0]
         flat[seg_starts[1:]] = base[1:] - base[:-1] - seg_lens[:-1] + 1
@@ -169,7 +172,7 @@ def random_dataset(
     if prefix_len:
         pos = np.arange(total, dtype=np.int64) - np.repeat(seg_starts, seg_lens)    # position within the prompt
         in_prefix = pos < prefix_len
-        flat[in_prefix] = prefix.astype(np.int64)[pos[in_prefix]]
+        flat[in_prefix] = prefix.astype(dtype)[pos[in_prefix]]
     out_lens = output_lens.tolist()
     starts, stops = seg_starts.tolist(), ends.tolist()
     return [SampleRequest.from_array(flat[a:b], n) for a, b, n in zip(starts, stops, out_lens, strict=True)]
