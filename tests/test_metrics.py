@@ -240,3 +240,22 @@ def test_order_stats_are_numpys_median_and_percentiles_bit_for_bit():
              "percentiles=(50, 99.9)); print('numpy.ma' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "False"
+
+
+def test_peak_output_rate_is_the_same_whatever_the_stamp_chunks(monkeypatch):
+    """_peak_rates bins the chunk stamps a slice of requests at a time (bounded memory): slices of one request, a few
+    or all of them give the same peak, and the peak counts every token-bearing chunk of the busiest second."""
+    from kernelsight.loadgen import metrics
+
+    rng = np.random.default_rng(3)
+    recs = []
+    for i in range(300):
+        itl = rng.exponential(0.02, int(rng.integers(0, 40)))
+        ttft = float(rng.exponential(0.1))
+        recs.append(RequestRecord(True, 10, itl.size + 1, ttft, itl, ttft + float(itl.sum()), start_s=i * 0.01))
+    peaks = []
+    for n in (1, 7, 4096):
+        monkeypatch.setattr(metrics, "_STAMP_REQUESTS", n)
+        peaks.append(compute_bench_metrics(recs, 10.0)["max_output_tokens_per_s"])
+    stamps = np.concatenate([r.start_s + r.ttft_s + np.concatenate(([0.0], np.cumsum(r.itl_s))) for r in recs])
+    assert peaks == [float(np.bincount(np.floor(stamps).astype(int)).max())] * 3
