@@ -181,12 +181,12 @@ def run_group_in_processes(config: EngineConfig, samples: Sequence[SampleRequest
         procs.append(p)
 
     gc_was_enabled = gc.isenabled()
-    gc.disable()
-    local = _Ranks(config, per[0], times, order, samples, ignore_eos)
+    local: _Ranks | None = None
 
     def exchange(assignments: list[tuple[int, int]], stop: int | None) -> dict[int, Any]:
         for conn in pipes:
             conn.send((assignments, stop))
+        assert local is not None
         finished, out = local.go(assignments, stop)
         for conn in pipes:
             msg = conn.recv()
@@ -199,6 +199,8 @@ def run_group_in_processes(config: EngineConfig, samples: Sequence[SampleRequest
         return out
 
     try:
+        gc.disable()
+        local = _Ranks(config, per[0], times, order, samples, ignore_eos)
         n = len(times)
         assignments: list[tuple[int, int]] = []
         j = 0
