@@ -32,13 +32,16 @@ WORKLOADS = {
 }
 TARGET_WALL_S = {"startup": 0.4, "sim10k": 1.0}
 # the tree's package first on sys.path, the editable install's finder (which answers for the installed tree) dropped
+# (the tree's console-script entry, kernelsight/__main__.py's main, where it has one; else the CLI's main)
 _CHILD = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-          "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-          "from kernelsight.cli import main; sys.exit(main(sys.argv[1:]))")
+          "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+          "try:\n    from kernelsight.__main__ import main\n"
+          "except ImportError:\n    from kernelsight.cli import main\n"
+          "sys.exit(main(sys.argv[1:]))")
 
 
-# One BLAS thread, and bytecode caches written: a PYTHONDONTWRITEBYTECODE=1 environment would have every run compile
-# its ~150 modules from source (~0.1 s more) instead of reading what the unmeasured warm-up run wrote, as an install does
+# One BLAS thread, and bytecode caches written: under PYTHONDONTWRITEBYTECODE=1 every run would compile its ~150
+# modules from source (~0.1 s more) instead of reading what the unmeasured warm-up run wrote, as an install does
 _ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

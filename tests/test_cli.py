@@ -203,3 +203,34 @@ def test_main_builds_the_named_subcommand_alone_and_every_one_for_help():
     assert choices(build_parser("simulate")) == ["simulate"]
     assert choices(build_parser())[:4] == ["simulate", "validate", "plan", "profiles"]
     assert {"bench", "calibrate", "predict"} <= set(choices(build_parser()))
+
+
+def test_the_console_entry_runs_a_simulate_without_the_cyclic_gc_and_keeps_it_for_the_rest(monkeypatch):
+    """``kernelsight`` (the console script, ``python -m kernelsight``) turns the collector off for a one-shot
+    ``simulate`` and freezes its objects at the end; every other command (serve and bench run for hours) keeps it."""
+    import gc
+    import tomllib
+    from pathlib import Path
+
+    import kernelsight.__main__ as entry
+    import kernelsight.cli
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["kernelsight"] == "kernelsight.__main__:main"
+    seen = []
+    monkeypatch.setattr(kernelsight.cli, "main", lambda argv: seen.append((argv[0], gc.isenabled())) or 0)
+    try:
+        assert entry.main(["simulate", "--num-prompts", "3"]) == 0
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        for cmd in ("serve", "bench", "plan", "profiles"):
+            assert entry.main([cmd]) == 0
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert seen == [("simulate", False), ("serve", True), ("bench", True), ("plan", True), ("profiles", True)]
+    out = subprocess.run([sys.executable, "-m", "kernelsight", "simulate", "--num-prompts", "3", "--random-input-len",
+                          "32", "--random-output-len", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Successful requests:" in out.stdout
