@@ -107,7 +107,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     def tokenizer() -> Any:      # only the text datasets need one (its module imports urllib)
         from kernelsight.loadgen.tokenizer import resolve_tokenizer
 
-        return resolve_tokenizer(ns.model, ns.tokenizer)
+        # ShareGPT only counts tokens: a bundled family's bare tokenizer does it without importing transformers
+        return resolve_tokenizer(ns.model, ns.tokenizer, encode_only=ns.dataset_name == "sharegpt")
 
     wl = build_workload(ns, config.model.vocab_size, tokenizer, max_context=config.scheduler.max_model_len)
     samples = wl.samples

@@ -100,16 +100,40 @@ def test_sharegpt_tokenizes_in_chunks_and_picks_what_one_by_one_picks(tmp_path):
         assert tok.calls <= 12 and (n > 1000 or tok.texts < 3 * n + 100), (n, tok.calls, tok.texts)
 
 
-def test_the_bundled_tokenizers_batch_encoder_gives_encodes_ids():
-    pytest.importorskip("transformers")
-    from kernelsight.loadgen.tokenizer import resolve_tokenizer
+_TEXTS = ["Hello, world!", "", "  two  spaces\n\nand lines", "naïve café ☕ 日本語", "a" * 3000, " leading space",
+          "<|begin_of_text|> literal <s> </s> <unk> <|endoftext|> <|im_start|> specials", "tab\there 🤖 3.14159"]
 
-    tok = resolve_tokenizer("meta-llama/Llama-3.1-8B", None)
-    texts = ["Hello, world!", "", "  two  spaces\n\nand lines", "naïve café ☕ 日本語", "a" * 3000,
-             "<|begin_of_text|> literal special"]
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B", "mistralai/Mixtral-8x7B-Instruct-v0.1"])
+def test_the_bundled_tokenizers_batch_and_bare_encoders_give_the_servers_ids(model):
+    """The server's tokenizer one text at a time, its batch encoder, and the bare family tokenizer ShareGPT counts
+    with (no transformers import) give the same ids, BOS or not (a tiktoken and a sentencepiece family)."""
+    pytest.importorskip("transformers")
+    from kernelsight.loadgen.tokenizer import EncoderTokenizer, LocalTokenizer, resolve_tokenizer
+
+    tok = resolve_tokenizer(model, None)
+    bare = resolve_tokenizer(model, None, encode_only=True)
+    assert isinstance(tok, LocalTokenizer) and isinstance(bare, EncoderTokenizer)
+    assert bare.vocab_size == tok.vocab_size
     for special in (True, False):
-        assert tok.encode_batch(texts, add_special_tokens=special) == \
-            [tok.encode(t, add_special_tokens=special) for t in texts]
+        one_by_one = [tok.encode(t, add_special_tokens=special) for t in _TEXTS]
+        assert tok.encode_batch(_TEXTS, add_special_tokens=special) == one_by_one
+        assert bare.encode_batch(_TEXTS, add_special_tokens=special) == one_by_one
+        assert [bare.encode(t, add_special_tokens=special) for t in _TEXTS] == one_by_one
+
+
+def test_a_sharegpt_simulate_counts_tokens_without_importing_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([_conv("Tell me about the weather in Paris today.", "It is sunny and warm.")] * 3))
+    probe = ("import sys; from kernelsight.cli import main; "
+             f"rc = main(['simulate', '--dataset-name', 'sharegpt', '--dataset-path', {str(path)!r}, "
+             "'--num-prompts', '3']); print(rc, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert out.strip().splitlines()[-1] == "0 False"
 
 
 def test_prefix_repetition_shares_prefixes():

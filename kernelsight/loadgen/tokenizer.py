@@ -17,7 +17,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-__all__ = ["ClientTokenizer", "ByteTokenizer", "RemoteTokenizer", "LocalTokenizer", "resolve_tokenizer"]
+__all__ = ["ClientTokenizer", "ByteTokenizer", "RemoteTokenizer", "LocalTokenizer", "EncoderTokenizer",
+           "resolve_tokenizer"]
 
 DEFAULT_VOCAB_SIZE = 32000
 
@@ -63,6 +64,25 @@ class LocalTokenizer:
         return self._tok.decode(list(ids))
 
 
+class EncoderTokenizer:
+    """A bundled family's bare ``tokenizers.Tokenizer`` (``bundled_encoder``), for datasets that only count tokens:
+    the ids ``LocalTokenizer`` gives, without importing transformers."""
+
+    def __init__(self, tok: Any, name: str) -> None:
+        self._tok = tok
+        self.name = name
+        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
 class RemoteTokenizer:
     """The benchmarked server's ``/tokenize`` and ``/detokenize`` (blocking; used while building datasets)."""
 
@@ -101,18 +121,24 @@ def _profile_vocab_size(model: str) -> int | None:
 
 
 def resolve_tokenizer(model: str, tokenizer: str | None = None, *, base_url: str | None = None,
-                      model_root: str | None = None, headers: dict[str, str] | None = None) -> ClientTokenizer:
+                      model_root: str | None = None, headers: dict[str, str] | None = None,
+                      encode_only: bool = False) -> ClientTokenizer:
     """The first tokenizer that works for ``model`` (see the module doc for the order).
 
     ``model_root`` is the ``root`` field of ``/v1/models`` (the real model path behind a served alias).
+    ``encode_only`` (a dataset that only counts tokens, e.g. ShareGPT's): where the choice is a bundled family, its
+    bare tokenizer (``EncoderTokenizer``: the same ids, no transformers import, ~1 s less) instead of the server's.
     """
     try:
-        from kernelsight.server.model.tokenizer import load_tokenizer
+        from kernelsight.server.model.tokenizer import bundled_encoder, load_tokenizer
     except ImportError:  # the server extra is not installed
         load_tokenizer = None  # type: ignore[assignment]
     if load_tokenizer is not None:
         for name in dict.fromkeys(n for n in (model, model_root) if n):
             vocab = _profile_vocab_size(name) or 0
+            enc = bundled_encoder(name, tokenizer, vocab) if encode_only else None
+            if enc is not None:
+                return EncoderTokenizer(enc, f"bundled:{tokenizer or name}")
             tok = load_tokenizer(name, tokenizer, vocab)
             if not tok.is_fallback:
                 return LocalTokenizer(tok, f"{tok.source.kind}:{tok.source.where}")

@@ -301,6 +301,20 @@ def load_bundled(name: str, instruct: bool = False) -> Any:
         return _load_bundled(name, instruct)
 
 
+def load_encoder(name: str) -> Any:
+    """The family's built tokenizer as a bare ``tokenizers.Tokenizer``: the same ids as :func:`load_bundled`'s (the
+    transformers tokenizer wraps this one), without importing transformers, for what only counts tokens."""
+    with _LOAD_LOCK:
+        return _load_encoder(name)
+
+
+@functools.cache
+def _load_encoder(name: str) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(built_tokenizer_file(families()[name])))
+
+
 @functools.cache
 def _load_bundled(name: str, instruct: bool) -> Any:
     from transformers import PreTrainedTokenizerFast

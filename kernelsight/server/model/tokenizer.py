@@ -156,9 +156,13 @@ class ServerTokenizer:
         return self._pool_text[k]
 
 
+def _has_tokenizer_files(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
+                                                "tokenizer_config.json"))
+
+
 def _hf_tokenizer_from_dir(path: Path) -> Any | None:
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
-                                                 "tokenizer_config.json")):
+    if not _has_tokenizer_files(path):
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -180,6 +184,20 @@ def _local_dir(name: str) -> Path | None:
     if cfg is not None and cfg.parent.is_dir():
         return cfg.parent
     return None
+
+
+def bundled_encoder(model: str, tokenizer: str | None = None, vocab_size: int = 0) -> Any | None:
+    """The bare ``tokenizers.Tokenizer`` of the bundled family ``load_tokenizer`` would pick for ``model`` (or
+    ``tokenizer``), when it would pick one: None when either names a local directory with tokenizer files (that
+    directory's tokenizer comes first) or no family matches. Encoding only, without importing transformers (~1 s)."""
+    for name in ([tokenizer] if tokenizer else []) + [model]:
+        d = _local_dir(name)
+        if d is not None and _has_tokenizer_files(d):     # load_tokenizer tries that directory first
+            return None
+    from kernelsight.server.model import bundled_tokenizer
+
+    fam = bundled_tokenizer.family_for(tokenizer or model, vocab_size)
+    return None if fam is None else bundled_tokenizer.load_encoder(fam.name)
 
 
 @functools.cache
