@@ -36,6 +36,16 @@ class BlockPool:
         self.ref_cnt[0] = 1
         self.block_hash = np.zeros(num_blocks, dtype=np.uint64)   # 0 = holds no cached content
         self.cached: dict[int, int] = {}                            # hash -> block (validated on lookup)
+        # Registrations by chain root (a request's first block hash) not yet in ``cached``: a chain enters the map
+        # when its root is first looked up, so a prompt nobody shares never pays its ~60 dict inserts. Exact: a
+        # lookup walks a chain from its root, and a root's keys are either all pending or all in ``cached``
+        # (``_roots_in_map`` holds at least every root with a key there). ``_num_pending`` keeps
+        # len(cached) + pending keys equal to what len(cached) would be with every registration applied, so the
+        # stale-entry sweep runs at the same moments.
+        self._pending: dict[int, list] = {}       # root -> [owner, end block index, [(blocks, hashes), ...]]
+        self._num_pending = 0
+        self._roots_in_map: set[int] = set()
+        self.block_root = np.zeros(num_blocks, dtype=np.uint64)    # the chain root a cached block was registered under
         self._free_seg = np.zeros(num_blocks, dtype=np.int64)      # segment holding the live free entry
         self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0]])  # [id, blocks, next]
         self._next_segment = 1
@@ -160,19 +170,62 @@ class BlockPool:
         """The block holding content hash h, if any (stale map entries are dropped here)."""
         b = self.cached.get(h)
         if b is None:
-            return None
+            if h not in self._pending:
+                return None
+            self._flush_root(h)
+            b = self.cached.get(h)
+            if b is None:
+                return None
         if self.block_hash[b] != h:
             del self.cached[h]
             return None
         return b
 
-    def register(self, blocks: list[int], hashes: list[int]) -> None:
-        """Record freshly filled blocks in the prefix cache."""
-        self.block_hash[np.array(blocks, dtype=np.int64)] = np.array(hashes, dtype=np.uint64)
-        self.cached.update(zip(hashes, blocks, strict=True))
-        if len(self.cached) > 8 * self.num_blocks + 4096:   # drop stale entries now and then
+    def register(self, blocks: list[int], hashes: list[int], root: int | None = None, owner: object = None,
+                 first_index: int = 0) -> None:
+        """Record freshly filled blocks in the prefix cache.
+
+        With ``root`` (the first block hash of the chain the blocks continue, ``hashes`` its blocks
+        ``first_index``.. of request ``owner``), the map entries wait until that root is looked up: lookups must
+        then walk the chain from its root, as a prefix-cache query does."""
+        idx = np.array(blocks, dtype=np.int64)
+        self.block_hash[idx] = np.array(hashes, dtype=np.uint64)
+        if root is None:
+            self.block_root[idx] = 0
+            self.cached.update(zip(hashes, blocks, strict=True))
+        else:
+            self.block_root[idx] = root
+            pend = self._pending.get(root)
+            end = first_index + len(hashes)
+            if pend is not None and pend[0] is owner and first_index >= pend[1]:
+                pend[1] = end                 # the same request's next blocks: keys unseen so far
+                pend[2].append((blocks, hashes))
+                self._num_pending += len(hashes)
+            elif pend is None and root not in self._roots_in_map:
+                self._pending[root] = [owner, end, [(blocks, hashes)]]
+                self._num_pending += len(hashes)
+            else:                             # another request's blocks under this root: keys may repeat
+                if pend is not None:
+                    self._flush_root(root)
+                self._roots_in_map.add(root)
+                self.cached.update(zip(hashes, blocks, strict=True))
+        if len(self.cached) + self._num_pending > 8 * self.num_blocks + 4096:   # drop stale entries now and then
             held = np.flatnonzero(self.block_hash)
             self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
+            self._pending.clear()
+            self._num_pending = 0
+            roots = set(self.block_root[held].tolist())
+            roots.discard(0)
+            self._roots_in_map = roots
+
+    def _flush_root(self, root: int) -> None:
+        """A root's pending registrations enter the map, in registration order."""
+        _, _, chunks = self._pending.pop(root)
+        cached = self.cached
+        for blocks, hashes in chunks:
+            self._num_pending -= len(hashes)
+            cached.update(zip(hashes, blocks, strict=True))
+        self._roots_in_map.add(root)
 
     def _record_evictions(self, blocks: np.ndarray) -> None:
         """The reallocated blocks that held cached content, in allocation order, as one record (vLLM queues one
@@ -188,7 +241,11 @@ class BlockPool:
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         self.block_hash[:] = 0
+        self.block_root[:] = 0
         self.cached.clear()
+        self._pending.clear()
+        self._num_pending = 0
+        self._roots_in_map.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return True

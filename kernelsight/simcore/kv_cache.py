@@ -68,7 +68,7 @@ class KVCacheManager:
     def _register(self, req: Request, start: int, full: int) -> None:
         """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording)."""
         hashes = self._ensure_hashes(req, full)[start:full]
-        self.pool.register(req.block_ids[start:full], hashes)
+        self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req, start)
         events = self.pool.events
         if events is not None:
             tokens = self._known_tokens(req, start * self.block_size, full * self.block_size)
