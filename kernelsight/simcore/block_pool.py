@@ -47,7 +47,8 @@ class BlockPool:
         self._roots_in_map: set[int] = set()
         self.block_root = np.zeros(num_blocks, dtype=np.uint64)    # the chain root a cached block was registered under
         self._free_seg = np.zeros(num_blocks, dtype=np.int64)      # segment holding the live free entry
-        self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0]])  # [id, blocks, next]
+        # [id, blocks, next, the blocks as an index array (allocations from one segment index with its slice)]
+        self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0, np.arange(1, num_blocks)]])
         self._next_segment = 1
         self._dirty: set[int] = set()     # segments holding entries taken back by cache hits
         self.num_free_blocks = num_blocks - 1
@@ -63,7 +64,7 @@ class BlockPool:
         """The free queue in eviction order (for inspection; the hot paths never build it)."""
         out = []
         ref, fs = self.ref_cnt, self._free_seg
-        for sid, blocks, pos in self._segments:
+        for sid, blocks, pos, _ in self._segments:
             out += [b for b in blocks[pos:] if fs[b] == sid and ref[b] == 0]
         return out
 
@@ -71,29 +72,42 @@ class BlockPool:
         """Take the n least recently freed blocks (evicting their cached content). Caller checks n ≤ free."""
         if n <= 0:
             return []
-        segs, ref, fs, dirty = self._segments, self.ref_cnt, self._free_seg, self._dirty
-        out: list[int] = []
-        while len(out) < n:
-            seg = segs[0]
-            sid, blocks, pos = seg
-            take = blocks[pos:pos + (n - len(out))]
-            seg[2] = pos + len(take)
-            if seg[2] >= len(blocks):
+        segs, ref, dirty = self._segments, self.ref_cnt, self._dirty
+        seg = segs[0]
+        sid, blocks, pos, seg_arr = seg
+        end = pos + n
+        if sid not in dirty and end <= len(blocks):
+            # the common case: one segment, every entry live (no block of it was taken back by a cache hit)
+            out = blocks[pos:end]
+            if end >= len(blocks):
                 segs.popleft()
-            if sid in dirty:
-                arr = np.array(take, dtype=np.int64)
-                take = arr[(fs[arr] == sid) & (ref[arr] == 0)].tolist()
-            # else no block of the segment was taken back by a cache hit: every entry is live (as in allocate_one)
-            out += take
-        if n <= _SCALAR_MAX and self.events is None:
-            # a few blocks (the decode group's needs of a step): scalar writes cost less than building an index array
-            bh = self.block_hash
-            for b in out:
-                ref[b] = 1
-                bh[b] = 0
-            self.num_free_blocks -= n
-            return out
-        arr = np.array(out, dtype=np.int64)
+            else:
+                seg[2] = end
+            if n <= _SCALAR_MAX and self.events is None:
+                # a few blocks (the decode group's needs of a step): scalar writes cost less than an index array
+                bh = self.block_hash
+                for b in out:
+                    ref[b] = 1
+                    bh[b] = 0
+                self.num_free_blocks -= n
+                return out
+            arr = seg_arr[pos:end]
+        else:
+            fs = self._free_seg
+            out = []
+            while len(out) < n:
+                seg = segs[0]
+                sid, blocks, pos = seg[0], seg[1], seg[2]
+                take = blocks[pos:pos + (n - len(out))]
+                seg[2] = pos + len(take)
+                if seg[2] >= len(blocks):
+                    segs.popleft()
+                if sid in dirty:
+                    arr = np.array(take, dtype=np.int64)
+                    take = arr[(fs[arr] == sid) & (ref[arr] == 0)].tolist()
+                # else no block of the segment was taken back by a cache hit: every entry is live
+                out += take
+            arr = np.array(out, dtype=np.int64)
         ref[arr] = 1
         if self.events is not None:
             self._record_evictions(arr)
@@ -106,7 +120,7 @@ class BlockPool:
         segs = self._segments
         while segs:
             seg = segs[0]
-            sid, blocks, pos = seg
+            sid, blocks, pos = seg[0], seg[1], seg[2]
             n = len(blocks)
             if sid not in self._dirty:
                 # no block of this segment was taken back by a cache hit: every remaining entry is live
@@ -153,7 +167,7 @@ class BlockPool:
         ref = self.ref_cnt
         left = ref[arr] - 1
         ref[arr] = left
-        if left.any():                  # shared blocks stay held: only the last reference frees a block
+        if np.count_nonzero(left):      # shared blocks stay held: only the last reference frees a block
             zeros = arr[left == 0]
             if not zeros.size:
                 return
@@ -163,7 +177,7 @@ class BlockPool:
         sid = self._next_segment
         self._next_segment += 1
         self._free_seg[zeros] = sid
-        self._segments.append([sid, freed, 0])
+        self._segments.append([sid, freed, 0, zeros])
         self.num_free_blocks += len(freed)
 
     def lookup(self, h: int) -> int | None:

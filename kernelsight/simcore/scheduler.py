@@ -295,6 +295,22 @@ class Scheduler:
         while steps and steps[0] <= last_step:
             due = steps[0]
             bucket = dues[due]
+            if not one_by_one and len(takers) + len(bucket) <= free:
+                # every need of this step is met: its live entries move on to their next block's step at once
+                heapq.heappop(steps)
+                del dues[due]
+                live = [e for e in bucket if e[2].decode_join_step == e[1] and e[2].status is running]
+                if live:
+                    live.sort()            # admission order within a step (seq_no is unique per live need)
+                    takers += [e[2] for e in live]
+                    nxt = due + bs
+                    later = dues.get(nxt)
+                    if later is None:
+                        dues[nxt] = live
+                        heapq.heappush(steps, nxt)
+                    else:
+                        later += live
+                continue
             bucket.sort()                  # admission order within a step (seq_no is unique per live need)
             nxt = due + bs
             for j in range(len(bucket)):
