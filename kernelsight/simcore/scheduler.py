@@ -421,6 +421,17 @@ class Scheduler:
             self._group_on = True          # pressure gone: decoders rejoin as they sample
 
         individuals = self.individuals
+        if not individuals and not len(self.waiting):
+            # only the decode group runs (most steps): the batch is its count and context sum
+            num_decodes = len(self.members)
+            top: tuple[int, ...] = ()
+            top_k = self.decode_top_k
+            if top_k and num_decodes:
+                longest = [o + S for o in self._ctx_offsets[-top_k:]]
+                longest.sort(reverse=True)
+                top = tuple(longest[:top_k])
+            batch = BatchShape((), num_decodes, self._ctx_base + num_decodes * S, decode_context_top=top)
+            return SchedulerOutput([], [], [], [], batch, cfg.max_num_batched_tokens - budget, num_decodes, dissolved)
         spec = self.spec
         lookahead = spec.num_lookahead_tokens if spec is not None else 0
         drafts_of: dict[Request, int] = {}
@@ -665,25 +676,29 @@ class Scheduler:
         S = self.step_index
         if out.num_draft_tokens:
             self._verify_drafts(out, upd)
-        for req, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens += n
-            if req.mm_items:
-                self._free_consumed_encoder_inputs(req)
-            if req.num_computed_tokens < req.num_tokens:
-                continue                      # a prefill chunk that did not reach the end: no token
-            req.num_output_tokens += 1
-            (upd.tokens if req.first_token_s is not None else upd.first_tokens).append(req)
-            if req.num_output_tokens >= req.target_output_len:
-                upd.finished.append(req)
-        individual_finished = list(upd.finished)
+        running = RequestStatus.RUNNING
+        individual_finished: list[Request] = []
+        if out.requests:
+            tokens, first_tokens, finished = upd.tokens, upd.first_tokens, upd.finished
+            for req, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
+                if req.status is not running:
+                    continue
+                req.num_computed_tokens += n
+                if req.mm_items:
+                    self._free_consumed_encoder_inputs(req)
+                if req.num_computed_tokens < req.num_tokens:
+                    continue                      # a prefill chunk that did not reach the end: no token
+                req.num_output_tokens += 1
+                (tokens if req.first_token_s is not None else first_tokens).append(req)
+                if req.num_output_tokens >= req.target_output_len:
+                    finished.append(req)
+            individual_finished = list(finished)
         last = S + num_steps - 1
         heap = self._finish_heap
         finished_members = []
         while heap and heap[0][0] <= last:
             _, _, join, req = heapq.heappop(heap)
-            if req.decode_join_step == join and req.status is RequestStatus.RUNNING:
+            if req.decode_join_step == join and req.status is running:
                 finished_members.append(req)
         self.step_index = S + num_steps
         for req in finished_members:
@@ -693,9 +708,9 @@ class Scheduler:
             upd.finished.append(req)
         for req in individual_finished:
             self.finish(req, req.finish_reason_at_target)
-        if self._group_on:
+        if self._group_on and (upd.first_tokens or upd.tokens):
             for req in upd.first_tokens + upd.tokens:
-                if req.status is RequestStatus.RUNNING:
+                if req.status is running:
                     self.individuals.remove(req)
                     self._join_group(req, self.step_index)
         return upd
