@@ -95,19 +95,23 @@ class BlockPool:
         else:
             fs = self._free_seg
             out = []
+            pieces = []
             while len(out) < n:
                 seg = segs[0]
-                sid, blocks, pos = seg[0], seg[1], seg[2]
-                take = blocks[pos:pos + (n - len(out))]
+                sid, blocks, pos, seg_arr = seg
+                end = pos + (n - len(out))
+                take = blocks[pos:end]
+                piece = seg_arr[pos:end]
                 seg[2] = pos + len(take)
                 if seg[2] >= len(blocks):
                     segs.popleft()
                 if sid in dirty:
-                    arr = np.array(take, dtype=np.int64)
-                    take = arr[(fs[arr] == sid) & (ref[arr] == 0)].tolist()
+                    piece = piece[(fs[piece] == sid) & (ref[piece] == 0)]
+                    take = piece.tolist()
                 # else no block of the segment was taken back by a cache hit: every entry is live
                 out += take
-            arr = np.array(out, dtype=np.int64)
+                pieces.append(piece)
+            arr = np.concatenate(pieces)
         ref[arr] = 1
         if self.events is not None:
             self._record_evictions(arr)
