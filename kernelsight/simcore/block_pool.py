@@ -200,14 +200,15 @@ class BlockPool:
         return b
 
     def register(self, blocks: list[int], hashes: list[int], root: int | None = None, owner: object = None,
-                 first_index: int = 0) -> None:
+                 first_index: int = 0, hashes_array: np.ndarray | None = None) -> None:
         """Record freshly filled blocks in the prefix cache.
 
         With ``root`` (the first block hash of the chain the blocks continue, ``hashes`` its blocks
         ``first_index``.. of request ``owner``), the map entries wait until that root is looked up: lookups must
-        then walk the chain from its root, as a prefix-cache query does."""
+        then walk the chain from its root, as a prefix-cache query does. ``hashes_array``: ``hashes`` as uint64,
+        when the caller has them so."""
         idx = np.array(blocks, dtype=np.int64)
-        self.block_hash[idx] = np.array(hashes, dtype=np.uint64)
+        self.block_hash[idx] = hashes_array if hashes_array is not None else np.array(hashes, dtype=np.uint64)
         if root is None:
             self.block_root[idx] = 0
             self.cached.update(zip(hashes, blocks, strict=True))

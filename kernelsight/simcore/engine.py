@@ -411,7 +411,9 @@ class Engine:
         sched = self.scheduler
         if not sched.running:
             sched.seats_held = 0        # an engine with nothing running schedules after the last output is in
-        self._admit_arrivals()
+        arrivals = self._arrivals
+        if self._releases or self._pull_blocked or (arrivals and arrivals[0][0] <= self._admit_cutoff_s()):
+            self._admit_arrivals()      # (else it has nothing to do: most steps)
         while not sched.running and not len(sched.waiting):
             nxt = self.next_arrival_s      # idle: jump to the next arrival (aborted ones are skipped)
             if nxt is None or (until_s is not None and nxt > until_s):

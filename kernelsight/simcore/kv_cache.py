@@ -68,7 +68,9 @@ class KVCacheManager:
     def _register(self, req: Request, start: int, full: int) -> None:
         """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording)."""
         hashes = self._ensure_hashes(req, full)[start:full]
-        self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req, start)
+        arr = req.prompt_block_hashes
+        self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req, start,
+                           arr[start:full] if arr is not None and full <= len(arr) else None)
         events = self.pool.events
         if events is not None:
             tokens = self._known_tokens(req, start * self.block_size, full * self.block_size)
@@ -117,7 +119,9 @@ class KVCacheManager:
                 if req.mm_items:
                     extras = np.fromiter((hasher.extra_key(k) for k in mm_block_keys(req, 0, prompt_blocks, bs)),
                                          dtype=np.uint64, count=prompt_blocks)
-                hashes.extend(hasher.chain_tokens(hasher.start(req.extra_keys), 0, tokens, extras))
+                arr = hasher.chain_tokens_array(hasher.start(req.extra_keys), 0, tokens, extras)
+                req.prompt_block_hashes = arr
+                hashes.extend(arr.tolist())
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else hasher.start(req.extra_keys)
