@@ -463,13 +463,15 @@ class Engine:
             return self.step(max_steps, until_s)
 
         k = sched.window_limit(out, max_steps)
+        ends = None
         if k > 1:
-            durations, breakdown = self._window(out, start, k, until_s)
+            durations, breakdown, ends = self._window(out, start, k, until_s)
         else:
             breakdown, total_s = self.step_model.step(out.batch)
             durations = [total_s]
         k = len(durations)
-        ends = list(accumulate(durations, initial=start))[1:] if k > 1 else [start + durations[0]]
+        if ends is None:
+            ends = list(accumulate(durations, initial=start))[1:] if k > 1 else [start + durations[0]]
         snapshot = list(sched.members) if per_token else ()
         upd = sched.update(out, k)
         if offload is not None and out.requests:
@@ -510,13 +512,22 @@ class Engine:
                                        req.parent_id, req.index))
         return self._commit(start, ends, first_index, events, out.total_tokens, breakdown)
 
-    def _window(self, out, start: float, k: int, until_s: float | None) -> tuple[list[float], np.ndarray]:
+    def _window(self, out, start: float, k: int, until_s: float | None
+                ) -> tuple[list[float], np.ndarray, list[float] | None]:
         """Durations of a window of up to k pure-decode steps, cut at the step during which the next
-        arrival (or until_s) falls and where the KV cache can no longer feed the group."""
+        arrival (or until_s) falls and where the KV cache can no longer feed the group; and the steps' end times
+        when they were computed for that cut (None: not)."""
         b, ctx0, top = out.batch.num_decodes, out.batch.decode_context_tokens, out.batch.decode_context_top
-        durations, breakdown = self.step_model.decode_window(b, ctx0, k, top)
         arrival = self.next_arrival_s
+        if arrival is not None and not self.async_scheduling:
+            # an arrival during the first step cuts the window to that step, whatever its length: price it alone
+            durations, breakdown = self.step_model.decode_window(b, ctx0, 1, top)
+            end = start + durations[0]
+            if end >= arrival:
+                return durations, breakdown, [end]
+        durations, breakdown = self.step_model.decode_window(b, ctx0, k, top)
         k_cut = k
+        ends = None
         if arrival is not None or until_s is not None:
             ends = list(accumulate(durations, initial=start))
             if arrival is not None:
@@ -529,7 +540,8 @@ class Engine:
         k_cut = self.scheduler.extend_window(k_cut)
         if k_cut != k:
             durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut, top)
-        return durations, breakdown
+            return durations, breakdown, None
+        return durations, breakdown, ends[1:] if ends is not None else None
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)

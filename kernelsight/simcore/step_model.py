@@ -195,6 +195,7 @@ class StepModel:
         self.mla_families: frozenset[str] = (frozenset(f for f in (K.MLA_PREFILL, K.MLA_DECODE) if f in calib.eta)
                                              if m.mla else frozenset())
         self._mla_excess_memo: dict[tuple[int, float], float] = {}
+        self._decode_batch_terms: dict[int, tuple[float, float]] = {}   # _decode_eta_s: per batch size
         self._mla_prefill_host_memo: dict[tuple[tuple[int, int], ...], float] = {}
         # decode attention as a serving step streams it (see _decode_stream_s): the kernel's DRAM-side bandwidth, and
         # on FlashAttention-2's unsplit GQA path the bandwidth one CTA streams at and the longest contexts it needs
@@ -597,9 +598,14 @@ class StepModel:
         if window and num_decodes:
             ctx = int(min(ctx, num_decodes * window))
         flops = 4.0 * q_heads * d * ctx
-        bytes_moved = ctx * 2.0 * kv_heads * d * kv_bytes + 2.0 * num_decodes * q_heads * d * act_bytes
-        tiles = float(max(num_decodes * q_heads, 1))
-        wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
+        per_batch = self._decode_batch_terms.get(num_decodes)
+        if per_batch is None:
+            # what depends on the batch size alone: the query bytes and the last wave's utilisation
+            tiles = float(max(num_decodes * q_heads, 1))
+            per_batch = self._decode_batch_terms[num_decodes] = (2.0 * num_decodes * q_heads * d * act_bytes,
+                                                                 math.ceil(tiles / n_sm) * n_sm / tiles)
+        q_bytes, wave_u = per_batch
+        bytes_moved = ctx * 2.0 * kv_heads * d * kv_bytes + q_bytes
         roof = max(flops * wave_u / peak, bytes_moved / mem_bw)
         t = max(roof / eta + overhead_s, (bytes_moved - self._l2_bytes) / mem_bw)     # as kernel_time_s
         if mha and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
