@@ -52,6 +52,8 @@ class BlockPool:
         self._next_segment = 1
         self._dirty: set[int] = set()     # segments holding entries taken back by cache hits
         self.num_free_blocks = num_blocks - 1
+        # the blocks of the last ``allocate`` as an index array when it built one (None: it did not)
+        self.last_allocated: np.ndarray | None = None
         # KV-cache events (vLLM's kv_event_queue): None while events are off, so the hot paths pay one test
         self.events: list[KVEvent] | None = None
 
@@ -70,6 +72,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take the n least recently freed blocks (evicting their cached content). Caller checks n ≤ free."""
+        self.last_allocated = None
         if n <= 0:
             return []
         segs, ref, dirty = self._segments, self.ref_cnt, self._dirty
@@ -117,6 +120,7 @@ class BlockPool:
             self._record_evictions(arr)
         self.block_hash[arr] = 0
         self.num_free_blocks -= n
+        self.last_allocated = arr
         return out
 
     def allocate_one(self) -> int | None:
@@ -200,14 +204,15 @@ class BlockPool:
         return b
 
     def register(self, blocks: list[int], hashes: list[int], root: int | None = None, owner: object = None,
-                 first_index: int = 0, hashes_array: np.ndarray | None = None) -> None:
+                 first_index: int = 0, hashes_array: np.ndarray | None = None,
+                 blocks_array: np.ndarray | None = None) -> None:
         """Record freshly filled blocks in the prefix cache.
 
         With ``root`` (the first block hash of the chain the blocks continue, ``hashes`` its blocks
         ``first_index``.. of request ``owner``), the map entries wait until that root is looked up: lookups must
-        then walk the chain from its root, as a prefix-cache query does. ``hashes_array``: ``hashes`` as uint64,
-        when the caller has them so."""
-        idx = np.array(blocks, dtype=np.int64)
+        then walk the chain from its root, as a prefix-cache query does. ``hashes_array``, ``blocks_array``: the
+        same as arrays, when the caller has them so."""
+        idx = blocks_array if blocks_array is not None else np.array(blocks, dtype=np.int64)
         self.block_hash[idx] = hashes_array if hashes_array is not None else np.array(hashes, dtype=np.uint64)
         if root is None:
             self.block_root[idx] = 0

@@ -65,12 +65,17 @@ class KVCacheManager:
         """vLLM's ``reset_prefix_cache``: False (nothing changed) while any request holds blocks."""
         return self.pool.reset_prefix_cache()
 
-    def _register(self, req: Request, start: int, full: int) -> None:
-        """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording)."""
+    def _register(self, req: Request, start: int, full: int, new_blocks: tuple[int, np.ndarray] | None = None
+                  ) -> None:
+        """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording).
+        ``new_blocks``: (index in the block table, index array) of the blocks the pool just allocated for it."""
         hashes = self._ensure_hashes(req, full)[start:full]
         arr = req.prompt_block_hashes
+        block_arr = None
+        if new_blocks is not None and start >= new_blocks[0]:
+            block_arr = new_blocks[1][start - new_blocks[0]:full - new_blocks[0]]
         self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req, start,
-                           arr[start:full] if arr is not None and full <= len(arr) else None)
+                           arr[start:full] if arr is not None and full <= len(arr) else None, block_arr)
         events = self.pool.events
         if events is not None:
             tokens = self._known_tokens(req, start * self.block_size, full * self.block_size)
@@ -189,12 +194,16 @@ class KVCacheManager:
             req.num_hashed_blocks_cached = len(req.block_ids)
         elif to_alloc > pool.num_free_blocks:
             return False
+        new_blocks = None
         if to_alloc > 0:
+            first_new = len(req.block_ids)
             req.block_ids.extend(pool.allocate(to_alloc))
+            if pool.last_allocated is not None:
+                new_blocks = (first_new, pool.last_allocated)
         if self.enable_caching:
             # draft tokens are not the request's tokens yet: only verified ones enter the prefix cache (vLLM caches
             # min(computed + new, request.num_tokens))
-            self._cache_full_blocks(req, total if total <= req.num_tokens else req.num_tokens)
+            self._cache_full_blocks(req, total if total <= req.num_tokens else req.num_tokens, new_blocks)
         return True
 
     def allocate_for_pull(self, req: Request) -> int | None:
@@ -245,7 +254,8 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(req, req.prompt_len)
 
-    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def _cache_full_blocks(self, req: Request, num_tokens: int,
+                           new_blocks: tuple[int, np.ndarray] | None = None) -> None:
         """Register blocks that become full once ``num_tokens`` are computed (vLLM does it at allocation)."""
         full = self.shareable_blocks(req, num_tokens)
         start = req.num_hashed_blocks_cached
@@ -253,7 +263,7 @@ class KVCacheManager:
             return
         # freshly allocated blocks carry no hash yet; a duplicate hash (the same prefix computed twice at
         # once) maps to the newest block
-        self._register(req, start, full)
+        self._register(req, start, full, new_blocks)
         req.num_hashed_blocks_cached = full
 
     def free(self, req: Request, preempted: bool = False) -> None:
