@@ -519,12 +519,20 @@ class Engine:
         when they were computed for that cut (None: not)."""
         b, ctx0, top = out.batch.num_decodes, out.batch.decode_context_tokens, out.batch.decode_context_top
         arrival = self.next_arrival_s
-        if arrival is not None and not self.async_scheduling:
-            # an arrival during the first step cuts the window to that step, whatever its length: price it alone
+        if arrival is not None:
+            # An arrival during the first step (whose time is the same in a window of any length) cuts the window
+            # there, or a step later under async scheduling, whatever the rest of it: price only what is kept.
             durations, breakdown = self.step_model.decode_window(b, ctx0, 1, top)
             end = start + durations[0]
             if end >= arrival:
-                return durations, breakdown, [end]
+                k_cut = min(k, 2) if self.async_scheduling and arrival > start else 1
+                if k_cut > 1 and until_s is not None and until_s <= end:
+                    k_cut = 1
+                k_cut = self.scheduler.extend_window(k_cut)
+                if k_cut == 1:
+                    return durations, breakdown, [end]
+                durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut, top)
+                return durations, breakdown, None
         durations, breakdown = self.step_model.decode_window(b, ctx0, k, top)
         k_cut = k
         ends = None
