@@ -245,10 +245,15 @@ class Scheduler:
         else:
             bucket.append(entry)
 
-    def _leave_group(self, req: Request) -> int:
-        """Materialize a member's progress at the current step index; returns tokens produced in the group."""
+    def _leave_group(self, req: Request, drop_need: bool = True) -> int:
+        """Materialize a member's progress at the current step index; returns tokens produced in the group.
+        Its pending block need leaves the due table too (``drop_need``), so the table holds live needs only."""
         join = req.decode_join_step
         run = self.step_index - join
+        if drop_need:
+            # the need is due when the member's blocks run out: each block it took moved it one block on
+            due = join + len(req.block_ids) * self.kv.block_size - req.num_computed_tokens
+            self._dues[due].remove((req.seq_no, join, req))
         self._ctx_base -= req.num_computed_tokens + 1 - join
         offsets = self._ctx_offsets
         del offsets[bisect.bisect_left(offsets, req.num_computed_tokens + 1 - join)]
@@ -265,7 +270,7 @@ class Scheduler:
         runs = []
         for req in list(self.members):
             join = req.decode_join_step
-            runs.append((req, join, self._leave_group(req)))
+            runs.append((req, join, self._leave_group(req, drop_need=False)))   # the table is cleared below
         self._finish_heap.clear()
         self._dues.clear()
         self._due_steps.clear()
@@ -299,7 +304,7 @@ class Scheduler:
                 # every need of this step is met: its live entries move on to their next block's step at once
                 heapq.heappop(steps)
                 del dues[due]
-                live = [e for e in bucket if e[2].decode_join_step == e[1] and e[2].status is running]
+                live = bucket              # members drop their need on leaving: every entry is live
                 if live:
                     live.sort()            # admission order within a step (seq_no is unique per live need)
                     takers += [e[2] for e in live]
