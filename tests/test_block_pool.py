@@ -20,7 +20,7 @@ def _drive(pool: BlockPool, lazy: bool, seed: int, rounds: int) -> tuple[list, l
     some. Returns every lookup's answer, the map's size (pending keys included) after each round, and the sweeps."""
     rng = random.Random(seed)
     families = [tuple(rng.randrange(5) for _ in range(12)) for _ in range(6)]
-    live: list[tuple[list[int], object]] = []
+    live: list[tuple[list[int], float]] = []
     answers: list = []
     sizes: list[int] = []
     sweeps = 0
@@ -45,7 +45,7 @@ def _drive(pool: BlockPool, lazy: bool, seed: int, rounds: int) -> tuple[list, l
         if hits:
             pool.touch(hits)
         new = pool.allocate(need)
-        owner = object()
+        owner = rng.random()
         start = len(hits)
         split = start + rng.randrange(need + 1)
         before = len(pool.cached)
@@ -53,7 +53,7 @@ def _drive(pool: BlockPool, lazy: bool, seed: int, rounds: int) -> tuple[list, l
             if hi > lo:
                 pool.register(new[lo - start:hi - start], keys[lo:hi], keys[0] if lazy else None, owner, lo)
         if rng.random() < 0.1 and need:    # the same keys registered again by another request
-            pool.register(new[:1], keys[start:start + 1], keys[0] if lazy else None, object(), start)
+            pool.register(new[:1], keys[start:start + 1], keys[0] if lazy else None, -2, start)
         if len(pool.cached) < before:
             sweeps += 1
         live.append((hits + new, owner))
@@ -76,7 +76,7 @@ def test_a_root_nobody_looked_up_stays_out_of_the_map_until_it_is():
     pool = BlockPool(8)
     keys = _chain((1, 2, 3))
     blocks = pool.allocate(3)
-    pool.register(blocks, keys, keys[0], object(), 0)
+    pool.register(blocks, keys, keys[0], 1, 0)
     assert pool.cached == {}
     assert pool.lookup(keys[0]) == blocks[0]
     assert [pool.lookup(h) for h in keys[1:]] == blocks[1:]

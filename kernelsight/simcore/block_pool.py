@@ -203,15 +203,15 @@ class BlockPool:
             return None
         return b
 
-    def register(self, blocks: list[int], hashes: list[int], root: int | None = None, owner: object = None,
+    def register(self, blocks: list[int], hashes: list[int], root: int | None = None, owner: int = -1,
                  first_index: int = 0, hashes_array: np.ndarray | None = None,
                  blocks_array: np.ndarray | None = None) -> None:
         """Record freshly filled blocks in the prefix cache.
 
         With ``root`` (the first block hash of the chain the blocks continue, ``hashes`` its blocks
-        ``first_index``.. of request ``owner``), the map entries wait until that root is looked up: lookups must
-        then walk the chain from its root, as a prefix-cache query does. ``hashes_array``, ``blocks_array``: the
-        same as arrays, when the caller has them so."""
+        ``first_index``.. of the request numbered ``owner``, unique per pool), the map entries wait until that root
+        is looked up: lookups must then walk the chain from its root, as a prefix-cache query does.
+        ``hashes_array``, ``blocks_array``: the same as arrays, when the caller has them so."""
         idx = blocks_array if blocks_array is not None else np.array(blocks, dtype=np.int64)
         self.block_hash[idx] = hashes_array if hashes_array is not None else np.array(hashes, dtype=np.uint64)
         if root is None:
@@ -221,7 +221,7 @@ class BlockPool:
             self.block_root[idx] = root
             pend = self._pending.get(root)
             end = first_index + len(hashes)
-            if pend is not None and pend[0] is owner and first_index >= pend[1]:
+            if pend is not None and pend[0] == owner and first_index >= pend[1]:
                 pend[1] = end                 # the same request's next blocks: keys unseen so far
                 pend[2].append((blocks, hashes))
                 self._num_pending += len(hashes)

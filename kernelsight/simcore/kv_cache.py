@@ -74,7 +74,7 @@ class KVCacheManager:
         block_arr = None
         if new_blocks is not None and start >= new_blocks[0]:
             block_arr = new_blocks[1][start - new_blocks[0]:full - new_blocks[0]]
-        self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req, start,
+        self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req.seq_no, start,
                            arr[start:full] if arr is not None and full <= len(arr) else None, block_arr)
         events = self.pool.events
         if events is not None:
