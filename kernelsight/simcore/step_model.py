@@ -435,6 +435,18 @@ class StepModel:
                  if self.mla_families and mode != FULL_GRAPH else 0.0)
         return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens, extra)
 
+    def _decode_step(self, num_decodes: int, context_tokens: int, top: tuple[int, ...]) -> tuple[np.ndarray, float]:
+        """:meth:`step` of a decode-only batch of ``num_decodes`` > 0 sequences, without building one: the same
+        operations in the same order (a decode window's first step)."""
+        mode, m_padded = self._graph_mode(num_decodes, True)
+        out, base_s = self._token_part(m_padded, num_decodes)
+        attn_s = 0.0
+        t = self._decode_attention_s(num_decodes, context_tokens, top, False)
+        out[_I_ATTN_DECODE] += t
+        attn_s += t
+        extra = self.mla_host_s((), num_decodes, context_tokens) if self.mla_families and mode != FULL_GRAPH else 0.0
+        return self._finish(out, base_s + attn_s, mode, num_decodes, num_decodes, extra)
+
     def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int,
                 extra_cpu_s: float = 0.0) -> tuple[np.ndarray, float]:
         """Add the exposed launch and host time to a step whose kernels (and collectives) take kernels_s
@@ -741,7 +753,10 @@ class StepModel:
         if self._window_first[0] == key:
             b0, t0 = self._window_first[1]
         else:
-            b0, t0 = self.step(BatchShape((), num_decodes, context_tokens_start, decode_context_top=top))
+            if num_decodes and type(self).step is StepModel.step:
+                b0, t0 = self._decode_step(num_decodes, context_tokens_start, top)
+            else:     # a subclass's own step (a lockstep rank records its batch) sees the batch
+                b0, t0 = self.step(BatchShape((), num_decodes, context_tokens_start, decode_context_top=top))
             self._window_first = (key, (b0, t0))
         if num_steps == 1:
             return [t0], b0.copy()
