@@ -42,7 +42,7 @@ class BlockPool:
         # (``_roots_in_map`` holds at least every root with a key there). ``_num_pending`` keeps
         # len(cached) + pending keys equal to what len(cached) would be with every registration applied, so the
         # stale-entry sweep runs at the same moments.
-        self._pending: dict[int, list] = {}       # root -> [owner, end block index, [(blocks, hashes), ...]]
+        self._pending: dict[int, list] = {}       # root -> [owner, end block index, [(blocks, keys), ...]]
         self._num_pending = 0
         self._roots_in_map: set[int] = set()
         self.block_root = np.zeros(num_blocks, dtype=np.uint64)    # the chain root a cached block was registered under
@@ -203,7 +203,7 @@ class BlockPool:
             return None
         return b
 
-    def register(self, blocks: list[int], hashes: list[int], root: int | None = None, owner: int = -1,
+    def register(self, blocks: list[int], hashes: list[int] | None, root: int | None = None, owner: int = -1,
                  first_index: int = 0, hashes_array: np.ndarray | None = None,
                  blocks_array: np.ndarray | None = None) -> None:
         """Record freshly filled blocks in the prefix cache.
@@ -211,28 +211,32 @@ class BlockPool:
         With ``root`` (the first block hash of the chain the blocks continue, ``hashes`` its blocks
         ``first_index``.. of the request numbered ``owner``, unique per pool), the map entries wait until that root
         is looked up: lookups must then walk the chain from its root, as a prefix-cache query does.
-        ``hashes_array``, ``blocks_array``: the same as arrays, when the caller has them so."""
+        ``hashes_array``, ``blocks_array``: the same as arrays, when the caller has them so (``hashes`` may then be
+        None: a pending chain keeps the array, made Python ints when it enters the map)."""
         idx = blocks_array if blocks_array is not None else np.array(blocks, dtype=np.int64)
         self.block_hash[idx] = hashes_array if hashes_array is not None else np.array(hashes, dtype=np.uint64)
+        n = len(blocks)
         if root is None:
             self.block_root[idx] = 0
-            self.cached.update(zip(hashes, blocks, strict=True))
+            self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(), blocks, strict=True))
         else:
             self.block_root[idx] = root
             pend = self._pending.get(root)
-            end = first_index + len(hashes)
+            end = first_index + n
+            keys = hashes if hashes is not None else hashes_array
             if pend is not None and pend[0] == owner and first_index >= pend[1]:
                 pend[1] = end                 # the same request's next blocks: keys unseen so far
-                pend[2].append((blocks, hashes))
-                self._num_pending += len(hashes)
+                pend[2].append((blocks, keys))
+                self._num_pending += n
             elif pend is None and root not in self._roots_in_map:
-                self._pending[root] = [owner, end, [(blocks, hashes)]]
-                self._num_pending += len(hashes)
+                self._pending[root] = [owner, end, [(blocks, keys)]]
+                self._num_pending += n
             else:                             # another request's blocks under this root: keys may repeat
                 if pend is not None:
                     self._flush_root(root)
                 self._roots_in_map.add(root)
-                self.cached.update(zip(hashes, blocks, strict=True))
+                self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(), blocks,
+                                       strict=True))
         if len(self.cached) + self._num_pending > 8 * self.num_blocks + 4096:   # drop stale entries now and then
             held = np.flatnonzero(self.block_hash)
             self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
@@ -246,9 +250,9 @@ class BlockPool:
         """A root's pending registrations enter the map, in registration order."""
         _, _, chunks = self._pending.pop(root)
         cached = self.cached
-        for blocks, hashes in chunks:
-            self._num_pending -= len(hashes)
-            cached.update(zip(hashes, blocks, strict=True))
+        for blocks, keys in chunks:
+            self._num_pending -= len(blocks)
+            cached.update(zip(keys if isinstance(keys, list) else keys.tolist(), blocks, strict=True))
         self._roots_in_map.add(root)
 
     def _record_evictions(self, blocks: np.ndarray) -> None:

@@ -69,14 +69,20 @@ class KVCacheManager:
                   ) -> None:
         """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording).
         ``new_blocks``: (index in the block table, index array) of the blocks the pool just allocated for it."""
-        hashes = self._ensure_hashes(req, full)[start:full]
-        arr = req.prompt_block_hashes
         block_arr = None
         if new_blocks is not None and start >= new_blocks[0]:
             block_arr = new_blocks[1][start - new_blocks[0]:full - new_blocks[0]]
+        arr = req.prompt_block_hashes
+        events = self.pool.events
+        if events is None and arr is not None and full <= len(arr):
+            # prompt blocks: the pool takes their hashes as the array (Python ints only if the chain is ever looked
+            # up); the root is the list's first entry
+            root = self._ensure_hashes(req, 1)[0]
+            self.pool.register(req.block_ids[start:full], None, root, req.seq_no, start, arr[start:full], block_arr)
+            return
+        hashes = self._ensure_hashes(req, full)[start:full]
         self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req.seq_no, start,
                            arr[start:full] if arr is not None and full <= len(arr) else None, block_arr)
-        events = self.pool.events
         if events is not None:
             tokens = self._known_tokens(req, start * self.block_size, full * self.block_size)
             n = len(tokens) // self.block_size      # blocks of synthetic generated keys carry no token ids
@@ -112,7 +118,12 @@ class KVCacheManager:
             return hashes
         bs = self.block_size
         hasher = self.hasher
-        if not hashes:
+        arr = req.prompt_block_hashes
+        if arr is not None:
+            # the prompt's hashes were computed at once; the list holds as many as were asked for so far
+            if len(hashes) < len(arr):
+                hashes.extend(arr[len(hashes):num_full_blocks].tolist())
+        elif not hashes:
             prompt_blocks = len(req.prompt_token_ids) // bs
             if prompt_blocks:
                 prompt = req.prompt_token_ids
@@ -126,7 +137,7 @@ class KVCacheManager:
                                          dtype=np.uint64, count=prompt_blocks)
                 arr = hasher.chain_tokens_array(hasher.start(req.extra_keys), 0, tokens, extras)
                 req.prompt_block_hashes = arr
-                hashes.extend(arr.tolist())
+                hashes.extend(arr[:num_full_blocks].tolist())
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else hasher.start(req.extra_keys)
@@ -137,8 +148,8 @@ class KVCacheManager:
     def hash_prompt(self, req: Request) -> None:
         """Hash the prompt's full blocks now (vLLM does it when a request is created): a request's arrival, not
         the step that first schedules it, pays for it."""
-        if self.enable_caching:
-            self._ensure_hashes(req, len(req.prompt_token_ids) // self.block_size)
+        if self.enable_caching and len(req.prompt_token_ids) >= self.block_size:
+            self._ensure_hashes(req, 1)      # hashes every prompt block; the list holds what is asked for later
 
     def shareable_blocks(self, req: Request, num_tokens: int) -> int:
         """Full blocks whose content another request could also have: prompt blocks, and generated
@@ -158,10 +169,17 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = self._ensure_hashes(req, max_blocks)
         lookup = self.pool.lookup
-        hits = []
-        for i in range(max_blocks):
+        hits: list[int] = []
+        # the chain is walked from its root: a miss there (most prompts) needs no other hash as a Python int
+        if not max_blocks:
+            return hits, 0
+        b = lookup(self._ensure_hashes(req, 1)[0])
+        if b is None:
+            return hits, 0
+        hits.append(b)
+        hashes = self._ensure_hashes(req, max_blocks)
+        for i in range(1, max_blocks):
             b = lookup(hashes[i])
             if b is None:
                 break
