@@ -128,7 +128,9 @@ class KVCacheManager:
             if prompt_blocks:
                 prompt = req.prompt_token_ids
                 if isinstance(prompt, np.ndarray):
-                    tokens = prompt[: prompt_blocks * bs].astype(np.uint64)
+                    head = prompt[: prompt_blocks * bs]
+                    # int64 ids read as uint64 in place: the same bits astype would copy
+                    tokens = head.view(np.uint64) if head.dtype == np.int64 else head.astype(np.uint64)
                 else:
                     tokens = np.fromiter(prompt, dtype=np.uint64, count=prompt_blocks * bs)
                 extras = None
