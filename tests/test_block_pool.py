@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from kernelsight.simcore.block_pool import BlockPool
 
 _MASK = (1 << 64) - 1
@@ -49,8 +51,12 @@ def _drive(pool: BlockPool, lazy: bool, seed: int, rounds: int) -> tuple[list, l
         start = len(hits)
         split = start + rng.randrange(need + 1)
         before = len(pool.cached)
+        as_arrays = lazy and len(sizes) % 2 == 1   # a prompt's blocks and hashes handed over as arrays
         for lo, hi in ((start, split), (split, len(keys))):
-            if hi > lo:
+            if hi > lo and as_arrays:
+                pool.register(None, None, keys[0], owner, lo, np.array(keys[lo:hi], dtype=np.uint64),
+                              np.array(new[lo - start:hi - start], dtype=np.int64))
+            elif hi > lo:
                 pool.register(new[lo - start:hi - start], keys[lo:hi], keys[0] if lazy else None, owner, lo)
         if rng.random() < 0.1 and need:    # the same keys registered again by another request
             pool.register(new[:1], keys[start:start + 1], keys[0] if lazy else None, -2, start)

@@ -203,7 +203,7 @@ class BlockPool:
             return None
         return b
 
-    def register(self, blocks: list[int], hashes: list[int] | None, root: int | None = None, owner: int = -1,
+    def register(self, blocks: list[int] | None, hashes: list[int] | None, root: int | None = None, owner: int = -1,
                  first_index: int = 0, hashes_array: np.ndarray | None = None,
                  blocks_array: np.ndarray | None = None) -> None:
         """Record freshly filled blocks in the prefix cache.
@@ -211,32 +211,34 @@ class BlockPool:
         With ``root`` (the first block hash of the chain the blocks continue, ``hashes`` its blocks
         ``first_index``.. of the request numbered ``owner``, unique per pool), the map entries wait until that root
         is looked up: lookups must then walk the chain from its root, as a prefix-cache query does.
-        ``hashes_array``, ``blocks_array``: the same as arrays, when the caller has them so (``hashes`` may then be
-        None: a pending chain keeps the array, made Python ints when it enters the map)."""
+        ``hashes_array``, ``blocks_array``: the same as arrays, when the caller has them so (``hashes`` and
+        ``blocks`` may then be None: a pending chain keeps the arrays, made Python ints when it enters the map)."""
         idx = blocks_array if blocks_array is not None else np.array(blocks, dtype=np.int64)
         self.block_hash[idx] = hashes_array if hashes_array is not None else np.array(hashes, dtype=np.uint64)
-        n = len(blocks)
+        n = len(idx)
         if root is None:
             self.block_root[idx] = 0
-            self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(), blocks, strict=True))
+            self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),
+                                   blocks if blocks is not None else idx.tolist(), strict=True))
         else:
             self.block_root[idx] = root
             pend = self._pending.get(root)
             end = first_index + n
             keys = hashes if hashes is not None else hashes_array
+            where = blocks if blocks is not None else idx
             if pend is not None and pend[0] == owner and first_index >= pend[1]:
                 pend[1] = end                 # the same request's next blocks: keys unseen so far
-                pend[2].append((blocks, keys))
+                pend[2].append((where, keys))
                 self._num_pending += n
             elif pend is None and root not in self._roots_in_map:
-                self._pending[root] = [owner, end, [(blocks, keys)]]
+                self._pending[root] = [owner, end, [(where, keys)]]
                 self._num_pending += n
             else:                             # another request's blocks under this root: keys may repeat
                 if pend is not None:
                     self._flush_root(root)
                 self._roots_in_map.add(root)
-                self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(), blocks,
-                                       strict=True))
+                self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),
+                                       blocks if blocks is not None else idx.tolist(), strict=True))
         if len(self.cached) + self._num_pending > 8 * self.num_blocks + 4096:   # drop stale entries now and then
             held = np.flatnonzero(self.block_hash)
             self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
@@ -252,7 +254,8 @@ class BlockPool:
         cached = self.cached
         for blocks, keys in chunks:
             self._num_pending -= len(blocks)
-            cached.update(zip(keys if isinstance(keys, list) else keys.tolist(), blocks, strict=True))
+            cached.update(zip(keys if isinstance(keys, list) else keys.tolist(),
+                              blocks if isinstance(blocks, list) else blocks.tolist(), strict=True))
         self._roots_in_map.add(root)
 
     def _record_evictions(self, blocks: np.ndarray) -> None:

@@ -78,7 +78,8 @@ class KVCacheManager:
             # prompt blocks: the pool takes their hashes as the array (Python ints only if the chain is ever looked
             # up); the root is the list's first entry
             root = self._ensure_hashes(req, 1)[0]
-            self.pool.register(req.block_ids[start:full], None, root, req.seq_no, start, arr[start:full], block_arr)
+            self.pool.register(req.block_ids[start:full] if block_arr is None else None, None, root, req.seq_no,
+                               start, arr[start:full], block_arr)
             return
         hashes = self._ensure_hashes(req, full)[start:full]
         self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req.seq_no, start,
@@ -194,6 +195,8 @@ class KVCacheManager:
 
     def can_fit(self, req: Request, total_tokens: int, new_computed_blocks: list[int]) -> bool:
         to_alloc = self.blocks_needed(total_tokens) - len(req.block_ids) - len(new_computed_blocks)
+        if not new_computed_blocks:
+            return to_alloc <= self.pool.num_free_blocks
         evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
         return to_alloc + evictable_hits <= self.pool.num_free_blocks
 
