@@ -18,6 +18,9 @@ Every one of the ``T`` tokens enters the layer on each rank (vLLM's default EP g
 vLLM's fused_experts runs its activation and top-k sum over all ``T·top_k`` slots, local or not: that traffic
 is the layer's, whatever the rank holds (``kernel_shapes.fused_moe_kernel``).
 
+vLLM's grouped expert GEMMs compute each expert's rows in blocks (``BLOCK_SIZE_M``): :func:`padded_slots` gives the
+busiest rank's rows once each of its experts' is padded to a whole block, from the same per-expert loads.
+
 The power law is evaluated as the mean over ``ROUTING_DRAWS`` seeded draws (deterministic, pure numpy, no I/O; the
 tables average ten random draws per row). The busiest rank's slots over the mean share ``T·top_k/ep`` is the load
 imbalance an EP group waits for (``--expert-load-imbalance`` overrides it).
@@ -133,7 +136,7 @@ def padded_slots(tokens: int, top_k: int, num_experts: int, ep_size: int, distri
     return float((np.ceil(counts / bm) * bm).sum(axis=1).mean())
 
 
-@functools.lru_cache(maxsize=2048)
+@functools.lru_cache(maxsize=256)   # arrays of up to draws × 512 experts: the two callers' results are cached apart
 def _rank_counts(tokens: int, top_k: int, num_experts: int, ep: int, distribution: str) -> np.ndarray | None:
     """Slots per expert of the busiest rank (draws × its experts; one row for the balanced pattern), or None for a
     balanced pattern too large to enumerate (taken at its even share)."""

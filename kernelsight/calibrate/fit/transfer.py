@@ -384,11 +384,24 @@ def mla_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec], fami
                                               family)]
 
 
-def moe_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec]) -> list[str]:
-    """The GPUs (of ``sources``) a cross-generation calibration of ``target`` takes its MoE η from (as
-    :func:`transfer_family` picks them: not the excluded, then :func:`moe_sources`)."""
-    picked = [(None, 1.0, h) for h in sources if h.name != target.name and h.name not in MOE_TRANSFER_EXCLUDED]
-    return [h.name for _, _, h in moe_sources(picked, target)]
+def moe_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec]) -> dict[str, tuple[str, list[str]]]:
+    """Per expert format, the kernel a cross-generation calibration of ``target`` prices (``moe_kernel``, the newest
+    release) and the GPUs (of ``sources``, each taken to have measured every format by the kernel vLLM runs there)
+    it takes that format's η from, as :func:`transfer_moe_by_kernel` picks them."""
+    srcs = [h for h in sources if h.name != target.name and h.name not in MOE_TRANSFER_EXCLUDED]
+    out: dict[str, tuple[str, list[str]]] = {}
+    for fmt in ("bf16", "fp8", "fp8_block", "int4_wo", "w4a16_mxfp4"):
+        want = moe_kernel(fmt, target.compute_capability)
+        ran = {h.name: moe_kernel(fmt, h.compute_capability) for h in srcs}
+        picked = [(None, 1.0, h) for h in srcs if ran[h.name] == want] if want in PORTABLE_MOE_KERNELS else []
+        if not picked:
+            pool = [(None, 1.0, h) for h in srcs]
+            portable = [p for p in pool if ran[p[2].name] in PORTABLE_MOE_KERNELS]
+            if not any(_arch(p[2]) == _arch(target) for p in pool) and portable:
+                pool = portable
+            picked = pool
+        out[fmt] = (want, [h.name for _, _, h in moe_sources(picked, target)])
+    return out
 
 
 def _format_peak(hw: HardwareSpec, key: str) -> float:
