@@ -192,7 +192,51 @@ def test_moe_eta_transfers_by_kernel_where_the_kernel_is_one_code_on_every_gpu()
     assert cross_generation_calibration(pro, sources).kernel_eta("moe_gemm", row["w4a16_mxfp4"]) == pytest.approx(0.5)
     # on Hopper it runs OpenAI's Triton kernels, not portable: the format's model of the same architecture
     assert cross_generation_calibration(h200, sources).kernel_eta("moe_gemm", row["w4a16_mxfp4"]) == pytest.approx(0.2)
-    # Triton bf16 is built per architecture: Hopper's from Hopper, an Ampere GPU's from Ada (SM 8.x), a B200's from both
+    # both ran bf16 by Triton: of the same kernel the target architecture's where one ran it (Hopper's from the
+    # H100, an Ampere GPU's from the L40S, SM 8.x); a B200 runs FlashInfer's (built per SM): from both
     assert cross_generation_calibration(h200, sources).kernel_eta("moe_gemm", row["bf16"]) == pytest.approx(0.3)
     assert cross_generation_calibration(a100, sources).kernel_eta("moe_gemm", row["bf16"]) == pytest.approx(0.6)
     assert 0.3 < cross_generation_calibration(b200, sources).kernel_eta("moe_gemm", row["bf16"]) < 0.6
+
+
+QWEN3_235B_FP8 = dict(model="Qwen/Qwen3-235B-A22B-FP8", hardware="h200", max_model_len=8192)
+
+
+def test_a_block_fp8_moe_whose_tp_shards_split_a_block_is_refused_as_vllm_does():
+    # 1536 / 8 = 192 is not a multiple of the 128-wide weight block: vLLM refuses to load it without EP
+    with pytest.raises(ValueError, match=r"^The output_size of gate's and up's weight = 192 is not divisible by "
+                                         r"weight quantization block_n = 128\.$"):
+        create_engine_config(EngineArgs(**QWEN3_235B_FP8, tensor_parallel_size=8))
+    create_engine_config(EngineArgs(**QWEN3_235B_FP8, tensor_parallel_size=4))                   # 384: whole blocks
+    create_engine_config(EngineArgs(**QWEN3_235B_FP8, tensor_parallel_size=8, enable_expert_parallel=True))
+    create_engine_config(EngineArgs(model="deepseek-ai/DeepSeek-V3", hardware="h200", tensor_parallel_size=8,
+                                    max_model_len=8192))                                         # 2048 / 8 = 256
+
+
+def _moe_s(cfg, tokens: int) -> float:
+    sm = build_step_model(cfg)
+    return sum(sm.kernel_time_s(k) for k in K.row_kernels(cfg.model, tokens, cfg.args.tensor_parallel_size,
+                                                          cfg.precision, cfg.args.expert_routing,
+                                                          cfg.tp_expert_parallel_size, cfg.args.expert_load_imbalance)
+               if k.family == K.MOE_GEMM)
+
+
+def test_expert_parallel_at_one_dp_rank_splits_whole_experts_over_the_tp_group():
+    """TP 8 + EP with one DP rank: vLLM's ep_size is the TP group; the priced rank holds 16 whole experts and the
+    busiest one's routed tokens, so the layer's time follows the load imbalance (TP-sharded experts do not)."""
+    base = dict(model="Qwen/Qwen3-235B-A22B", hardware="h200", max_model_len=8192, tensor_parallel_size=8)
+    tp_only = create_engine_config(EngineArgs(**base))
+    ep = create_engine_config(EngineArgs(**base, enable_expert_parallel=True))
+    assert tp_only.tp_expert_parallel_size == 1 and ep.tp_expert_parallel_size == 8
+    assert create_engine_config(EngineArgs(**QWEN3_30B, enable_expert_parallel=True)).tp_expert_parallel_size == 1
+    skewed = create_engine_config(EngineArgs(**base, enable_expert_parallel=True, expert_load_imbalance=2.0))
+    flat = create_engine_config(EngineArgs(**base, enable_expert_parallel=True, expert_load_imbalance=1.0))
+    for tokens in (64, 2048):
+        assert _moe_s(ep, tokens) != pytest.approx(_moe_s(tp_only, tokens), rel=1e-3)
+        # the busiest rank's tokens: a little more weight traffic at 64 tokens, more math at 2,048
+        assert _moe_s(skewed, tokens) > (1.1 if tokens > 1000 else 1.0) * _moe_s(flat, tokens)
+        tp_flat = create_engine_config(EngineArgs(**base, expert_load_imbalance=2.0))   # ignored without EP
+        assert _moe_s(tp_flat, tokens) == pytest.approx(_moe_s(tp_only, tokens))
+    # the step model prices it so: a decode step of 64 sequences costs more under a 2x-loaded rank
+    batch = K.BatchShape(num_decodes=64, decode_context_tokens=64 * 1000)
+    assert build_step_model(skewed).step(batch)[1] > build_step_model(flat).step(batch)[1]

@@ -421,3 +421,16 @@ async def test_metrics_move_like_vllm(srv, aclient):
     assert _metric(m1, "vllm:prefix_cache_hits_total") - hits0 >= 7 * 512
     assert _metric(m1, "vllm:request_success_total", finished_reason="length") >= 8
     assert _metric(m1, "vllm:num_requests_running") == 0 and _metric(m1, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_generation_routes_match_first_and_the_schema_keeps_the_declared_order(srv):
+    """The generation routes are tried first (a request matches fewer patterns); /openapi.json still lists the
+    paths in vLLM's declared order, and every other route is still served."""
+    r = httpx.get(srv.base_url + "/openapi.json", timeout=30)
+    paths = list(r.json()["paths"])
+    assert paths.index("/health") < paths.index("/v1/models") < paths.index("/v1/completions") \
+        < paths.index("/v1/chat/completions") < paths.index("/v1/responses")
+    assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
+    assert httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
+    app_paths = [getattr(rt, "path", None) for rt in srv.app.router.routes]
+    assert set(app_paths[:2]) == {"/v1/completions", "/v1/chat/completions"}

@@ -120,7 +120,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="data-parallel sizes of a MoE model (--data-parallel-size; the ranks' MoE layers form one "
                         "group, experts split over DP×TP GPUs); a dense model's DP is its replicas (default: 1,2,4,8)")
     g.add_argument("--expert-parallel", type=_csv_list(_on_off), default=(False, True),
-                   help="--enable-expert-parallel off/on for a MoE model with DP > 1 (default: off,on)")
+                   help="--enable-expert-parallel off/on for a MoE model over more than one GPU (DP > 1, or TP > 1 at "
+                        "one DP rank: whole experts per GPU of the TP group) (default: off,on)")
     g.add_argument("--all2all-backend", choices=ALL2ALL_BACKENDS, default=None,
                    help="vLLM's --all2all-backend for expert-parallel points (default: vLLM's)")
     g.add_argument("--pd-max", type=_non_negative_int, default=0, metavar="N",

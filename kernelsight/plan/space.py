@@ -70,6 +70,8 @@ class EngineChoice:
         parts = [f"{self.hardware} TP{self.tensor_parallel_size}"]
         if self.data_parallel_size > 1:
             parts.append(f"DP{self.data_parallel_size}" + ("+EP" if self.enable_expert_parallel else ""))
+        elif self.enable_expert_parallel:
+            parts[0] += "+EP"
         if self.quantization:
             parts.append(f"w{self.quantization}")
         if self.kv_cache_dtype != "auto":
@@ -119,7 +121,7 @@ class SearchSpace:
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     #: data-parallel sizes (MoE models; a dense model's DP is its replicas, see the module doc)
     data_parallel_sizes: tuple[int, ...] = (1,)
-    #: expert parallelism off / on (MoE models with DP > 1; with one rank it changes nothing in the simulator)
+    #: expert parallelism off / on (MoE models over more than one GPU: DP > 1, or TP > 1 at one DP rank)
     expert_parallel: tuple[bool, ...] = (False,)
     #: speculative configs to try, as canonical JSON (None: without speculative decoding)
     speculative_configs: tuple[str | None, ...] = (None,)
@@ -133,11 +135,12 @@ class SearchSpace:
 
     def engine_choices(self, moe: bool = False) -> list[EngineChoice]:
         dps = self.data_parallel_sizes if moe else (1,)
-        parallel = sorted({(dp, ep and dp > 1) for dp in dps for ep in self.expert_parallel} if moe else {(1, False)})
+        parallel = sorted({(dp, ep) for dp in dps for ep in self.expert_parallel} if moe else {(1, False)})
         return [EngineChoice(hw, tp, seqs, mbt, q, kv, dp, ep, spec)
                 for hw, tp, seqs, mbt, q, kv, (dp, ep), spec in itertools.product(
                     self.gpus, self.tensor_parallel_sizes, self.max_num_seqs, self.max_num_batched_tokens,
-                    self.quantizations, self.kv_cache_dtypes, parallel, self.speculative_configs)]
+                    self.quantizations, self.kv_cache_dtypes, parallel, self.speculative_configs)
+                if not ep or dp * tp > 1]           # EP on one GPU is the same engine as without
 
     def pd_splits(self) -> list[tuple[int, int]]:
         """Every XPyD with X, Y ≥ 1 and X + Y ≤ pd_max, fewest engines first."""

@@ -104,6 +104,7 @@ def build_app(config: EngineConfig, opts: ServerOptions, tok: ServerTokenizer, r
     _include(app, scale_out.router)
     add_request_schemas(app, [*bodies, TokenizeRequest, DetokenizeRequest, LoadLoRARequest, UnloadLoRARequest])
 
+    _hot_routes_first(app, ("/v1/chat/completions", "/v1/completions"))
     add_api_key_auth(app, opts)
     capture_raw_send(app)      # after auth: it wraps the whole stack, so it is the outermost layer
     return app
@@ -119,3 +120,27 @@ def _include(app: FastAPI, router: APIRouter) -> None:
     (handlers find theirs through ``request.app``), and the routers have no prefix, dependencies, tags or
     lifespan to carry over."""
     app.router.routes.extend(router.routes)
+
+
+def _hot_routes_first(app: FastAPI, paths: tuple[str, ...]) -> None:
+    """Match the generation routes first; ``/openapi.json`` keeps the declared order.
+
+    Starlette tries every route's regex in list order until one matches: /v1/completions came 19th, ~25 µs of
+    every request. Moving an exact path without parameters to the front cannot change which route a request
+    matches (no other route's pattern matches that path)."""
+    declared = list(app.router.routes)
+    hot = [r for r in declared if getattr(r, "path", None) in paths]
+    app.router.routes[:] = hot + [r for r in declared if all(r is not h for h in hot)]
+    inner = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        served = list(app.router.routes)
+        app.router.routes[:] = declared
+        try:
+            return inner()
+        finally:
+            app.router.routes[:] = served
+
+    app.openapi = openapi  # type: ignore[method-assign]

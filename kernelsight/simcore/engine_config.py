@@ -19,6 +19,7 @@ from kernelsight.simcore.expert_parallel import (
     ALL2ALL_BACKENDS,
     DEFAULT_ALL2ALL_BACKEND,
 )
+from kernelsight.simcore.gemm_dispatch import block_shape_error
 from kernelsight.simcore.hardware import HardwareSpec, node_topology, with_node_topology
 from kernelsight.simcore.hybrid_kv_cache import HybridKVCacheManager, hybrid_layout
 from kernelsight.simcore.kv_cache import KVCacheManager
@@ -159,6 +160,17 @@ class EngineConfig:
         return summary["calibration_tier"] + (f", vLLM {timed}" if timed else "")
 
     @property
+    def tp_expert_parallel_size(self) -> int:
+        """GPUs the experts are split over within one data-parallel rank: its TP group under
+        ``--enable-expert-parallel`` with one DP rank (vLLM's ``FusedMoEParallelConfig``: ep_size = TP, the experts'
+        TP = 1); 1 otherwise (TP-sharded experts, or EP across DP ranks, which the DP group prices)."""
+        a = self.args
+        if a.enable_expert_parallel and self.model.is_moe and a.data_parallel_size == 1 \
+                and a.tensor_parallel_size > 1:
+            return a.tensor_parallel_size
+        return 1
+
+    @property
     def expert_parallel(self) -> bool:
         """Expert parallelism in force: asked for, on a MoE model, across more than one data-parallel rank."""
         return self.args.enable_expert_parallel and self.model.is_moe and self.args.data_parallel_size > 1
@@ -248,6 +260,15 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
         raise ValueError(f"expert parallelism over data_parallel_size×tensor_parallel_size={dp * tp} GPUs exceeds "
                          f"the {hw.gpus_per_node} GPUs of one {hw.name} node (multi-node EP is not modelled)")
     quant = args.quantization or model.quantization
+    if quant == "fp8":
+        error = block_shape_error(     # MLA's projections are not split by heads × head_dim: its check is left out
+            model.fp8_scheme, hidden=model.hidden_size, q_heads=0 if model.mla else model.num_attention_heads,
+            kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            intermediate=model.intermediate_size if model.num_layers > model.num_moe_layers else 0,
+            moe_intermediate=model.moe_intermediate_size if model.is_moe else 0, tp=tp,
+            moe_tp=1 if args.enable_expert_parallel and dp * tp > 1 else tp * dp)
+        if error:
+            raise ValueError(error)
     if quant == "mxfp4" and not model.is_moe:
         raise ValueError(f"quantization 'mxfp4': vLLM's MXFP4 method quantizes MoE experts only (gpt-oss's "
                          f"checkpoints); {model.name} has no experts")
@@ -374,14 +395,17 @@ def build_step_model(cfg: EngineConfig, cls: type[StepModel] = StepModel, **kwar
                                         async_scheduling=cfg.args.async_scheduling,
                                         max_model_len=cfg.scheduler.max_model_len,
                                         custom_all_reduce=not cfg.args.disable_custom_all_reduce,
-                                        expert_routing=cfg.args.expert_routing))
+                                        expert_routing=cfg.args.expert_routing,
+                                        moe_ep_size=cfg.tp_expert_parallel_size,
+                                        expert_load_imbalance=cfg.args.expert_load_imbalance))
         kwargs.update(spec=cfg.speculative, drafter=_drafter(cfg), baseline=baseline)
     return cls(cfg.model, cfg.hardware, cfg.calibration, cfg.precision,
                StepConfig(tp=cfg.args.tensor_parallel_size, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                           enforce_eager=cfg.args.enforce_eager, async_scheduling=cfg.args.async_scheduling,
                           max_model_len=cfg.scheduler.max_model_len,
                           custom_all_reduce=not cfg.args.disable_custom_all_reduce,
-                          expert_routing=cfg.args.expert_routing),
+                          expert_routing=cfg.args.expert_routing, moe_ep_size=cfg.tp_expert_parallel_size,
+                          expert_load_imbalance=cfg.args.expert_load_imbalance),
                **kwargs)
 
 

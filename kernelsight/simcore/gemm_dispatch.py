@@ -227,3 +227,39 @@ __all__ = [
     "kv_cache_dtype_from_quant_config",
     "priced_format",
 ]
+
+
+def block_shape_error(scheme: Fp8Scheme | None, *, hidden: int, q_heads: int, kv_heads: int, head_dim: int,
+                      intermediate: int, moe_intermediate: int, tp: int, moe_tp: int) -> str | None:
+    """vLLM's refusal to load a block-quantized FP8 checkpoint whose TP shards split a weight block, or None.
+
+    Every rank must hold whole ``block_n × block_k`` blocks (``Fp8LinearMethod.create_weights`` /
+    ``validate_fp8_block_shape`` for the linear layers, ``Fp8MoEMethod.create_weights`` for the experts), checked
+    in load order: QKV (column-parallel, merged), O (row-parallel), the dense MLP, the experts. ``moe_tp`` is the
+    experts' TP degree: TP × DP without expert parallelism, 1 with it (whole experts per rank). The classic case is
+    Qwen3-235B-A22B-FP8 at TP 8 (1536 / 8 = 192): vLLM needs ``--enable-expert-parallel`` there."""
+    if scheme is None or scheme.weight != BLOCK or not scheme.block_n or not scheme.block_k:
+        return None
+    bn, bk = scheme.block_n, scheme.block_k
+    if tp > 1 and q_heads and head_dim:
+        kv = max(kv_heads // tp, 1) * head_dim
+        for part in (q_heads // tp * head_dim, kv, kv):          # merged: checked at any TP (len(partitions) > 1)
+            if part % bn:
+                return f"Weight output_partition_size = {part} is not divisible by weight quantization block_n = {bn}."
+        if (q_heads // tp * head_dim) % bk:
+            return (f"Weight input_size_per_partition = {q_heads // tp * head_dim} is not divisible by weight "
+                    f"quantization block_k = {bk}.")
+    if intermediate and tp > 1:
+        part = intermediate // tp
+        if part % bn:
+            return f"Weight output_partition_size = {part} is not divisible by weight quantization block_n = {bn}."
+        if part % bk:
+            return f"Weight input_size_per_partition = {part} is not divisible by weight quantization block_k = {bk}."
+    if moe_intermediate:
+        part = moe_intermediate // moe_tp
+        if part % bn:
+            return (f"The output_size of gate's and up's weight = {part} is not divisible by weight quantization "
+                    f"block_n = {bn}.")
+        if tp > 1 and part % bk:
+            return f"The input_size of down's weight = {part} is not divisible by weight quantization block_k = {bk}."
+    return None

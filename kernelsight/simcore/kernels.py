@@ -142,8 +142,14 @@ def token_kernels(model: ModelSpec, m: int, sampling_rows: int, tp: int, precisi
 
 
 def row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
-                routing: str = DEFAULT_EXPERT_ROUTING) -> list[Kernel]:
-    """Kernels over every (padded) token row: embedding, the layers' non-attention work, final norm."""
+                routing: str = DEFAULT_EXPERT_ROUTING, moe_ep_size: int = 1,
+                load_imbalance: float | None = None) -> list[Kernel]:
+    """Kernels over every (padded) token row: embedding, the layers' non-attention work, final norm.
+
+    ``moe_ep_size`` > 1: the experts are split whole over the TP group (``--enable-expert-parallel`` at one
+    data-parallel rank): every rank holds all ``m`` rows already (the attention's all-reduce replicated them), runs
+    the tokens routed to its own experts, and the TP all-reduce combines them, so the priced rank is the group's
+    busiest (``moe_kernels`` with ``ep_size``)."""
     a = precision.act_bytes
     h = model.hidden_size
     n_moe = model.num_moe_layers if model.is_moe else 0
@@ -155,7 +161,9 @@ def row_kernels(model: ModelSpec, m: int, tp: int, precision: Precision,
         out += dense_layer_kernels(model, m, tp, precision, model.num_layers)
     if n_dense_mlp:
         out += mlp_kernels(model, m, tp, precision, n_dense_mlp)
-    if n_moe:
+    if n_moe and moe_ep_size > 1:
+        out += moe_kernels(model, m, 1, precision, n_moe, moe_ep_size, load_imbalance, routing)
+    elif n_moe:
         out += moe_kernels(model, m, tp, precision, n_moe, routing=routing)
     out.append(elementwise_kernel("final_norm", NORM, 3.0 * m * h * a, "bf16"))
     return out

@@ -90,6 +90,8 @@ class StepConfig:
     max_model_len: int = 0            # 0: the model's max_position_embeddings (vLLM's default)
     custom_all_reduce: bool = True    # not vLLM's --disable-custom-all-reduce
     expert_routing: str = DEFAULT_EXPERT_ROUTING   # how tokens pick experts (MoE: the experts a batch touches)
+    moe_ep_size: int = 1              # > 1: experts split whole over the TP group (EP at one DP rank)
+    expert_load_imbalance: float | None = None     # with moe_ep_size: the busiest rank's share, as an override
 
 
 _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
@@ -362,7 +364,9 @@ class StepModel:
         rows = self._row_cache.get(m_padded)
         if rows is None:
             arr = np.zeros(self._n_families)
-            for k in K.row_kernels(self.model, m_padded, self.config.tp, self.precision, self.config.expert_routing):
+            c = self.config
+            for k in K.row_kernels(self.model, m_padded, c.tp, self.precision, c.expert_routing, c.moe_ep_size,
+                                   c.expert_load_imbalance):
                 arr[FAMILY_INDEX[k.family]] += self.kernel_time_s(k)
             tp = self.config.tp
             if tp > 1:

@@ -127,12 +127,16 @@ class FastStream:
                 and (self.gen._role_sent or not self.gen.is_chat):
             toks, ids = v.seq.tokens, v.ids
             start = v.consumed
-            pieces = []
-            for i in range(start, released):
-                tid, piece = toks.token(i)
+            if released == start + 1:          # the usual chunk: one token
+                tid, delta = toks.token(start)
                 ids.append(tid)
-                pieces.append(piece)
-            delta = "".join(pieces)
+            else:
+                pieces = []
+                for i in range(start, released):
+                    tid, piece = toks.token(i)
+                    ids.append(tid)
+                    pieces.append(piece)
+                delta = "".join(pieces)
             v.text += delta
             v.consumed = released
             v.sent = len(v.text)

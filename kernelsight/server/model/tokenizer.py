@@ -134,6 +134,11 @@ class ServerTokenizer:
         """The pool's token ids as a Python list (index with ``k % pool_size``)."""
         return self._pool_id_list
 
+    @property
+    def pool_texts(self) -> list[str]:
+        """The pool's token texts, parallel to ``pool_id_list``."""
+        return self._pool_text
+
     def pool_token(self, k: int) -> tuple[int, str]:
         return self._pool_id_list[k], self._pool_text[k]
 

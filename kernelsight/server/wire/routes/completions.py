@@ -34,10 +34,12 @@ async def completions(request: Request) -> Response:
     prompts = await completion_prompts(state, req.prompt, req.add_special_tokens)
     gen = Generation(state, request, req, "cmpl-" + request_base(request, req.request_id), lora, stops,
                      is_chat=False)
-    try:
-        text = constrained_text(req.response_format, req.structured_outputs, draw_seed(req, prompts[0][0]))
-    except StructuredOutputError as exc:
-        text, gen.engine_error = None, exc
+    text = None
+    if req.response_format is not None or req.structured_outputs is not None:
+        try:   # the draw's seed hashes the prompt (~40 µs for 256 ids): only for constrained requests
+            text = constrained_text(req.response_format, req.structured_outputs, draw_seed(req, prompts[0][0]))
+        except StructuredOutputError as exc:
+            gen.engine_error = exc
     if text is not None:      # structured outputs: every prompt's choices emit the drawn JSON / choice
         gen.fixed_output = state.tok.encode(text, False)
     gen.lp_k = req.logprobs
