@@ -178,8 +178,8 @@ CACHE_GAIN_WIDTH = 0.5
 #: FusedMoE tables time a layer's repeats L2-warm: the L40S (96 MB L2, 864 GB/s) runs their layers of up to ~96 MB
 #: 0.76-0.85× the H100's time (3.35 TB/s, 50 MB), and its η over the DRAM roof stays above the H100's up to ~3× L2
 #: (the layer's intermediate activations stay in L2 when its weights do not); MoE centers tried leave-one-GPU-out
-#: over the five MoE folders (``benchmarks/moe_accuracy.py``): −1.5 / −0.5 / 0 / 0.5 / 1 / 1.5 → mean 43.3 / 40.7 /
-#: 40.6 / 39.3 / 38.2 / 37.8 %; 1 kept (1.5 moves the H100's bf16 and block-fp8 back up).
+#: over the five MoE folders (``benchmarks/moe_accuracy.py``, MoE η transferred by kernel): −1.5 / 0 / 1 / 1.5 → mean
+#: 41.3 / 35.3 / 31.9 / 32.3 % (the L40S 64 / 37 / 24 / 25 %); 1 kept.
 _CACHE_COLUMNS: dict[str, tuple[float, int, int | None, int | None]] = {
     "moe": (1.0, 6, 4, 5),
     "gemm": (-1.5, 5, 3, 4),
