@@ -236,3 +236,18 @@ def test_no_kernel_reads_more_than_the_l2_holds_faster_than_dram(hw_name):
         floor = (kern.bytes_moved - hw.l2_bytes) / hw.usable_mem_bytes_per_s
         assert sm._decode_eta_s(b, ctx) >= floor * (1 - 1e-12)
         assert sm.kernel_time_s(kern) >= floor * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("model_id,gpu,eager", [("meta-llama/Llama-3.1-8B", "h100", False),
+                                                ("meta-llama/Llama-3.1-8B", "l40s", True),
+                                                ("Qwen/Qwen3-30B-A3B", "h100", False)])
+def test_decode_window_first_step_is_the_step_bit_for_bit(model_id, gpu, eager):
+    # the window prices its first step without building a batch: it must be the step's own arithmetic
+    cfg = resolve_engine_config(EngineArgs(model=model_id, max_model_len=8192, enforce_eager=eager),
+                                profiles.load_model(model_id), profiles.load_hardware(gpu),
+                                profiles.load_calibration(gpu))
+    for b, ctx in ((1, 900), (37, 37 * 1300), (200, 200 * 40)):
+        durations, breakdown = build_step_model(cfg).decode_window(b, ctx, 1)
+        want_b, want_t = build_step_model(cfg).step(BatchShape((), b, ctx))
+        assert durations == [want_t]
+        assert breakdown.tolist() == want_b.tolist()

@@ -55,6 +55,11 @@ class BlockHasher:
         """Hashes of consecutive full blocks of ``tokens`` (uint64, length a multiple of block_size); ``extras``
         (uint64, one per block, 0 for none) are per-block extra keys (``extra_key``), e.g. the images a block
         holds placeholders of."""
+        return self.chain_tokens_array(parent, first_block, tokens, extras).tolist()
+
+    def chain_tokens_array(self, parent: int, first_block: int, tokens: np.ndarray,
+                           extras: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`chain_tokens` as a uint64 array (the block pool stores them as one)."""
         nb = len(tokens) // self.block_size
         self._ensure_positions(first_block + nb)
         content = tokens.reshape(nb, self.block_size) @ self._k
@@ -64,7 +69,7 @@ class BlockHasher:
         h = content.cumsum()               # uint64 in, uint64 out (the method skips np.cumsum's dispatch)
         if parent:
             h += np.uint64(parent)
-        return h.tolist()
+        return h
 
     def chain_one(self, parent: int, block_index: int, content: tuple, extra: int = 0) -> int:
         """Hash of one block from Python: known token ids hash exactly like ``chain_tokens``."""

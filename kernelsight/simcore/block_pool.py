@@ -36,11 +36,24 @@ class BlockPool:
         self.ref_cnt[0] = 1
         self.block_hash = np.zeros(num_blocks, dtype=np.uint64)   # 0 = holds no cached content
         self.cached: dict[int, int] = {}                            # hash -> block (validated on lookup)
+        # Registrations by chain root (a request's first block hash) not yet in ``cached``: a chain enters the map
+        # when its root is first looked up, so a prompt nobody shares never pays its ~60 dict inserts. Exact: a
+        # lookup walks a chain from its root, and a root's keys are either all pending or all in ``cached``
+        # (``_roots_in_map`` holds at least every root with a key there). ``_num_pending`` keeps
+        # len(cached) + pending keys equal to what len(cached) would be with every registration applied, so the
+        # stale-entry sweep runs at the same moments.
+        self._pending: dict[int, list] = {}       # root -> [owner, end block index, [(blocks, keys), ...]]
+        self._num_pending = 0
+        self._roots_in_map: set[int] = set()
+        self.block_root = np.zeros(num_blocks, dtype=np.uint64)    # the chain root a cached block was registered under
         self._free_seg = np.zeros(num_blocks, dtype=np.int64)      # segment holding the live free entry
-        self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0]])  # [id, blocks, next]
+        # [id, blocks, next, the blocks as an index array (allocations from one segment index with its slice)]
+        self._segments: deque[list] = deque([[0, list(range(1, num_blocks)), 0, np.arange(1, num_blocks)]])
         self._next_segment = 1
         self._dirty: set[int] = set()     # segments holding entries taken back by cache hits
         self.num_free_blocks = num_blocks - 1
+        # the blocks of the last ``allocate`` as an index array when it built one (None: it did not)
+        self.last_allocated: np.ndarray | None = None
         # KV-cache events (vLLM's kv_event_queue): None while events are off, so the hot paths pay one test
         self.events: list[KVEvent] | None = None
 
@@ -53,42 +66,61 @@ class BlockPool:
         """The free queue in eviction order (for inspection; the hot paths never build it)."""
         out = []
         ref, fs = self.ref_cnt, self._free_seg
-        for sid, blocks, pos in self._segments:
+        for sid, blocks, pos, _ in self._segments:
             out += [b for b in blocks[pos:] if fs[b] == sid and ref[b] == 0]
         return out
 
     def allocate(self, n: int) -> list[int]:
         """Take the n least recently freed blocks (evicting their cached content). Caller checks n ≤ free."""
+        self.last_allocated = None
         if n <= 0:
             return []
-        segs, ref, fs, dirty = self._segments, self.ref_cnt, self._free_seg, self._dirty
-        out: list[int] = []
-        while len(out) < n:
-            seg = segs[0]
-            sid, blocks, pos = seg
-            take = blocks[pos:pos + (n - len(out))]
-            seg[2] = pos + len(take)
-            if seg[2] >= len(blocks):
+        segs, ref, dirty = self._segments, self.ref_cnt, self._dirty
+        seg = segs[0]
+        sid, blocks, pos, seg_arr = seg
+        end = pos + n
+        if sid not in dirty and end <= len(blocks):
+            # the common case: one segment, every entry live (no block of it was taken back by a cache hit)
+            out = blocks[pos:end]
+            if end >= len(blocks):
                 segs.popleft()
-            if sid in dirty:
-                arr = np.array(take, dtype=np.int64)
-                take = arr[(fs[arr] == sid) & (ref[arr] == 0)].tolist()
-            # else no block of the segment was taken back by a cache hit: every entry is live (as in allocate_one)
-            out += take
-        if n <= _SCALAR_MAX and self.events is None:
-            # a few blocks (the decode group's needs of a step): scalar writes cost less than building an index array
-            bh = self.block_hash
-            for b in out:
-                ref[b] = 1
-                bh[b] = 0
-            self.num_free_blocks -= n
-            return out
-        arr = np.array(out, dtype=np.int64)
+            else:
+                seg[2] = end
+            if n <= _SCALAR_MAX and self.events is None:
+                # a few blocks (the decode group's needs of a step): scalar writes cost less than an index array
+                bh = self.block_hash
+                for b in out:
+                    ref[b] = 1
+                    bh[b] = 0
+                self.num_free_blocks -= n
+                return out
+            arr = seg_arr[pos:end]
+        else:
+            fs = self._free_seg
+            out = []
+            pieces = []
+            while len(out) < n:
+                seg = segs[0]
+                sid, blocks, pos, seg_arr = seg
+                end = pos + (n - len(out))
+                take = blocks[pos:end]
+                piece = seg_arr[pos:end]
+                seg[2] = pos + len(take)
+                if seg[2] >= len(blocks):
+                    segs.popleft()
+                if sid in dirty:
+                    piece = piece[(fs[piece] == sid) & (ref[piece] == 0)]
+                    take = piece.tolist()
+                # else no block of the segment was taken back by a cache hit: every entry is live
+                out += take
+                pieces.append(piece)
+            arr = np.concatenate(pieces)
         ref[arr] = 1
         if self.events is not None:
             self._record_evictions(arr)
         self.block_hash[arr] = 0
         self.num_free_blocks -= n
+        self.last_allocated = arr
         return out
 
     def allocate_one(self) -> int | None:
@@ -96,7 +128,7 @@ class BlockPool:
         segs = self._segments
         while segs:
             seg = segs[0]
-            sid, blocks, pos = seg
+            sid, blocks, pos = seg[0], seg[1], seg[2]
             n = len(blocks)
             if sid not in self._dirty:
                 # no block of this segment was taken back by a cache hit: every remaining entry is live
@@ -143,7 +175,7 @@ class BlockPool:
         ref = self.ref_cnt
         left = ref[arr] - 1
         ref[arr] = left
-        if left.any():                  # shared blocks stay held: only the last reference frees a block
+        if np.count_nonzero(left):      # shared blocks stay held: only the last reference frees a block
             zeros = arr[left == 0]
             if not zeros.size:
                 return
@@ -153,26 +185,78 @@ class BlockPool:
         sid = self._next_segment
         self._next_segment += 1
         self._free_seg[zeros] = sid
-        self._segments.append([sid, freed, 0])
+        self._segments.append([sid, freed, 0, zeros])
         self.num_free_blocks += len(freed)
 
     def lookup(self, h: int) -> int | None:
         """The block holding content hash h, if any (stale map entries are dropped here)."""
         b = self.cached.get(h)
         if b is None:
-            return None
+            if h not in self._pending:
+                return None
+            self._flush_root(h)
+            b = self.cached.get(h)
+            if b is None:
+                return None
         if self.block_hash[b] != h:
             del self.cached[h]
             return None
         return b
 
-    def register(self, blocks: list[int], hashes: list[int]) -> None:
-        """Record freshly filled blocks in the prefix cache."""
-        self.block_hash[np.array(blocks, dtype=np.int64)] = np.array(hashes, dtype=np.uint64)
-        self.cached.update(zip(hashes, blocks, strict=True))
-        if len(self.cached) > 8 * self.num_blocks + 4096:   # drop stale entries now and then
+    def register(self, blocks: list[int] | None, hashes: list[int] | None, root: int | None = None, owner: int = -1,
+                 first_index: int = 0, hashes_array: np.ndarray | None = None,
+                 blocks_array: np.ndarray | None = None) -> None:
+        """Record freshly filled blocks in the prefix cache.
+
+        With ``root`` (the first block hash of the chain the blocks continue, ``hashes`` its blocks
+        ``first_index``.. of the request numbered ``owner``, unique per pool), the map entries wait until that root
+        is looked up: lookups must then walk the chain from its root, as a prefix-cache query does.
+        ``hashes_array``, ``blocks_array``: the same as arrays, when the caller has them so (``hashes`` and
+        ``blocks`` may then be None: a pending chain keeps the arrays, made Python ints when it enters the map)."""
+        idx = blocks_array if blocks_array is not None else np.array(blocks, dtype=np.int64)
+        self.block_hash[idx] = hashes_array if hashes_array is not None else np.array(hashes, dtype=np.uint64)
+        n = len(idx)
+        if root is None:
+            self.block_root[idx] = 0
+            self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),
+                                   blocks if blocks is not None else idx.tolist(), strict=True))
+        else:
+            self.block_root[idx] = root
+            pend = self._pending.get(root)
+            end = first_index + n
+            keys = hashes if hashes is not None else hashes_array
+            where = blocks if blocks is not None else idx
+            if pend is not None and pend[0] == owner and first_index >= pend[1]:
+                pend[1] = end                 # the same request's next blocks: keys unseen so far
+                pend[2].append((where, keys))
+                self._num_pending += n
+            elif pend is None and root not in self._roots_in_map:
+                self._pending[root] = [owner, end, [(where, keys)]]
+                self._num_pending += n
+            else:                             # another request's blocks under this root: keys may repeat
+                if pend is not None:
+                    self._flush_root(root)
+                self._roots_in_map.add(root)
+                self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),
+                                       blocks if blocks is not None else idx.tolist(), strict=True))
+        if len(self.cached) + self._num_pending > 8 * self.num_blocks + 4096:   # drop stale entries now and then
             held = np.flatnonzero(self.block_hash)
             self.cached = dict(zip(self.block_hash[held].tolist(), held.tolist(), strict=True))
+            self._pending.clear()
+            self._num_pending = 0
+            roots = set(self.block_root[held].tolist())
+            roots.discard(0)
+            self._roots_in_map = roots
+
+    def _flush_root(self, root: int) -> None:
+        """A root's pending registrations enter the map, in registration order."""
+        _, _, chunks = self._pending.pop(root)
+        cached = self.cached
+        for blocks, keys in chunks:
+            self._num_pending -= len(blocks)
+            cached.update(zip(keys if isinstance(keys, list) else keys.tolist(),
+                              blocks if isinstance(blocks, list) else blocks.tolist(), strict=True))
+        self._roots_in_map.add(root)
 
     def _record_evictions(self, blocks: np.ndarray) -> None:
         """The reallocated blocks that held cached content, in allocation order, as one record (vLLM queues one
@@ -188,7 +272,11 @@ class BlockPool:
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         self.block_hash[:] = 0
+        self.block_root[:] = 0
         self.cached.clear()
+        self._pending.clear()
+        self._num_pending = 0
+        self._roots_in_map.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -37,6 +38,40 @@ FINISHED = "finished"
 PREEMPTED = "preempted"
 #: vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default: a prefill instance frees blocks nobody pulled after this long.
 NIXL_ABORT_REQUEST_TIMEOUT_S = 480.0
+
+
+class ArrivalQueue:
+    """Future arrivals by (time, seq_no): a heap, with a FIFO beside it for entries pushed in order (a driver that
+    sends a whole workload up front), which pops them in O(1). Pops in the same order as one heap would."""
+
+    __slots__ = ("_fifo", "_heap")
+
+    def __init__(self) -> None:
+        self._fifo: deque[tuple[float, int, Request]] = deque()
+        self._heap: list[tuple[float, int, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._fifo) + len(self._heap)
+
+    def push(self, entry: tuple[float, int, Request]) -> None:
+        fifo = self._fifo
+        if not fifo or entry[:2] >= fifo[-1][:2]:
+            fifo.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
+
+    def first(self) -> tuple[float, int, Request] | None:
+        """The earliest entry (None: empty)."""
+        fifo, heap = self._fifo, self._heap
+        if heap and (not fifo or heap[0][:2] < fifo[0][:2]):
+            return heap[0]
+        return fifo[0] if fifo else None
+
+    def pop(self) -> tuple[float, int, Request]:
+        fifo, heap = self._fifo, self._heap
+        if heap and (not fifo or heap[0][:2] < fifo[0][:2]):
+            return heapq.heappop(heap)
+        return fifo.popleft()
 
 
 @dataclass(slots=True)
@@ -120,7 +155,7 @@ class Engine:
         self.now_s = 0.0
         self.stats = EngineStats()
         self._lengths = (output_length_model or OutputLengthModel()).sampler(seed)
-        self._arrivals: list[tuple[float, int, Request]] = []
+        self._arrivals = ArrivalQueue()
         self._seq = itertools.count()
         self._requests: dict[str, Request] = {}          # live sequences by id
         self._children: dict[str, list[str]] = {}        # parent id -> sequence ids (n > 1)
@@ -188,7 +223,7 @@ class Engine:
             if t <= cutoff and not remote_prefill:     # a pull starts at the next step (_admit_arrivals)
                 self.scheduler.add(req)
             else:
-                heapq.heappush(self._arrivals, (t, req.seq_no, req))
+                self._arrivals.push((t, req.seq_no, req))
         return ids
 
     def abort(self, request_id: str) -> bool:
@@ -242,12 +277,13 @@ class Engine:
 
     @property
     def next_arrival_s(self) -> float | None:
-        return self._arrivals[0][0] if self._arrivals else None
+        first = self._arrivals.first()
+        return first[0] if first is not None else None
 
     def has_unfinished(self) -> bool:
         arrivals = self._arrivals
-        while arrivals and arrivals[0][2].is_finished:     # aborted before it surfaced
-            heapq.heappop(arrivals)
+        while arrivals and arrivals.first()[2].is_finished:     # aborted before it surfaced
+            arrivals.pop()
         return (bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or bool(self._arrivals)
                 or bool(self._pull_blocked))
 
@@ -270,8 +306,8 @@ class Engine:
             self._retry_pulls()
         arrivals = self._arrivals
         cutoff = self._admit_cutoff_s()
-        while arrivals and arrivals[0][0] <= cutoff:
-            _, _, req = heapq.heappop(arrivals)
+        while arrivals and arrivals.first()[0] <= cutoff:
+            _, _, req = arrivals.pop()
             if req.is_finished:
                 continue
             if req.remote_prefill and not req.block_ids and req.num_preemptions == 0:
@@ -296,7 +332,7 @@ class Engine:
         self.num_pulls += 1
         self.pull_s_total += pull_s
         req.kv_ready_s = self.now_s + pull_s
-        heapq.heappush(self._arrivals, (req.kv_ready_s, req.seq_no, req))
+        self._arrivals.push((req.kv_ready_s, req.seq_no, req))
         return True
 
     def _retry_pulls(self) -> None:
@@ -411,7 +447,9 @@ class Engine:
         sched = self.scheduler
         if not sched.running:
             sched.seats_held = 0        # an engine with nothing running schedules after the last output is in
-        self._admit_arrivals()
+        first = self._arrivals.first()
+        if self._releases or self._pull_blocked or (first is not None and first[0] <= self._admit_cutoff_s()):
+            self._admit_arrivals()      # (else it has nothing to do: most steps)
         while not sched.running and not len(sched.waiting):
             nxt = self.next_arrival_s      # idle: jump to the next arrival (aborted ones are skipped)
             if nxt is None or (until_s is not None and nxt > until_s):
@@ -428,7 +466,7 @@ class Engine:
         out = sched.schedule()
         if out.loading:
             for req in out.loading:         # back as an arrival when its KV is in place (_load_done)
-                heapq.heappush(self._arrivals, (req.kv_ready_s, req.seq_no, req))
+                self._arrivals.push((req.kv_ready_s, req.seq_no, req))
         start = self.now_s
         first_index = sched.step_index
         per_token = self.per_token_events
@@ -461,13 +499,15 @@ class Engine:
             return self.step(max_steps, until_s)
 
         k = sched.window_limit(out, max_steps)
+        ends = None
         if k > 1:
-            durations, breakdown = self._window(out, start, k, until_s)
+            durations, breakdown, ends = self._window(out, start, k, until_s)
         else:
             breakdown, total_s = self.step_model.step(out.batch)
             durations = [total_s]
         k = len(durations)
-        ends = list(accumulate(durations, initial=start))[1:] if k > 1 else [start + durations[0]]
+        if ends is None:
+            ends = list(accumulate(durations, initial=start))[1:] if k > 1 else [start + durations[0]]
         snapshot = list(sched.members) if per_token else ()
         upd = sched.update(out, k)
         if offload is not None and out.requests:
@@ -508,13 +548,30 @@ class Engine:
                                        req.parent_id, req.index))
         return self._commit(start, ends, first_index, events, out.total_tokens, breakdown)
 
-    def _window(self, out, start: float, k: int, until_s: float | None) -> tuple[list[float], np.ndarray]:
+    def _window(self, out, start: float, k: int, until_s: float | None
+                ) -> tuple[list[float], np.ndarray, list[float] | None]:
         """Durations of a window of up to k pure-decode steps, cut at the step during which the next
-        arrival (or until_s) falls and where the KV cache can no longer feed the group."""
+        arrival (or until_s) falls and where the KV cache can no longer feed the group; and the steps' end times
+        when they were computed for that cut (None: not)."""
         b, ctx0, top = out.batch.num_decodes, out.batch.decode_context_tokens, out.batch.decode_context_top
-        durations, breakdown = self.step_model.decode_window(b, ctx0, k, top)
         arrival = self.next_arrival_s
+        if arrival is not None:
+            # An arrival during the first step (whose time is the same in a window of any length) cuts the window
+            # there, or a step later under async scheduling, whatever the rest of it: price only what is kept.
+            durations, breakdown = self.step_model.decode_window(b, ctx0, 1, top)
+            end = start + durations[0]
+            if end >= arrival:
+                k_cut = min(k, 2) if self.async_scheduling and arrival > start else 1
+                if k_cut > 1 and until_s is not None and until_s <= end:
+                    k_cut = 1
+                k_cut = self.scheduler.extend_window(k_cut)
+                if k_cut == 1:
+                    return durations, breakdown, [end]
+                durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut, top)
+                return durations, breakdown, None
+        durations, breakdown = self.step_model.decode_window(b, ctx0, k, top)
         k_cut = k
+        ends = None
         if arrival is not None or until_s is not None:
             ends = list(accumulate(durations, initial=start))
             if arrival is not None:
@@ -527,7 +584,8 @@ class Engine:
         k_cut = self.scheduler.extend_window(k_cut)
         if k_cut != k:
             durations, breakdown = self.step_model.decode_window(b, ctx0, k_cut, top)
-        return durations, breakdown
+            return durations, breakdown, None
+        return durations, breakdown, ends[1:] if ends is not None else None
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)

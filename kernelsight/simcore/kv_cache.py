@@ -65,11 +65,25 @@ class KVCacheManager:
         """vLLM's ``reset_prefix_cache``: False (nothing changed) while any request holds blocks."""
         return self.pool.reset_prefix_cache()
 
-    def _register(self, req: Request, start: int, full: int) -> None:
-        """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording)."""
-        hashes = self._ensure_hashes(req, full)[start:full]
-        self.pool.register(req.block_ids[start:full], hashes)
+    def _register(self, req: Request, start: int, full: int, new_blocks: tuple[int, np.ndarray] | None = None
+                  ) -> None:
+        """Blocks start..full-1 of ``req`` enter the prefix cache (one BlockStored for them when recording).
+        ``new_blocks``: (index in the block table, index array) of the blocks the pool just allocated for it."""
+        block_arr = None
+        if new_blocks is not None and start >= new_blocks[0]:
+            block_arr = new_blocks[1][start - new_blocks[0]:full - new_blocks[0]]
+        arr = req.prompt_block_hashes
         events = self.pool.events
+        if events is None and arr is not None and full <= len(arr):
+            # prompt blocks: the pool takes their hashes as the array (Python ints only if the chain is ever looked
+            # up); the root is the list's first entry
+            root = self._ensure_hashes(req, 1)[0]
+            self.pool.register(req.block_ids[start:full] if block_arr is None else None, None, root, req.seq_no,
+                               start, arr[start:full], block_arr)
+            return
+        hashes = self._ensure_hashes(req, full)[start:full]
+        self.pool.register(req.block_ids[start:full], hashes, req.block_hashes[0], req.seq_no, start,
+                           arr[start:full] if arr is not None and full <= len(arr) else None, block_arr)
         if events is not None:
             tokens = self._known_tokens(req, start * self.block_size, full * self.block_size)
             n = len(tokens) // self.block_size      # blocks of synthetic generated keys carry no token ids
@@ -105,19 +119,28 @@ class KVCacheManager:
             return hashes
         bs = self.block_size
         hasher = self.hasher
-        if not hashes:
+        arr = req.prompt_block_hashes
+        if arr is not None:
+            # the prompt's hashes were computed at once; the list holds as many as were asked for so far
+            if len(hashes) < len(arr):
+                hashes.extend(arr[len(hashes):num_full_blocks].tolist())
+        elif not hashes:
             prompt_blocks = len(req.prompt_token_ids) // bs
             if prompt_blocks:
                 prompt = req.prompt_token_ids
                 if isinstance(prompt, np.ndarray):
-                    tokens = prompt[: prompt_blocks * bs].astype(np.uint64)
+                    head = prompt[: prompt_blocks * bs]
+                    # int64 ids read as uint64 in place: the same bits astype would copy
+                    tokens = head.view(np.uint64) if head.dtype == np.int64 else head.astype(np.uint64)
                 else:
                     tokens = np.fromiter(prompt, dtype=np.uint64, count=prompt_blocks * bs)
                 extras = None
                 if req.mm_items:
                     extras = np.fromiter((hasher.extra_key(k) for k in mm_block_keys(req, 0, prompt_blocks, bs)),
                                          dtype=np.uint64, count=prompt_blocks)
-                hashes.extend(hasher.chain_tokens(hasher.start(req.extra_keys), 0, tokens, extras))
+                arr = hasher.chain_tokens_array(hasher.start(req.extra_keys), 0, tokens, extras)
+                req.prompt_block_hashes = arr
+                hashes.extend(arr[:num_full_blocks].tolist())
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else hasher.start(req.extra_keys)
@@ -128,8 +151,8 @@ class KVCacheManager:
     def hash_prompt(self, req: Request) -> None:
         """Hash the prompt's full blocks now (vLLM does it when a request is created): a request's arrival, not
         the step that first schedules it, pays for it."""
-        if self.enable_caching:
-            self._ensure_hashes(req, len(req.prompt_token_ids) // self.block_size)
+        if self.enable_caching and len(req.prompt_token_ids) >= self.block_size:
+            self._ensure_hashes(req, 1)      # hashes every prompt block; the list holds what is asked for later
 
     def shareable_blocks(self, req: Request, num_tokens: int) -> int:
         """Full blocks whose content another request could also have: prompt blocks, and generated
@@ -149,10 +172,17 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = self._ensure_hashes(req, max_blocks)
         lookup = self.pool.lookup
-        hits = []
-        for i in range(max_blocks):
+        hits: list[int] = []
+        # the chain is walked from its root: a miss there (most prompts) needs no other hash as a Python int
+        if not max_blocks:
+            return hits, 0
+        b = lookup(self._ensure_hashes(req, 1)[0])
+        if b is None:
+            return hits, 0
+        hits.append(b)
+        hashes = self._ensure_hashes(req, max_blocks)
+        for i in range(1, max_blocks):
             b = lookup(hashes[i])
             if b is None:
                 break
@@ -165,6 +195,8 @@ class KVCacheManager:
 
     def can_fit(self, req: Request, total_tokens: int, new_computed_blocks: list[int]) -> bool:
         to_alloc = self.blocks_needed(total_tokens) - len(req.block_ids) - len(new_computed_blocks)
+        if not new_computed_blocks:
+            return to_alloc <= self.pool.num_free_blocks
         evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
         return to_alloc + evictable_hits <= self.pool.num_free_blocks
 
@@ -185,12 +217,16 @@ class KVCacheManager:
             req.num_hashed_blocks_cached = len(req.block_ids)
         elif to_alloc > pool.num_free_blocks:
             return False
+        new_blocks = None
         if to_alloc > 0:
+            first_new = len(req.block_ids)
             req.block_ids.extend(pool.allocate(to_alloc))
+            if pool.last_allocated is not None:
+                new_blocks = (first_new, pool.last_allocated)
         if self.enable_caching:
             # draft tokens are not the request's tokens yet: only verified ones enter the prefix cache (vLLM caches
             # min(computed + new, request.num_tokens))
-            self._cache_full_blocks(req, total if total <= req.num_tokens else req.num_tokens)
+            self._cache_full_blocks(req, total if total <= req.num_tokens else req.num_tokens, new_blocks)
         return True
 
     def allocate_for_pull(self, req: Request) -> int | None:
@@ -241,7 +277,8 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(req, req.prompt_len)
 
-    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def _cache_full_blocks(self, req: Request, num_tokens: int,
+                           new_blocks: tuple[int, np.ndarray] | None = None) -> None:
         """Register blocks that become full once ``num_tokens`` are computed (vLLM does it at allocation)."""
         full = self.shareable_blocks(req, num_tokens)
         start = req.num_hashed_blocks_cached
@@ -249,7 +286,7 @@ class KVCacheManager:
             return
         # freshly allocated blocks carry no hash yet; a duplicate hash (the same prefix computed twice at
         # once) maps to the newest block
-        self._register(req, start, full)
+        self._register(req, start, full, new_blocks)
         req.num_hashed_blocks_cached = full
 
     def free(self, req: Request, preempted: bool = False) -> None:

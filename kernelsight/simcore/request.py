@@ -6,6 +6,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kernelsight.simcore.multimodal import MultimodalItem
 
 
@@ -54,6 +56,7 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    prompt_block_hashes: np.ndarray | None = None   # the prompt's block hashes (the first of block_hashes) as uint64
     num_hashed_blocks_cached: int = 0   # leading blocks of block_ids registered in the prefix cache
     decode_join_step: int = -1          # step it joined the scheduler's decode group (-1: not a member)
     first_scheduled_s: float | None = None

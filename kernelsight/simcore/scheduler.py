@@ -245,10 +245,15 @@ class Scheduler:
         else:
             bucket.append(entry)
 
-    def _leave_group(self, req: Request) -> int:
-        """Materialize a member's progress at the current step index; returns tokens produced in the group."""
+    def _leave_group(self, req: Request, drop_need: bool = True) -> int:
+        """Materialize a member's progress at the current step index; returns tokens produced in the group.
+        Its pending block need leaves the due table too (``drop_need``), so the table holds live needs only."""
         join = req.decode_join_step
         run = self.step_index - join
+        if drop_need:
+            # the need is due when the member's blocks run out: each block it took moved it one block on
+            due = join + len(req.block_ids) * self.kv.block_size - req.num_computed_tokens
+            self._dues[due].remove((req.seq_no, join, req))
         self._ctx_base -= req.num_computed_tokens + 1 - join
         offsets = self._ctx_offsets
         del offsets[bisect.bisect_left(offsets, req.num_computed_tokens + 1 - join)]
@@ -265,7 +270,7 @@ class Scheduler:
         runs = []
         for req in list(self.members):
             join = req.decode_join_step
-            runs.append((req, join, self._leave_group(req)))
+            runs.append((req, join, self._leave_group(req, drop_need=False)))   # the table is cleared below
         self._finish_heap.clear()
         self._dues.clear()
         self._due_steps.clear()
@@ -295,6 +300,22 @@ class Scheduler:
         while steps and steps[0] <= last_step:
             due = steps[0]
             bucket = dues[due]
+            if not one_by_one and len(takers) + len(bucket) <= free:
+                # every need of this step is met: its live entries move on to their next block's step at once
+                heapq.heappop(steps)
+                del dues[due]
+                live = bucket              # members drop their need on leaving: every entry is live
+                if live:
+                    live.sort()            # admission order within a step (seq_no is unique per live need)
+                    takers += [e[2] for e in live]
+                    nxt = due + bs
+                    later = dues.get(nxt)
+                    if later is None:
+                        dues[nxt] = live
+                        heapq.heappush(steps, nxt)
+                    else:
+                        later += live
+                continue
             bucket.sort()                  # admission order within a step (seq_no is unique per live need)
             nxt = due + bs
             for j in range(len(bucket)):
@@ -405,6 +426,17 @@ class Scheduler:
             self._group_on = True          # pressure gone: decoders rejoin as they sample
 
         individuals = self.individuals
+        if not individuals and not len(self.waiting):
+            # only the decode group runs (most steps): the batch is its count and context sum
+            num_decodes = len(self.members)
+            top: tuple[int, ...] = ()
+            top_k = self.decode_top_k
+            if top_k and num_decodes:
+                longest = [o + S for o in self._ctx_offsets[-top_k:]]
+                longest.sort(reverse=True)
+                top = tuple(longest[:top_k])
+            batch = BatchShape((), num_decodes, self._ctx_base + num_decodes * S, decode_context_top=top)
+            return SchedulerOutput([], [], [], [], batch, cfg.max_num_batched_tokens - budget, num_decodes, dissolved)
         spec = self.spec
         lookahead = spec.num_lookahead_tokens if spec is not None else 0
         drafts_of: dict[Request, int] = {}
@@ -649,25 +681,29 @@ class Scheduler:
         S = self.step_index
         if out.num_draft_tokens:
             self._verify_drafts(out, upd)
-        for req, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens += n
-            if req.mm_items:
-                self._free_consumed_encoder_inputs(req)
-            if req.num_computed_tokens < req.num_tokens:
-                continue                      # a prefill chunk that did not reach the end: no token
-            req.num_output_tokens += 1
-            (upd.tokens if req.first_token_s is not None else upd.first_tokens).append(req)
-            if req.num_output_tokens >= req.target_output_len:
-                upd.finished.append(req)
-        individual_finished = list(upd.finished)
+        running = RequestStatus.RUNNING
+        individual_finished: list[Request] = []
+        if out.requests:
+            tokens, first_tokens, finished = upd.tokens, upd.first_tokens, upd.finished
+            for req, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
+                if req.status is not running:
+                    continue
+                req.num_computed_tokens += n
+                if req.mm_items:
+                    self._free_consumed_encoder_inputs(req)
+                if req.num_computed_tokens < req.num_tokens:
+                    continue                      # a prefill chunk that did not reach the end: no token
+                req.num_output_tokens += 1
+                (tokens if req.first_token_s is not None else first_tokens).append(req)
+                if req.num_output_tokens >= req.target_output_len:
+                    finished.append(req)
+            individual_finished = list(finished)
         last = S + num_steps - 1
         heap = self._finish_heap
         finished_members = []
         while heap and heap[0][0] <= last:
             _, _, join, req = heapq.heappop(heap)
-            if req.decode_join_step == join and req.status is RequestStatus.RUNNING:
+            if req.decode_join_step == join and req.status is running:
                 finished_members.append(req)
         self.step_index = S + num_steps
         for req in finished_members:
@@ -677,9 +713,9 @@ class Scheduler:
             upd.finished.append(req)
         for req in individual_finished:
             self.finish(req, req.finish_reason_at_target)
-        if self._group_on:
+        if self._group_on and (upd.first_tokens or upd.tokens):
             for req in upd.first_tokens + upd.tokens:
-                if req.status is RequestStatus.RUNNING:
+                if req.status is running:
                     self.individuals.remove(req)
                     self._join_group(req, self.step_index)
         return upd

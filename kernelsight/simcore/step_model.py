@@ -197,6 +197,7 @@ class StepModel:
         self.mla_families: frozenset[str] = (frozenset(f for f in (K.MLA_PREFILL, K.MLA_DECODE) if f in calib.eta)
                                              if m.mla else frozenset())
         self._mla_excess_memo: dict[tuple[int, float], float] = {}
+        self._decode_batch_terms: dict[int, tuple[float, float]] = {}   # _decode_eta_s: per batch size
         self._mla_prefill_host_memo: dict[tuple[tuple[int, int], ...], float] = {}
         # decode attention as a serving step streams it (see _decode_stream_s): the kernel's DRAM-side bandwidth, and
         # on FlashAttention-2's unsplit GQA path the bandwidth one CTA streams at and the longest contexts it needs
@@ -434,6 +435,18 @@ class StepModel:
                  if self.mla_families and mode != FULL_GRAPH else 0.0)
         return self._finish(out, base_s + attn_s, mode, num_decodes + len(prefills), num_tokens, extra)
 
+    def _decode_step(self, num_decodes: int, context_tokens: int, top: tuple[int, ...]) -> tuple[np.ndarray, float]:
+        """:meth:`step` of a decode-only batch of ``num_decodes`` > 0 sequences, without building one: the same
+        operations in the same order (a decode window's first step)."""
+        mode, m_padded = self._graph_mode(num_decodes, True)
+        out, base_s = self._token_part(m_padded, num_decodes)
+        attn_s = 0.0
+        t = self._decode_attention_s(num_decodes, context_tokens, top, False)
+        out[_I_ATTN_DECODE] += t
+        attn_s += t
+        extra = self.mla_host_s((), num_decodes, context_tokens) if self.mla_families and mode != FULL_GRAPH else 0.0
+        return self._finish(out, base_s + attn_s, mode, num_decodes, num_decodes, extra)
+
     def _finish(self, out: np.ndarray, kernels_s: float, mode: str, num_seqs: int, num_tokens: int,
                 extra_cpu_s: float = 0.0) -> tuple[np.ndarray, float]:
         """Add the exposed launch and host time to a step whose kernels (and collectives) take kernels_s
@@ -601,9 +614,14 @@ class StepModel:
         if window and num_decodes:
             ctx = int(min(ctx, num_decodes * window))
         flops = 4.0 * q_heads * d * ctx
-        bytes_moved = ctx * 2.0 * kv_heads * d * kv_bytes + 2.0 * num_decodes * q_heads * d * act_bytes
-        tiles = float(max(num_decodes * q_heads, 1))
-        wave_u = math.ceil(tiles / n_sm) * n_sm / tiles
+        per_batch = self._decode_batch_terms.get(num_decodes)
+        if per_batch is None:
+            # what depends on the batch size alone: the query bytes and the last wave's utilisation
+            tiles = float(max(num_decodes * q_heads, 1))
+            per_batch = self._decode_batch_terms[num_decodes] = (2.0 * num_decodes * q_heads * d * act_bytes,
+                                                                 math.ceil(tiles / n_sm) * n_sm / tiles)
+        q_bytes, wave_u = per_batch
+        bytes_moved = ctx * 2.0 * kv_heads * d * kv_bytes + q_bytes
         roof = max(flops * wave_u / peak, bytes_moved / mem_bw)
         t = max(roof / eta + overhead_s, (bytes_moved - self._l2_bytes) / mem_bw)     # as kernel_time_s
         if mha and self.calib.decode_cta_bytes_per_s:     # GQA models never take the unsplit path
@@ -735,7 +753,10 @@ class StepModel:
         if self._window_first[0] == key:
             b0, t0 = self._window_first[1]
         else:
-            b0, t0 = self.step(BatchShape((), num_decodes, context_tokens_start, decode_context_top=top))
+            if num_decodes and type(self).step is StepModel.step:
+                b0, t0 = self._decode_step(num_decodes, context_tokens_start, top)
+            else:     # a subclass's own step (a lockstep rank records its batch) sees the batch
+                b0, t0 = self.step(BatchShape((), num_decodes, context_tokens_start, decode_context_top=top))
             self._window_first = (key, (b0, t0))
         if num_steps == 1:
             return [t0], b0.copy()

@@ -157,5 +157,6 @@ class KVEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+        # counted before the end marker goes out: a client that got it may read the count at once
         self.stats.replays += 1
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
