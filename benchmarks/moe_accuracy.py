@@ -8,7 +8,8 @@ routing relation says the rank touches, ÷ η per expert format and kernel, + fi
   of the shared layout whose GPU is a bundled profile, and the RTX PRO 6000's vLLM 0.19 folder (its own kernels).
 * leave-one-GPU-out (cross-generation): fit the MoE family on every row of the other GPUs (the vLLM 0.24 folders;
   the A100's tables time only the rank's tokens and are never transferred from: ``MOE_TRANSFER_EXCLUDED``),
-  transfer to the held-out GPU by its spec (``calibrate.fit.transfer``), judge on its same 75 %.
+  transfer to the held-out GPU by its spec and by the kernel vLLM runs there for each format under the folder's
+  release (``calibrate.fit.transfer``, rule 12), judge on its same 75 %.
   A format no source measured (NVFP4 outside the PRO 6000) is priced by the nearest measured format's model.
 
 Prints a table per GPU and dtype and writes JSON (default ``benchmarks/results/moe_accuracy.json``).
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernelsight.calibrate.fit.eta import fit_family  # noqa: E402
 from kernelsight.calibrate.fit.transfer import MOE_TRANSFER_EXCLUDED, cross_generation_calibration  # noqa: E402
-from kernelsight.calibrate.measurements import Table, read_measurements  # noqa: E402
+from kernelsight.calibrate.measurements import Table, measurement_software, read_measurements  # noqa: E402
 from kernelsight.calibrate.rows import kernel_rows, roofline_rows_s, rows_time_s  # noqa: E402
 from kernelsight.profiles import bundled_hardware_name, load_hardware  # noqa: E402
 from kernelsight.simcore.calibration import Calibration, default_calibration  # noqa: E402
@@ -52,10 +53,13 @@ def moe_folders(data: Path) -> dict[str, str]:
     return out
 
 
-def fitted(table: Table, hw: HardwareSpec, residual_grid: bool) -> Calibration:
-    """A calibration whose only fitted family is the MoE layer (fitted on every row of ``table``)."""
+def fitted(table: Table, hw: HardwareSpec, residual_grid: bool, software: dict[str, str] | None = None
+           ) -> Calibration:
+    """A calibration whose only fitted family is the MoE layer (fitted on every row of ``table``), recording the
+    ``software`` its kernels were timed under (the transfer reads which kernel ran from the vLLM release)."""
     model, eta_max, _ = fit_family(FAMILY, table.columns, hw, residual_grid=residual_grid)
     calib = default_calibration(hw.name)
+    calib.software = dict(software or {})
     calib.tier = "target-measured"
     calib.eta[FAMILY] = model
     calib.eta_max = max(eta_max, 1.0)
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     full = {}
     for f in sorted(sources):
         t0 = time.perf_counter()
-        full[f] = fitted(tables[f], hws[f], residual_grid=False)
+        full[f] = fitted(tables[f], hws[f], residual_grid=False, software=measurement_software(args.data / f))
         print(f"smooth fit of {f}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     results: dict[str, dict] = {}
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         ape_t, over_roof = errors(test, hw, target)
         # MOE_TRANSFER_EXCLUDED: tables timing only the rank's tokens are never transferred from
         others = [o for o in sorted(sources) if hws[o].name != hw.name and hws[o].name not in MOE_TRANSFER_EXCLUDED]
-        cross = cross_generation_calibration(hw, [(full[o], hws[o]) for o in others])
+        cross = cross_generation_calibration(hw, [(full[o], hws[o]) for o in others],
+                                             vllm_version=measurement_software(args.data / f).get("vllm"))
         ape_x, _ = errors(test, hw, cross)
         results[f] = {"target": breakdown(test, ape_t), "cross-generation": breakdown(test, ape_x),
                       "cross_sources": others, "min_pred_over_roofline": float(over_roof.min())}

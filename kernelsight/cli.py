@@ -361,7 +361,9 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
                        else "composed (no measured GPU runs its kernel)") for f in ("mla_decode", "mla_prefill")}
             print(f"  {'':<14} runs {kernel_lineage(hw)}; borrows from "
                   + ", ".join(f"{g} {w:.2f} ({lineage})" for g, w, lineage in borrowed)
-                  + f"; MoE from {', '.join(moe)}" + (f"; NVFP4 GEMMs from {', '.join(fp4)}" if fp4 else "")
+                  + "; MoE " + ", ".join(f"{fmt} ({kernel}) from {'+'.join(names)}"
+                                         for fmt, (kernel, names) in moe.items())
+                  + (f"; NVFP4 GEMMs from {', '.join(fp4)}" if fp4 else "")
                   + f"; MLA decode ({mla_decode_backend(hw.compute_capability, 'bf16')}) {mla['mla_decode']},"
                   f" prefill {mla['mla_prefill']}")
     print("models:")

@@ -9,17 +9,27 @@ import numpy as np
 import pytest
 
 from kernelsight import profiles
+from kernelsight.calibrate.fit.transfer import cross_generation_calibration
 from kernelsight.calibrate.measurements import read_measurements
 from kernelsight.calibrate.rows import kernel_rows, roofline_rows_s, rows_time_s
 from kernelsight.engine_args import create_engine_config
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import LEGACY_MOE_ETA, calibration_from_dict, default_calibration
 from kernelsight.simcore.engine_config import EngineArgs, build_step_model
-from kernelsight.simcore.eta import ConstantEta
+from kernelsight.simcore.eta import ConstantEta, SwitchEta
+from kernelsight.simcore.moe_dispatch import (
+    FLASHINFER_CUTLASS,
+    MARLIN,
+    OAI_TRITON,
+    TRITON,
+    moe_kernel,
+    moe_kernel_class,
+)
 from kernelsight.simcore.moe_routing import (
     DEFAULT_EXPERT_ROUTING,
     ROUTING_DISTRIBUTIONS,
     load_imbalance,
+    padded_slots,
     power_law_alpha,
     routing_load,
 )
@@ -99,6 +109,14 @@ def test_a_calibration_file_from_before_the_moe_family_falls_back_to_the_default
     d["eta"]["moe_gemm"] = {"form": "logpoly", "basis": "gemm", "device": {}, "center": [0.0], "scale": [1.0],
                             "coef": [0.0, 0.0]}
     assert calibration_from_dict(json.loads(json.dumps(d))).eta["moe_gemm"] is LEGACY_MOE_ETA
+    # a MoE model of the basis before it counted the block padding (9 columns, not 10): its coefficients mean
+    # other columns, so the file prices with the default until rebuilt
+    old = {"form": "logpoly", "basis": "moe", "device": {}, "center": [0.0] * 9, "scale": [1.0] * 9,
+           "coef": [0.0] * 55}
+    d["eta"]["moe_gemm"] = {"form": "switch", "index": 4, "default": "0", "models": {"0": old}}
+    assert calibration_from_dict(json.loads(json.dumps(d))).eta["moe_gemm"] is LEGACY_MOE_ETA
+    d["eta"]["moe_gemm"]["models"]["0"] = {**old, "center": [0.0] * 10, "scale": [1.0] * 10, "coef": [0.0] * 66}
+    assert calibration_from_dict(json.loads(json.dumps(d))).eta["moe_gemm"] is not LEGACY_MOE_ETA
 
 
 def test_the_shared_moe_rows_map_onto_the_step_models_kernel(shared_data: Path):
@@ -116,6 +134,69 @@ def test_the_shared_moe_rows_map_onto_the_step_models_kernel(shared_data: Path):
     calib = default_calibration(hw.name)
     calib.eta["moe_gemm"], calib.eta_max = ConstantEta(3.0), 3.0
     assert (rows_time_s(calib, "moe_gemm", rows, roof, hw) < roof).any()
+
+
+def test_each_experts_rows_are_padded_to_the_block_the_grouped_gemm_computes():
+    # balanced, 64 tokens × 8 picks over 128 experts: every expert gets 4 slots, each padded to a whole block
+    assert routing_load(64, 8, 128, 1, "balanced").slots == 512
+    assert padded_slots(64, 8, 128, 1, "balanced", 16) == 128 * 16
+    assert padded_slots(64, 8, 128, 1, "balanced", 1) == 512
+    for dist in ROUTING_DISTRIBUTIONS:
+        for tokens, ep in ((1, 1), (48, 4), (3000, 8)):
+            load = routing_load(tokens, 8, 128, ep, dist)
+            p16, p64 = (padded_slots(tokens, 8, 128, ep, dist, bm) for bm in (16, 64))
+            assert load.slots <= p16 <= p64 <= load.slots + 64 * load.active_experts + 1e-9
+
+
+def test_the_block_rows_follow_vllms_default_moe_config():
+    assert K.moe_block_m(128, 8, 128, "bf16") == 16 and K.moe_block_m(129, 8, 128, "bf16") == 64
+    assert K.moe_block_m(8, 8, 128, "fp8_block") == 64
+    # Marlin: the first of 8/16/32/48/64 with tokens·top_k/E/block < 0.9
+    assert K.moe_block_m(1, 8, 128, "int4_wo") == 8 and K.moe_block_m(512, 8, 128, "int4_wo") == 48
+    k16 = K.fused_moe_kernel(100, 2048, 768, 8, 128, "bf16", distribution="balanced")
+    k64 = K.fused_moe_kernel(200, 2048, 768, 8, 128, "bf16", distribution="balanced")
+    pad16 = padded_slots(100, 8, 128, 1, "balanced", 16) / 800
+    assert k16.features[7] == pytest.approx(pad16) and k16.features[8] == 16 and k64.features[8] == 64
+    assert k16.flops == pytest.approx(6.0 * 800 * 2048 * 768 * pad16)   # the padded rows are computed
+
+
+def test_vllms_moe_kernel_per_format_gpu_and_release():
+    # what the shared tables' kernel column shows
+    assert moe_kernel("bf16", "9.0") == TRITON and moe_kernel("bf16", "8.9") == TRITON
+    assert moe_kernel("bf16", "12.0") == FLASHINFER_CUTLASS and moe_kernel("bf16", "12.0", (0, 19)) == TRITON
+    assert moe_kernel("fp8", "9.0") == FLASHINFER_CUTLASS and moe_kernel("fp8", "8.9") == TRITON
+    assert moe_kernel("fp8", "12.0", (0, 19)) == TRITON and moe_kernel("int4_wo", "9.0") == MARLIN
+    assert moe_kernel("w4a16_mxfp4", "9.0") == OAI_TRITON and moe_kernel("w4a16_mxfp4", "8.9") == MARLIN
+    names = {"vllm_fused_moe": TRITON, "vllm_unquantizedfusedmoe_triton_tritonexperts": TRITON,
+             "vllm_modeloptfp8moe_flashinfer_cutlass_flashinferexperts": FLASHINFER_CUTLASS,
+             "vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic": OAI_TRITON,
+             "vllm_gptossmxfp4moe_marlin_marlinexperts": MARLIN, "vllm_marlin_int4_moe": MARLIN}
+    assert {n: moe_kernel_class(n) for n in names} == names
+
+
+def test_moe_eta_transfers_by_kernel_where_the_kernel_is_one_code_on_every_gpu():
+    bf16, int4, mxfp4 = (str(K.MOE_FORMAT_CODES[f]) for f in ("bf16", "int4_wo", "w4a16_mxfp4"))
+    l40s, h100, pro, h200, a100, b200 = (profiles.load_hardware(n)
+                                         for n in ("l40s", "h100-sxm", "rtx-pro-6000", "h200", "a100-pcie", "b200"))
+
+    def source(hw, etas):
+        c = default_calibration(hw.name)
+        c.software = {"vllm": "0.24.0"}
+        c.eta["moe_gemm"] = SwitchEta(4, {k: ConstantEta(v) for k, v in etas.items()}, bf16)
+        return c, hw
+
+    # the L40S ran int4 by Marlin; the H100 ran MXFP4 by OpenAI's Triton kernels (Hopper)
+    sources = [source(l40s, {bf16: 0.6, int4: 0.5}), source(h100, {bf16: 0.3, mxfp4: 0.2})]
+    row = {f: K.fused_moe_kernel(256, 2048, 768, 8, 128, f).features for f in ("bf16", "w4a16_mxfp4")}
+    # MXFP4 runs Marlin on SM 12.0: the L40S's Marlin model (of int4), not the H100's MXFP4 one of another kernel
+    assert cross_generation_calibration(pro, sources).kernel_eta("moe_gemm", row["w4a16_mxfp4"]) == pytest.approx(0.5)
+    # on Hopper it runs OpenAI's Triton kernels, not portable: the format's model of the same architecture
+    assert cross_generation_calibration(h200, sources).kernel_eta("moe_gemm", row["w4a16_mxfp4"]) == pytest.approx(0.2)
+    # both ran bf16 by Triton: of the same kernel the target architecture's where one ran it (Hopper's from the
+    # H100, an Ampere GPU's from the L40S, SM 8.x); a B200 runs FlashInfer's (built per SM): from both
+    assert cross_generation_calibration(h200, sources).kernel_eta("moe_gemm", row["bf16"]) == pytest.approx(0.3)
+    assert cross_generation_calibration(a100, sources).kernel_eta("moe_gemm", row["bf16"]) == pytest.approx(0.6)
+    assert 0.3 < cross_generation_calibration(b200, sources).kernel_eta("moe_gemm", row["bf16"]) < 0.6
 
 
 QWEN3_235B_FP8 = dict(model="Qwen/Qwen3-235B-A22B-FP8", hardware="h200", max_model_len=8192)

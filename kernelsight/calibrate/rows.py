@@ -178,7 +178,7 @@ def kernel_rows(family: str, cols: Columns) -> KernelRows:
         inverse[i] = uniq.setdefault(key, len(uniq))
     kernels = [_row_kernel(family, key) for key in uniq]
     if not kernels:
-        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "moe_gemm": 7, "attn_encoder": 8, "mla_prefill": 8,
+        nf = {"gemm": 4, "attn_prefill": 8, "attn_decode": 7, "moe_gemm": 9, "attn_encoder": 8, "mla_prefill": 8,
               "mla_decode": 7}[family]
         z = np.zeros(0)
         return KernelRows(family, z, z, z, np.zeros(0, dtype=str), np.zeros((0, nf)), np.zeros(0, dtype=str))

@@ -27,6 +27,7 @@ from kernelsight.simcore.eta import (
     eta_overhead_of,
     switch_key,
 )
+from kernelsight.simcore.eta_basis import BASES
 from kernelsight.simcore.overheads import HostModel, LaunchModel
 
 
@@ -129,7 +130,10 @@ def _bases(d: Any) -> set[str]:
         x = stack.pop()
         if isinstance(x, dict):
             if x.get("form") == "logpoly":
-                out.add(str(x.get("basis")))
+                basis = str(x.get("basis"))
+                # a basis of another width is an older layout of it (the MoE basis gained the block padding)
+                width = len(BASES[basis][1]) if basis in BASES else None
+                out.add(basis if width is None or len(x.get("center", ())) == width else f"{basis} (older layout)")
             stack.extend(x.values())
         elif isinstance(x, list):
             stack.extend(x)
@@ -137,7 +141,8 @@ def _bases(d: Any) -> set[str]:
 
 
 #: η of the FusedMoE layer in files written before it had its own model (they priced the expert GEMMs with the bf16
-#: GEMM model on other features): the built-in default until the file is rebuilt.
+#: GEMM model on other features) or before its basis counted the block padding: the built-in default until the file
+#: is rebuilt.
 LEGACY_MOE_ETA = ConstantEta(0.6)
 
 

@@ -16,7 +16,7 @@ from kernelsight.simcore.fp4_dispatch import (
     nvfp4_linear_kernel,
 )
 from kernelsight.simcore.gemm_dispatch import fp8_linear_kernel, priced_format
-from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING, routing_load
+from kernelsight.simcore.moe_routing import DEFAULT_EXPERT_ROUTING, padded_slots, routing_load
 from kernelsight.simcore.multimodal import MultimodalItem
 from kernelsight.simcore.precision import Precision
 
@@ -310,25 +310,57 @@ def fused_moe_kernel(tokens: int, hidden: int, inter: int, top_k: int, num_exper
         slots = math.ceil(slots / local_k) * local_k
         all_slots = slots
     per_expert = slots / active if active > 0 else 0.0
+    local_experts = max(num_experts // max(ep_size, 1), 1)
+    bm = moe_block_m(tokens, top_k, local_experts, fmt)
+    padded = padded_slots(tokens, top_k, num_experts, ep_size, distribution, bm) if load.slots > 0 else 0.0
+    if rank_tokens_only and padded > 0:   # the same routing, only the rank's tokens entering
+        padded = max(padded, math.ceil(slots / bm) * bm)
+    # the rows the padding adds, in the busiest rank's slots as the caller's (or the override's) count gives them
+    pad = max(padded / load.slots, 1.0) if load.slots > 0 else 1.0
     h, i = float(hidden), float(inter)
-    flops, bytes_moved, tiles = moe_layer_quantities(per_expert, h, i, active, all_slots, w, a_in, act_bytes)
+    flops, bytes_moved, tiles = moe_layer_quantities(per_expert, h, i, active, all_slots, w, a_in, act_bytes, pad,
+                                                     float(bm))
     skew = most / per_expert if per_expert > 0 else 1.0
     return Kernel(name, MOE_GEMM, flops, bytes_moved, max(int(tiles), 1), compute,
-                  (per_expert, h, i, active, float(code), all_slots, max(skew, 1.0)), count)
+                  (per_expert, h, i, active, float(code), all_slots, max(skew, 1.0), pad, float(bm)), count)
+
+
+#: Row-block sizes of vLLM's Marlin MoE kernel, smallest first (``get_default_config``'s Marlin branch).
+MARLIN_MOE_BLOCK_M: tuple[int, ...] = (8, 16, 32, 48, 64)
+
+
+def moe_block_m(tokens: int, top_k: int, local_experts: int, fmt: str) -> int:
+    """Rows per block of the grouped expert GEMMs (``BLOCK_SIZE_M``) in vLLM's default MoE config (``fused_moe.
+    get_default_config``): Marlin's weight-only formats the first of 8/16/32/48/64 with tokens·top_k/E/block
+    < 0.9; block-scaled fp8 64; the others 16 while the tokens are at most the rank's experts, else 64. Each
+    expert's rows are padded to it (``moe_routing.padded_slots``). The tuned per-GPU config files and FlashInfer's
+    CUTLASS tiles differ by shape; η per kernel absorbs that."""
+    if fmt in ("int4_wo", "w4a16_mxfp4"):
+        for bm in MARLIN_MOE_BLOCK_M:
+            if tokens * top_k / max(local_experts, 1) / bm < 0.9:
+                return bm
+        return MARLIN_MOE_BLOCK_M[-1]
+    if fmt == "fp8_block":
+        return 64
+    return 16 if tokens <= local_experts else 64
 
 
 def moe_layer_quantities(per_expert: float, hidden: float, inter: float, active: float, all_slots: float,
-                         weight_bytes: float, in_bytes: float, act_bytes: float = 2.0) -> tuple[float, float, float]:
-    """(FLOPs, bytes, tiles) of one FusedMoE layer on a rank (see :func:`fused_moe_kernel`); scalars or arrays."""
+                         weight_bytes: float, in_bytes: float, act_bytes: float = 2.0, pad: float = 1.0,
+                         block_m: float = 0.0) -> tuple[float, float, float]:
+    """(FLOPs, bytes, tiles) of one FusedMoE layer on a rank (see :func:`fused_moe_kernel`); scalars or arrays.
+    ``pad`` (≥ 1): the rank's padded rows ÷ its slots — the GEMMs compute the padded rows (FLOPs, tiles), the
+    masked rows move no bytes; ``block_m`` the rows per block (0: the 64/128-row tiles of the mean expert)."""
     slots = per_expert * active
-    flops = 6.0 * slots * hidden * inter
+    flops = 6.0 * slots * hidden * inter * pad
     gemm_bytes = active * 3.0 * hidden * inter * weight_bytes + slots * (
         hidden * in_bytes + 2.0 * inter * act_bytes + inter * in_bytes + hidden * act_bytes)
     layer_bytes = all_slots * (3.0 * inter + hidden) * act_bytes
     tile_m = np.where(per_expert <= _GEMM_TILE_SMALL_M, _GEMM_TILE_SMALL_M, _GEMM_TILE)
-    tiles = (np.ceil(per_expert / tile_m) * active
-             * (np.ceil(2.0 * inter / _GEMM_TILE) * np.ceil(hidden / _GEMM_K_BLOCK)
-                + np.ceil(hidden / _GEMM_TILE) * np.ceil(inter / _GEMM_K_BLOCK)))
+    row_blocks = np.where(np.asarray(block_m) > 0, slots * pad / np.maximum(block_m, 1.0),
+                          np.ceil(per_expert / tile_m) * active)
+    tiles = row_blocks * (np.ceil(2.0 * inter / _GEMM_TILE) * np.ceil(hidden / _GEMM_K_BLOCK)
+                          + np.ceil(hidden / _GEMM_TILE) * np.ceil(inter / _GEMM_K_BLOCK))
     if np.ndim(tiles) == 0:
         return float(flops), float(gemm_bytes + layer_bytes), float(tiles)
     return flops, gemm_bytes + layer_bytes, tiles

@@ -73,6 +73,7 @@ from kernelsight.simcore.kernel_shapes import (  # noqa: F401 (re-exported: call
     gemm_kernel,
     gemm_tiles,
     linear_kernel,
+    moe_block_m,
 )
 from kernelsight.simcore.mla import mla_decode_kernels, mla_prefill_kernels, mla_row_kernels
 from kernelsight.simcore.model_spec import ModelSpec

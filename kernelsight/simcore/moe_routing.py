@@ -18,6 +18,9 @@ Every one of the ``T`` tokens enters the layer on each rank (vLLM's default EP g
 vLLM's fused_experts runs its activation and top-k sum over all ``T·top_k`` slots, local or not: that traffic
 is the layer's, whatever the rank holds (``kernel_shapes.fused_moe_kernel``).
 
+vLLM's grouped expert GEMMs compute each expert's rows in blocks (``BLOCK_SIZE_M``): :func:`padded_slots` gives the
+busiest rank's rows once each of its experts' is padded to a whole block, from the same per-expert loads.
+
 The power law is evaluated as the mean over ``ROUTING_DRAWS`` seeded draws (deterministic, pure numpy, no I/O; the
 tables average ten random draws per row). The busiest rank's slots over the mean share ``T·top_k/ep`` is the load
 imbalance an EP group waits for (``--expert-load-imbalance`` overrides it).
@@ -85,19 +88,19 @@ def _bounded_power_law(rng: np.random.Generator, shape: tuple[int, int], alpha: 
     return ((hi ** e - lo ** e) * u + lo ** e) ** (1.0 / e)
 
 
-def _balanced_rank(tokens: int, top_k: int, num_experts: int, local: int) -> tuple[float, float, float]:
-    """(slots, touched experts, most loaded expert's slots) of the first rank when token i's j-th pick is expert
-    (i + j·s) mod E, s = ⌈E/k⌉
-    (spread over the whole range when there are fewer tokens than s): every expert equally loaded."""
+def _balanced_counts(tokens: int, top_k: int, num_experts: int, local: int) -> np.ndarray:
+    """Slots per expert of the first rank (its ``local`` experts) when token i's j-th pick is expert
+    (i + j·s) mod E, s = ⌈E/k⌉ (spread over the whole range when there are fewer tokens than s): every expert
+    equally loaded."""
     stride = math.ceil(num_experts / top_k)
     i = np.arange(tokens, dtype=float)[:, None]
     j = np.arange(top_k, dtype=float)[None, :]
     base = i if tokens >= stride else np.floor(i * stride / tokens)
     picks = ((base + j * stride) % num_experts).astype(np.int64)
     mine = picks[picks < local]
-    if not mine.size:
-        return 0.0, 0.0, 0.0
-    return float(mine.size), float(np.unique(mine).size), float(np.bincount(mine).max())
+    out = np.bincount(mine, minlength=local)[:local].astype(float)
+    out.setflags(write=False)
+    return out
 
 
 @functools.lru_cache(maxsize=8192)
@@ -105,17 +108,44 @@ def routing_load(tokens: int, top_k: int, num_experts: int, ep_size: int = 1,
                  distribution: str = DEFAULT_EXPERT_ROUTING) -> RoutingLoad:
     """The busiest rank's token-slots and touched experts when ``tokens`` tokens each pick ``top_k`` of
     ``num_experts`` experts split over ``ep_size`` ranks (see the module docstring)."""
-    alpha = power_law_alpha(distribution)
     tokens, ep = max(int(tokens), 0), max(int(ep_size), 1)
-    local = max(num_experts // ep, 1)
     mean = tokens * top_k / ep
     if tokens == 0:
         return RoutingLoad(0.0, 0.0, 0.0, 0.0)
+    counts = _rank_counts(tokens, top_k, num_experts, ep, distribution)
+    if counts is None:   # balanced beyond the enumerated range: the even share
+        local = max(num_experts // ep, 1)
+        return RoutingLoad(mean, float(local), mean, math.ceil(mean / local))
+    return RoutingLoad(float(counts.sum(axis=1).mean()), float((counts > 0).sum(axis=1).mean()), mean,
+                       float(counts.max(axis=1).mean()))
+
+
+@functools.lru_cache(maxsize=8192)
+def padded_slots(tokens: int, top_k: int, num_experts: int, ep_size: int, distribution: str,
+                 block_m: int) -> float:
+    """The busiest rank's token-slots once each expert's rows are padded to a multiple of ``block_m``: Σ over its
+    experts of ⌈slots/block_m⌉·block_m. vLLM's grouped expert GEMMs (``moe_align_block_size`` then one row block of
+    ``block_m`` rows per program) compute those padded rows: an expert with 3 slots costs a whole 64-row block."""
+    tokens, ep, bm = max(int(tokens), 0), max(int(ep_size), 1), max(int(block_m), 1)
+    if tokens == 0:
+        return 0.0
+    counts = _rank_counts(tokens, top_k, num_experts, ep, distribution)
+    if counts is None:
+        local = max(num_experts // ep, 1)
+        return float(local * math.ceil(tokens * top_k / ep / local / bm) * bm)
+    return float((np.ceil(counts / bm) * bm).sum(axis=1).mean())
+
+
+@functools.lru_cache(maxsize=256)   # arrays of up to draws × 512 experts: the two callers' results are cached apart
+def _rank_counts(tokens: int, top_k: int, num_experts: int, ep: int, distribution: str) -> np.ndarray | None:
+    """Slots per expert of the busiest rank (draws × its experts; one row for the balanced pattern), or None for a
+    balanced pattern too large to enumerate (taken at its even share)."""
+    alpha = power_law_alpha(distribution)
+    local = max(num_experts // ep, 1)
     if alpha is None:
-        if tokens * top_k > _EXACT_BALANCED_SLOTS:   # the pattern is periodic: the even share
-            return RoutingLoad(mean, float(local), mean, math.ceil(mean / local))
-        slots, active, most = _balanced_rank(tokens, top_k, num_experts, local)
-        return RoutingLoad(slots, active, mean, most)
+        if tokens * top_k > _EXACT_BALANCED_SLOTS:
+            return None
+        return _balanced_counts(tokens, top_k, num_experts, local)[None, :]
     rng = np.random.default_rng(_SEED)
     total = tokens * top_k
     lo, hi = (1.0, 0.8 * tokens) if total > num_experts else (0.01, 2.0)
@@ -130,11 +160,10 @@ def routing_load(tokens: int, top_k: int, num_experts: int, ep_size: int = 1,
     counts = np.minimum(counts, float(tokens)).reshape(ROUTING_DRAWS, ep, local)
     counts = _deal(counts, over)
     counts = _deal(counts, total - counts.sum(axis=(1, 2)))
-    sums = counts.sum(axis=2)
-    busiest = np.argmax(sums, axis=1)
-    rank = counts[np.arange(ROUTING_DRAWS), busiest]
-    return RoutingLoad(float(rank.sum(axis=1).mean()), float((rank > 0).sum(axis=1).mean()), mean,
-                       float(rank.max(axis=1).mean()))
+    busiest = np.argmax(counts.sum(axis=2), axis=1)
+    out = counts[np.arange(ROUTING_DRAWS), busiest]
+    out.setflags(write=False)
+    return out
 
 
 def _deal(counts: np.ndarray, units: np.ndarray) -> np.ndarray:
@@ -183,6 +212,7 @@ __all__ = [
     "ROUTING_DRAWS",
     "RoutingLoad",
     "load_imbalance",
+    "padded_slots",
     "power_law_alpha",
     "routing_load",
 ]

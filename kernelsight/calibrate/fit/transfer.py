@@ -74,6 +74,16 @@ Transfer rule (documented contract):
    ``mla_prefill`` from every source but on SM 10.x (:func:`mla_sources`); with none, the family is not transferred
    and the composed dense-family pricing stays. Retargeted as rules 1–4 (the decode and prefill bases).
 
+12. **MoE by kernel.** vLLM's FusedMoE layer runs one kernel per expert format, GPU and release
+   (:func:`~kernelsight.simcore.moe_dispatch.moe_kernel`: Triton ``fused_moe``, FlashInfer CUTLASS, Marlin, OpenAI's
+   Triton MXFP4 kernels, FlashInfer TRT-LLM). A target's format takes the smooth models of the kernel it runs there:
+   from each source the same format's if that source ran it by that kernel, else another format's run by it (its
+   balance and bytes re-expressed at the target format's); of those, the target architecture's where one ran it;
+   weighted by spec similarity (:func:`transfer_moe_by_kernel`). Only where no source ran the kernel does the
+   format's pooled model of the target's architecture (else every source's) stand in. Leave-one-GPU-out on the shared
+   MoE tables (``benchmarks/moe_accuracy.py``): the L40S's fp8 (Triton there) from the H100's block-fp8 Triton model
+   rather than the FlashInfer CUTLASS fp8 models of the H100 and the PRO 6000.
+
 Hyperparameters (τ, the L2 width per SM, the clock exponent, the L2 step's center/width in eta_basis.py)
 are global: chosen by leave-one-GPU-out over the three measured GPUs (A100 / H100 / L40S) *jointly*, on the
 mean and the worst per-family MAPE of all folds, never per fold or per target. Tried and not kept: one model
@@ -92,11 +102,12 @@ from kernelsight.calibrate.fit.logpoly import device_constants
 from kernelsight.calibrate.rows import MLA_FAMILIES
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.attention_dispatch import FLASH_ATTN_2, attention_kernel, kernel_lineage
-from kernelsight.simcore.calibration import Calibration, default_calibration
+from kernelsight.simcore.calibration import Calibration, default_calibration, vllm_release
 from kernelsight.simcore.comm import CommModel
 from kernelsight.simcore.eta import DispatchEta, EnsembleEta, EtaModel, LogPolyEta, SwitchEta, switch_key
 from kernelsight.simcore.hardware import HardwareSpec, sustained_clock_share
 from kernelsight.simcore.mla import mla_decode_backend
+from kernelsight.simcore.moe_dispatch import MARLIN, TRITON, moe_kernel, moe_kernel_class
 
 #: Temperature of the similarity weights (units of the log-spec distance).
 SIMILARITY_TAU = 1.0
@@ -207,10 +218,18 @@ def transfer_family(
     sources: Sequence[tuple[Calibration, HardwareSpec]],
     weights: Sequence[float],
     target: HardwareSpec,
+    target_release: tuple[int, ...] | None = None,
 ) -> EtaModel | None:
     picked = [(c.eta[family], w, h) for (c, h), w in zip(sources, weights, strict=True) if family in c.eta
               and not (family == "moe_gemm" and h.name in MOE_TRANSFER_EXCLUDED)]
     if family == "moe_gemm":
+        by_kernel = transfer_moe_by_kernel(
+            [(c.eta[family], w, h, vllm_release(c.software.get("vllm")))
+             for (c, h), w in zip(sources, weights, strict=True)
+             if isinstance(c.eta.get(family), SwitchEta) and h.name not in MOE_TRANSFER_EXCLUDED],
+            target, target_release)
+        if by_kernel is not None:
+            return by_kernel
         picked = moe_sources(picked, target)
     if family in MLA_FAMILIES:
         picked = mla_sources(picked, target, family)
@@ -246,6 +265,82 @@ def transfer_family(
 
 def _arch(hw: HardwareSpec) -> str:
     return f"{hw.vendor}:{hw.compute_capability.split('.')[0]}"
+
+
+#: MoE switch key (``kernel_shapes.MOE_FORMAT_CODES``) → the tables' format name.
+MOE_FORMAT_BY_KEY: dict[str, str] = {switch_key(c): f for f, c in K.MOE_FORMAT_CODES.items() if f != "fp16"}
+
+
+#: MoE kernels whose η carries across architectures: Marlin (one hand-written CUDA kernel on every GPU) and Triton's
+#: ``fused_moe`` (one kernel source; its tile configs follow the shape). FlashInfer builds another CUTLASS MoE kernel
+#: per SM, and the H100's fp8 one reaches 0.1-0.2 of its roofline where the PRO 6000's reaches 0.3-0.8: by kernel,
+#: the PRO 6000's FlashInfer CUTLASS from the H100's was 232-274 % off leave-one-GPU-out. By kernel for Triton and
+#: Marlin (``benchmarks/moe_accuracy.py``, the MoE L2 center at 1): the L40S 33 → 24 % (fp8 58 → 26 %, from the H100's
+#: block-fp8 Triton rather than two FlashInfer CUTLASS fp8 models), the PRO 6000 under 0.19 39 → 25 %.
+PORTABLE_MOE_KERNELS: frozenset[str] = frozenset({MARLIN, TRITON})
+
+
+def _moe_kernel_models(model: EtaModel, fmt: str, source: HardwareSpec,
+                       release: tuple[int, ...] | None) -> dict[str, EtaModel]:
+    """A source variant's models by the kernel class each times: a per-kernel model per class it ran, or the one
+    model under the class vLLM dispatches for that format on the source (``simcore.moe_dispatch.moe_kernel``)."""
+    if isinstance(model, DispatchEta):
+        out: dict[str, EtaModel] = {}
+        for name in sorted(model.models, key=lambda n: n != model.default):   # the majority kernel first
+            out.setdefault(moe_kernel_class(name) or name, model.models[name])
+        return out
+    return {moe_kernel(fmt, source.compute_capability, release): model}
+
+
+def transfer_moe_by_kernel(picked: Sequence[tuple[SwitchEta, float, HardwareSpec, tuple[int, ...] | None]],
+                           target: HardwareSpec, target_release: tuple[int, ...] | None) -> SwitchEta | None:
+    """The MoE η of a target by the kernel vLLM runs there (rule 12): per expert format, the class of the target's
+    kernel (``moe_kernel``), and from each source the smooth model of that class — the same format's if the source
+    ran that kernel for it, else another format's run by that kernel (re-expressed at the target format's balance
+    and bytes, as rule 6); of those, the target's own architecture's where one ran it (:func:`moe_sources`), weighted
+    by spec similarity. A format no source ran by that kernel keeps the per-variant rule (:func:`moe_sources`). None
+    without sources."""
+    if not picked:
+        return None
+    keys = sorted({k for m, _, _, _ in picked for k in m.models})
+    out: dict[str, EtaModel] = {}
+    for key in keys:
+        fmt = MOE_FORMAT_BY_KEY.get(key, "bf16")
+        want = moe_kernel(fmt, target.compute_capability, target_release)
+        if want not in PORTABLE_MOE_KERNELS:
+            want = ""   # an architecture's own build of the kernel: the format's pooled models below
+        same, other = [], []
+        for m, w, h, rel in picked:
+            if not want:
+                break
+            if key in m.models and want in (got := _moe_kernel_models(m.models[key], fmt, h, rel)):
+                same.append((got[want], w, h))
+                continue
+            for k in sorted(m.models, key=lambda k: abs(float(k) - float(key))):
+                got = _moe_kernel_models(m.models[k], MOE_FORMAT_BY_KEY.get(k, "bf16"), h, rel)
+                if want in got:
+                    other.append((got[want], w, h))
+                    break
+        # the same kernel on the target's own architecture where one ran it (the H100's fp8 FlashInfer CUTLASS path
+        # reaches 0.1-0.2 of its roofline, the PRO 6000's 0.3-0.8: a property of the kernel on that architecture)
+        chosen = moe_sources(same, target) if same else moe_sources(other, target)
+        if not chosen:
+            # no source ran the target's kernel where it carries over: the format's pooled models of the target's
+            # architecture, else of the sources that ran a portable kernel for it (another architecture's build of
+            # FlashInfer's CUTLASS MoE says less: the PRO 6000's fp8 from the H100's FlashInfer CUTLASS and the
+            # L40S's Triton 77 %, from the L40S's alone 38 %), else every source's
+            pool = [(m.models[key] if key in m.models else m.models[_closest_key(key, list(m.models))], w, h, rel)
+                    for m, w, h, rel in picked]
+            portable = [p for p in pool if moe_kernel(MOE_FORMAT_BY_KEY.get(key, "bf16"), p[2].compute_capability,
+                                                      p[3]) in PORTABLE_MOE_KERNELS]
+            if not any(_arch(p[2]) == _arch(target) for p in pool) and portable:
+                pool = portable
+            chosen = moe_sources([(m, w, h) for m, w, h, _ in pool], target)
+        total = sum(w for _, w, _ in chosen)
+        out[key] = EnsembleEta(tuple(retarget(mm, "moe_gemm", key, target, h) for mm, _, h in chosen),
+                               tuple(w / total for _, w, _ in chosen))
+    defaults = [m.default for m, _, _, _ in picked]
+    return SwitchEta(picked[0][0].index, out, max(defaults, key=defaults.count))
 
 
 def moe_sources(picked: list, target: HardwareSpec) -> list:
@@ -289,11 +384,24 @@ def mla_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec], fami
                                               family)]
 
 
-def moe_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec]) -> list[str]:
-    """The GPUs (of ``sources``) a cross-generation calibration of ``target`` takes its MoE η from (as
-    :func:`transfer_family` picks them: not the excluded, then :func:`moe_sources`)."""
-    picked = [(None, 1.0, h) for h in sources if h.name != target.name and h.name not in MOE_TRANSFER_EXCLUDED]
-    return [h.name for _, _, h in moe_sources(picked, target)]
+def moe_source_names(target: HardwareSpec, sources: Sequence[HardwareSpec]) -> dict[str, tuple[str, list[str]]]:
+    """Per expert format, the kernel a cross-generation calibration of ``target`` prices (``moe_kernel``, the newest
+    release) and the GPUs (of ``sources``, each taken to have measured every format by the kernel vLLM runs there)
+    it takes that format's η from, as :func:`transfer_moe_by_kernel` picks them."""
+    srcs = [h for h in sources if h.name != target.name and h.name not in MOE_TRANSFER_EXCLUDED]
+    out: dict[str, tuple[str, list[str]]] = {}
+    for fmt in ("bf16", "fp8", "fp8_block", "int4_wo", "w4a16_mxfp4"):
+        want = moe_kernel(fmt, target.compute_capability)
+        ran = {h.name: moe_kernel(fmt, h.compute_capability) for h in srcs}
+        picked = [(None, 1.0, h) for h in srcs if ran[h.name] == want] if want in PORTABLE_MOE_KERNELS else []
+        if not picked:
+            pool = [(None, 1.0, h) for h in srcs]
+            portable = [p for p in pool if ran[p[2].name] in PORTABLE_MOE_KERNELS]
+            if not any(_arch(p[2]) == _arch(target) for p in pool) and portable:
+                pool = portable
+            picked = pool
+        out[fmt] = (want, [h.name for _, _, h in moe_sources(picked, target)])
+    return out
 
 
 def _format_peak(hw: HardwareSpec, key: str) -> float:
@@ -401,6 +509,7 @@ def cross_generation_calibration(
     target: HardwareSpec, sources: Sequence[tuple[Calibration, HardwareSpec]], tau: float = SIMILARITY_TAU,
     fp4_sources: Sequence[tuple[Calibration, HardwareSpec]] = (),
     source_weights: Sequence[float] | None = None,
+    vllm_version: str | None = None,
 ) -> Calibration:
     """Calibration for ``target`` from measured calibrations of other GPUs (see the module docstring); the ``nvfp4``
     GEMM variant from ``fp4_sources`` (rule 9). ``source_weights`` (one per source other than the target, summing
@@ -412,8 +521,10 @@ def cross_generation_calibration(
         target, [h for _, h in sources], tau)
     calib = default_calibration(target.name)
     calib.tier = "cross-generation"
+    releases = [r for c, _ in sources if (r := vllm_release(c.software.get("vllm"))) is not None]
+    target_release = vllm_release(vllm_version) if vllm_version else max(releases, default=None)
     for fam in TRANSFERRED_FAMILIES:
-        model = transfer_family(fam, sources, weights, target)
+        model = transfer_family(fam, sources, weights, target, target_release)
         if model is not None:
             calib.eta[fam] = model
     for fam in TRANSFERRED_FAMILIES:
