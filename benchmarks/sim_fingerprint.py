@@ -142,7 +142,9 @@ def _engine_events(args: EngineArgs, use_decode_group: bool) -> dict:
             aborted = eng.abort("r5") or eng.abort("r40") or True
         for ev in res.events:
             k = ev.step_index - res.first_step_index
-            t = res.step_end_s[k] if 0 <= k < res.num_steps else -1.0
+            # the time's value, not its Python type: the pure step model leaves numpy float64s where the compiled
+            # core (kernelsight.accel) gives the same doubles as floats
+            t = float(res.step_end_s[k]) if 0 <= k < res.num_steps else -1.0
             h.update(repr((ev.kind, ev.request_id, ev.step_index, ev.num_tokens, ev.finish_reason, t)).encode())
         h.update(np.array(res.step_end_s, dtype=np.float64).tobytes())
         h.update(repr((res.num_running, res.num_waiting, res.kv_usage, res.num_scheduled_tokens)).encode())

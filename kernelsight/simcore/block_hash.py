@@ -7,6 +7,8 @@ pool only compares keys, and a router that re-hashes token ids needs the keys, n
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +73,7 @@ class BlockHasher:
             h += np.uint64(parent)
         return h
 
-    def chain_one(self, parent: int, block_index: int, content: tuple, extra: int = 0) -> int:
+    def chain_one(self, parent: int, block_index: int, content: Sequence[Any], extra: int = 0) -> int:
         """Hash of one block from Python: known token ids hash exactly like ``chain_tokens``."""
         self._ensure_positions(block_index + 1)
         if all(type(t) is int for t in content):

@@ -218,7 +218,7 @@ class BlockPool:
         n = len(idx)
         if root is None:
             self.block_root[idx] = 0
-            self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),
+            self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),  # type: ignore[union-attr]
                                    blocks if blocks is not None else idx.tolist(), strict=True))
         else:
             self.block_root[idx] = root
@@ -237,7 +237,7 @@ class BlockPool:
                 if pend is not None:
                     self._flush_root(root)
                 self._roots_in_map.add(root)
-                self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),
+                self.cached.update(zip(hashes if hashes is not None else hashes_array.tolist(),  # type: ignore[union-attr]
                                        blocks if blocks is not None else idx.tolist(), strict=True))
         if len(self.cached) + self._num_pending > 8 * self.num_blocks + 4096:   # drop stale entries now and then
             held = np.flatnonzero(self.block_hash)

@@ -238,7 +238,7 @@ class Engine:
             if req.kv_load_tokens:
                 # loading from the CPU tier: its blocks are evictable again (the copy already queued still runs)
                 req.kv_load_tokens = 0
-                self.offload.finish_load(req)
+                self.offload.finish_load(req)  # type: ignore[union-attr]  # loads exist only with a tier
             if req.remote_prefill and req.num_computed_tokens == 0 and req.num_preemptions == 0:
                 # not yet taken in (``_pull_done``): vLLM notifies the prefill side of an aborted remote prefill, so it
                 # frees the blocks at once
@@ -282,7 +282,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         arrivals = self._arrivals
-        while arrivals and arrivals.first()[2].is_finished:     # aborted before it surfaced
+        while arrivals and arrivals.first()[2].is_finished:  # type: ignore[index]     # aborted before it surfaced
             arrivals.pop()
         return (bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or bool(self._arrivals)
                 or bool(self._pull_blocked))
@@ -306,7 +306,7 @@ class Engine:
             self._retry_pulls()
         arrivals = self._arrivals
         cutoff = self._admit_cutoff_s()
-        while arrivals and arrivals.first()[0] <= cutoff:
+        while arrivals and arrivals.first()[0] <= cutoff:  # type: ignore[index]
             _, _, req = arrivals.pop()
             if req.is_finished:
                 continue
@@ -332,7 +332,7 @@ class Engine:
         self.num_pulls += 1
         self.pull_s_total += pull_s
         req.kv_ready_s = self.now_s + pull_s
-        self._arrivals.push((req.kv_ready_s, req.seq_no, req))
+        self._arrivals.push((req.kv_ready_s, req.seq_no, req))  # type: ignore[arg-type]  # set by the load
         return True
 
     def _retry_pulls(self) -> None:
@@ -358,7 +358,7 @@ class Engine:
         ``offload_prompt_only: false``) needs each decode's progress step by step: the decode group is turned off."""
         self.offload = offload
         self.scheduler.offload = offload
-        offload.event_source = self.kv.pool
+        offload.event_source = self.kv.pool  # type: ignore[assignment]
         if not offload.config.offload_prompt_only:
             self.scheduler._group_allowed = self.scheduler._group_on = False
 
@@ -368,7 +368,7 @@ class Engine:
         the waiting queue (vLLM prepends the requests that waited for their KV)."""
         tokens = req.kv_load_tokens
         req.kv_load_tokens = 0
-        self.offload.finish_load(req)
+        self.offload.finish_load(req)  # type: ignore[union-attr]
         self.kv.cache_loaded(req, tokens)
         req.num_computed_tokens = min(tokens, req.num_tokens - 1)
         if req.num_cached_tokens < 0:
@@ -466,7 +466,7 @@ class Engine:
         out = sched.schedule()
         if out.loading:
             for req in out.loading:         # back as an arrival when its KV is in place (_load_done)
-                self._arrivals.push((req.kv_ready_s, req.seq_no, req))
+                self._arrivals.push((req.kv_ready_s, req.seq_no, req))  # type: ignore[arg-type]  # set by the load
         start = self.now_s
         first_index = sched.step_index
         per_token = self.per_token_events
@@ -544,7 +544,7 @@ class Engine:
             self._collect_held(ends[-1])
         for req in upd.finished:
             self._forget(req)
-            events.append(RequestEvent(FINISHED, req.request_id, last_index, 0, req.finish_reason.value,
+            events.append(RequestEvent(FINISHED, req.request_id, last_index, 0, req.finish_reason.value,  # type: ignore[union-attr]
                                        req.parent_id, req.index))
         return self._commit(start, ends, first_index, events, out.total_tokens, breakdown)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from kernelsight.simcore.block_hash import BlockHasher
 from kernelsight.simcore.block_pool import BlockPool
+from kernelsight.simcore.compiled import mypyc_attr
 from kernelsight.simcore.kv_events import BlockStored, KVEvent
 from kernelsight.simcore.request import Request
 
@@ -30,6 +31,7 @@ def mm_block_keys(req: Request, first_block: int, num_blocks: int, block_size: i
     return out
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)    # hybrid_kv_cache's manager extends it
 class KVCacheManager:
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.pool = BlockPool(num_gpu_blocks)

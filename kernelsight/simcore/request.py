@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def block_content(self, block_index: int, block_size: int) -> tuple:
+    def block_content(self, block_index: int, block_size: int) -> Sequence[Any]:
         """The token content of a full block, as the hash input.
 
         Generated tokens whose ids the engine does not know are keyed by (request, position): such blocks
@@ -94,7 +95,7 @@ class Request:
         start, end = block_index * block_size, (block_index + 1) * block_size
         prompt = self.prompt_token_ids
         plen = len(prompt)
-        head = prompt[start:min(end, plen)] if start < plen else ()
+        head: Any = prompt[start:min(end, plen)] if start < plen else ()
         if hasattr(head, "tolist"):          # an int array: hash plain ints, as for list prompts
             head = tuple(head.tolist())
         if end <= plen:

@@ -508,7 +508,8 @@ class Scheduler:
                 req = waiting.peek()
                 if req.block_ids:
                     # its prompt's KV is in place, pulled from the prefill instance (P/D) or loaded from the CPU tier
-                    hits, num_cached, new_cached = [], req.num_computed_tokens, 0
+                    hits: list[int] = []
+                    num_cached, new_cached = req.num_computed_tokens, 0
                 else:
                     hits, num_cached = kv.get_computed_blocks(req)
                     new_cached = num_cached
@@ -566,7 +567,8 @@ class Scheduler:
             out.loading = loading
             return out
         top_k = self.decode_top_k
-        others = [] if top_k else None      # individuals' decode contexts, when the step model wants the longest
+        # individuals' decode contexts, when the step model wants the longest
+        others: list[int] | None = [] if top_k else None
         for req, n in zip(scheduled, counts, strict=True):
             if n == 1 and req.num_output_tokens > 0:
                 num_decodes += 1
@@ -576,7 +578,7 @@ class Scheduler:
             else:
                 prefills.append(PrefillChunk(n, req.num_computed_tokens,
                                              req.num_computed_tokens + n >= req.num_tokens))
-        top: tuple[int, ...] = ()
+        top = ()
         if top_k and num_decodes:
             longest = [o + S for o in self._ctx_offsets[-top_k:]]
             if others:
@@ -595,7 +597,7 @@ class Scheduler:
         kv = self.kv
         bs = kv.block_size
         hashes = kv.block_hashes(req, req.num_tokens // bs)
-        ext = offload.match(req, hashes, num_cached, self.clock_s)
+        ext = offload.match(req, hashes, num_cached, self.clock_s)  # type: ignore[union-attr]
         if ext is None:
             return None
         if not ext:
@@ -610,9 +612,9 @@ class Scheduler:
             # vLLM records both lookups when the load is allocated; the request is not counted again once loaded
             kv.prefix_queries_tokens += req.num_tokens
             kv.prefix_hits_tokens += num_cached
-            offload.record_query(req.num_tokens, num_cached, ext)
+            offload.record_query(req.num_tokens, num_cached, ext)  # type: ignore[union-attr]
         req.kv_load_tokens = target
-        req.kv_ready_s = offload.start_load(req, hashes, num_cached, ext, self.clock_s)
+        req.kv_ready_s = offload.start_load(req, hashes, num_cached, ext, self.clock_s)  # type: ignore[union-attr]
         return True
 
     def _spec_output(self, scheduled: list[Request], counts: list[int], preempted: list[Request],
@@ -667,7 +669,7 @@ class Scheduler:
         for j, (req, d) in enumerate(zip(out.requests, out.num_draft_tokens, strict=True)):
             if not d or req.status is not RequestStatus.RUNNING:
                 continue
-            accepted = spec.accept(req.seq_no, req.num_output_tokens, d)
+            accepted = spec.accept(req.seq_no, req.num_output_tokens, d)  # type: ignore[union-attr]
             gained = min(1 + accepted, req.target_output_len - req.num_output_tokens)
             # the common path adds the scheduled count and one output token: leave it exactly that to add
             req.num_computed_tokens += (1 + accepted) - out.num_scheduled_tokens[j] + (gained - 1) - accepted

@@ -18,6 +18,7 @@ import numpy as np
 from kernelsight.simcore import kernels as K
 from kernelsight.simcore.calibration import Calibration
 from kernelsight.simcore.comm import allreduce_s
+from kernelsight.simcore.compiled import mypyc_attr
 from kernelsight.simcore.eta import EnsembleEta, SwitchEta, fitted_gemm_nk, switch_key
 from kernelsight.simcore.gemm_dispatch import BLOCK_KERNELS, block_time_ratio
 from kernelsight.simcore.hardware import HardwareSpec
@@ -161,6 +162,7 @@ def eta_lookup_features(family: str, features: tuple[float, ...]) -> tuple[float
     return features
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)    # dp_group, spec_decode_step, mtp price some kernels their own way
 class StepModel:
     """Predicts the duration of one engine step on one GPU model."""
 
@@ -239,7 +241,7 @@ class StepModel:
             if len(calib.step_memos) > 64:   # bounded: a long search over many configurations
                 calib.step_memos.clear()
             tables = calib.step_memos[key] = ({}, {}, {}, {})
-        return tables
+        return tables  # type: ignore[no-any-return,return-value]
 
     # -- single kernels --------------------------------------------------------------------------
     def kernel_time_s(self, k: Kernel) -> float:
@@ -481,10 +483,10 @@ class StepModel:
             gpu_s = sum(self.kernel_time_s(k) for k in self.encoder_kernels(items))
             tp = self.config.tp
             if tp > 1:
-                n, msg = encoder_allreduces(self.model.vision, items)
+                n, msg = encoder_allreduces(self.model.vision, items)  # type: ignore[arg-type]
                 gpu_s += n * allreduce_s(msg, tp, self.hw, self.calib.comm,
                                          custom_all_reduce=self.config.custom_all_reduce)
-            cpu_s = self.calib.launch.eager_per_kernel_s * encoder_kernel_launches(self.model.vision)
+            cpu_s = self.calib.launch.eager_per_kernel_s * encoder_kernel_launches(self.model.vision)  # type: ignore[arg-type]
             t = gpu_s + max(cpu_s - gpu_s, 0.0)
             if len(memo) > 10_000:
                 memo.clear()
@@ -751,7 +753,7 @@ class StepModel:
         # cache): the first step is then the same computation, kept from the last call.
         key = (num_decodes, context_tokens_start, top)
         if self._window_first[0] == key:
-            b0, t0 = self._window_first[1]
+            b0, t0 = self._window_first[1]  # type: ignore[misc]
         else:
             if num_decodes and type(self).step is StepModel.step:
                 b0, t0 = self._decode_step(num_decodes, context_tokens_start, top)
