@@ -34,12 +34,9 @@ if "--child-root" in sys.argv:     # a comparison child: import kernelsight from
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import ROOT, cpu_jiffies, machine, write_result  # noqa: E402
 
-from kernelsight.engine_args import create_engine_config  # noqa: E402
-from kernelsight.loadgen.arrivals import arrival_times_s  # noqa: E402
-from kernelsight.loadgen.datasets import random_dataset  # noqa: E402
-from kernelsight.loadgen.fastforward import run_fast_forward  # noqa: E402
-from kernelsight.loadgen.report import format_table  # noqa: E402
-from kernelsight.simcore.engine_config import EngineArgs  # noqa: E402
+# kernelsight is imported inside the functions, not here: --in-process loads each tree itself, and a compiled core
+# (python -m kernelsight.accel build) loaded once stays bound to the modules it was first imported beside
+
 
 
 def main() -> int:
@@ -57,6 +54,13 @@ def main() -> int:
         return compare(ns)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # pin to one core
+    from kernelsight.engine_args import create_engine_config
+    from kernelsight.loadgen.arrivals import arrival_times_s
+    from kernelsight.loadgen.datasets import random_dataset
+    from kernelsight.loadgen.fastforward import run_fast_forward
+    from kernelsight.loadgen.report import format_table
+    from kernelsight.simcore.engine_config import EngineArgs
+
     cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", seed=0))
     samples = random_dataset(ns.num_prompts, 1000, 200, 0.1, cfg.model.vocab_size, seed=0)
     arrivals = arrival_times_s(ns.num_prompts, 20.0, 1.0, seed=0).tolist()
@@ -107,6 +111,8 @@ def compare(ns: argparse.Namespace) -> int:
                      "cpu_median_s": statistics.median(cpu), "wall_best_s": min(r["wall_s"] for r in rs),
                      "steal_pct_max": max(r["steal_pct"] for r in rs),
                      "busy_pct_min": min(r["machine_busy_pct"] for r in rs), "package": rs[0]["package"]})
+    from kernelsight.loadgen.report import format_table
+
     print(f"fast-forward speed, {ns.num_prompts} requests, this tree vs {trees['against']} (machine: {machine()})")
     print(format_table(rows, list(rows[0])))
     path = write_result("sim_speed_compare", {"num_prompts": ns.num_prompts, "rows": rows, "runs": runs})
@@ -164,6 +170,8 @@ def compare_in_process(ns: argparse.Namespace) -> int:
     j1 = cpu_jiffies()
     d = [b - a for a, b in zip(j0, j1, strict=True)] if j0 and j1 else []
     steal = 100.0 * d[7] / (sum(d) or 1) if d else float("nan")
+    from kernelsight.loadgen.report import format_table  # the tree loaded last's: the same function
+
     rows = [{"tree": name, "runs": len(t["cpu_s"]), "cpu_best_s": min(t["cpu_s"]),
              "cpu_median_s": statistics.median(t["cpu_s"]), "wall_best_s": min(t["wall_s"]), "package": t["root"]}
             for name, t in zip(("this", "against"), trees, strict=True)]

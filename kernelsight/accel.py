@@ -22,8 +22,9 @@ import sys
 import sysconfig
 import tempfile
 
-#: the modules compiled, by profile of ``benchmarks/sim_speed.py``: the step loop, scheduler, KV bookkeeping and
-#: the step model's cached paths (the rest of simcore is called per distinct shape, not per step)
+#: the modules compiled, by profile of ``benchmarks/sim_speed.py``: the step loop, scheduler, KV bookkeeping, the
+#: step model's cached paths and the batch shapes they pass, and the fast-forward driver that records each event
+#: (the rest of simcore is called per distinct kernel shape, not per step)
 MODULES: tuple[str, ...] = (
     "kernelsight.simcore.request",
     "kernelsight.simcore.block_hash",
@@ -32,6 +33,10 @@ MODULES: tuple[str, ...] = (
     "kernelsight.simcore.scheduler",
     "kernelsight.simcore.engine",
     "kernelsight.simcore.step_model",
+    "kernelsight.simcore.kernel_shapes",
+    "kernelsight.simcore.overheads",
+    "kernelsight.simcore.output_len",
+    "kernelsight.loadgen.fastforward",
 )
 
 #: mypyc's shared library of the group (every compiled module's code); the per-module files are small shims into it
@@ -57,10 +62,15 @@ def _ext_suffix() -> str:
     return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
+def _ext_stem(module: str) -> str:
+    """Where a module's extension goes, less its suffix (``…/engine`` → ``…/engine.cpython-311-….so``)."""
+    return os.path.join(_ROOT, *module.split("."))
+
+
 def built_files() -> list[str]:
     """The extension files ``build`` leaves in the package (any Python version's), and its manifest."""
-    names = [m.rsplit(".", 1)[1] for m in MODULES] + [GROUP.rsplit(".", 1)[1] + "__mypyc"]
-    found = [p for n in names for p in glob.glob(os.path.join(_SIMCORE, n + ".*.so"))]
+    stems = [_ext_stem(m) for m in MODULES] + [_ext_stem(GROUP + "__mypyc")]
+    found = [p for stem in stems for p in glob.glob(stem + ".*.so")]
     manifest = os.path.join(_SIMCORE, MANIFEST)
     return sorted(found) + ([manifest] if os.path.exists(manifest) else [])
 
@@ -115,10 +125,10 @@ def build(verbose: bool = False) -> list[str]:
                   script_args=["-q", "build_ext", "--build-temp", os.path.join(tmp, "obj"),
                                "--build-lib", os.path.join(tmp, "lib")])
         written = []
-        for path in glob.glob(os.path.join(tmp, "lib", "kernelsight", "simcore", "*" + _ext_suffix())):
-            dest = os.path.join(_SIMCORE, os.path.basename(path))
-            shutil.copy2(path, dest)
-            written.append(dest)
+        for module in (*MODULES, GROUP + "__mypyc"):
+            rel = os.path.relpath(_ext_stem(module), _ROOT) + _ext_suffix()
+            shutil.copy2(os.path.join(tmp, "lib", rel), os.path.join(_ROOT, rel))
+            written.append(os.path.join(_ROOT, rel))
     manifest = {"sources": {m: _sha256(_source_path(m)) for m in MODULES}, "python": sys.version.split()[0]}
     with open(os.path.join(_SIMCORE, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)

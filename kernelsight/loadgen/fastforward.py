@@ -21,6 +21,7 @@ import numpy as np
 
 from kernelsight.loadgen.datasets import SampleRequest
 from kernelsight.loadgen.metrics import RequestRecord
+from kernelsight.simcore.compiled import mypyc_attr
 from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, TOKENS, Engine, StepResult
 from kernelsight.simcore.engine_config import EngineConfig, build_dp_group, build_engine
 from kernelsight.simcore.kernels import FAMILIES
@@ -153,6 +154,7 @@ def run_fast_forward(config: EngineConfig, samples: Sequence[SampleRequest], arr
             gc.enable()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)    # session_fastforward's sender extends it
 class _Sender:
     """Sends the samples in arrival order, at most ``max_concurrency`` in flight (``in_flight`` is decremented by the
     run loop as requests finish), each at its arrival or, held back by the limit, when a slot frees.
@@ -220,7 +222,7 @@ class _Sender:
                     # step of its first token is gone already, and reports no cached tokens)
                     tr.req = self.get_request(ev.request_id)
                 if watch is not None:
-                    watch.first_token(tr.index, ends[ev.step_index])
+                    watch.first_token(tr.index, ends[ev.step_index])  # type: ignore[index]  # given with a watch
             elif kind == FINISHED:
                 tr.finished = True
                 tr.finish_reason = ev.finish_reason or ""
@@ -233,7 +235,8 @@ class _Sender:
                 self.on_finished(tr, ends)
                 if watch is not None:
                     last = tr.segments[-1] if tr.segments else None
-                    watch.finished(tr.index, ends[last[0] + last[1] - 1] if last else 0.0, tr.num_tokens)
+                    watch.finished(tr.index, ends[last[0] + last[1] - 1] if last else 0.0,  # type: ignore[index]
+                                   tr.num_tokens)
         return freed
 
 
@@ -491,8 +494,8 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
     reasons: dict[str, int] = {}
     breakdown = dict.fromkeys(FAMILIES, 0.0)
     for _, res in results:
-        for k, v in res.finish_reasons.items():
-            reasons[k] = reasons.get(k, 0) + v
+        for k, count in res.finish_reasons.items():
+            reasons[k] = reasons.get(k, 0) + count
         for k, v in res.breakdown_s.items():
             breakdown[k] += v
     return FastForwardResult(
@@ -508,10 +511,10 @@ def run_replicas(config: EngineConfig, samples: Sequence[SampleRequest], arrival
 
 def _sum_offload(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """The replicas' offload summaries added up (the hit rate from the summed tokens)."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
+    given = [p for p in parts if p is not None]
+    if not given:
         return None
-    out = {k: sum(p[k] for p in parts) for k in parts[0] if k != "cpu_hit_rate"}
+    out = {k: sum(p[k] for p in given) for k in given[0] if k != "cpu_hit_rate"}
     q = out["external_query_tokens"]
     return {"cpu_hit_rate": round(out["external_hit_tokens"] / q, 4) if q else 0.0, **out}
 
