@@ -33,9 +33,6 @@ MODULES: tuple[str, ...] = (
     "kernelsight.simcore.scheduler",
     "kernelsight.simcore.engine",
     "kernelsight.simcore.step_model",
-    "kernelsight.simcore.kernel_shapes",
-    "kernelsight.simcore.overheads",
-    "kernelsight.simcore.output_len",
     "kernelsight.loadgen.fastforward",
 )
 
@@ -69,9 +66,13 @@ def _ext_stem(module: str) -> str:
 
 def built_files() -> list[str]:
     """The extension files ``build`` leaves in the package (any Python version's), and its manifest."""
-    stems = [_ext_stem(m) for m in MODULES] + [_ext_stem(GROUP + "__mypyc")]
-    found = [p for stem in stems for p in glob.glob(stem + ".*.so")]
     manifest = os.path.join(_SIMCORE, MANIFEST)
+    modules = set(MODULES)
+    if os.path.exists(manifest):          # a module built then and dropped from MODULES since
+        with open(manifest) as f:
+            modules.update(json.load(f)["sources"])
+    stems = [_ext_stem(m) for m in sorted(modules)] + [_ext_stem(GROUP + "__mypyc")]
+    found = [p for stem in stems for p in glob.glob(stem + ".*.so")]
     return sorted(found) + ([manifest] if os.path.exists(manifest) else [])
 
 

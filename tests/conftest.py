@@ -102,3 +102,19 @@ def free_port_run(n: int) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError(f"no run of {n} free ports")
+
+
+class EngineSpy:
+    """An engine with its ``add_request`` wrapped, put in a bridge's place (``bridge.engine = EngineSpy(...)``): a
+    compiled Engine (``python -m kernelsight.accel build``) takes no instance attributes, so a test wraps it instead.
+    Every other attribute, read or set, is the engine's."""
+
+    def __init__(self, engine: Engine, add_request) -> None:
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "add_request", add_request)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._engine, name, value)

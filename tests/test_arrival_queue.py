@@ -6,6 +6,11 @@ import heapq
 import random
 
 from kernelsight.simcore.engine import ArrivalQueue
+from kernelsight.simcore.request import FinishReason, Request
+
+
+def _req() -> Request:
+    return Request("r", [], 1, 1, FinishReason.LENGTH, 0.0)
 
 
 def test_arrival_queue_pops_as_a_heap_under_mixed_pushes():
@@ -17,12 +22,12 @@ def test_arrival_queue_pops_as_a_heap_under_mixed_pushes():
         r = rng.random()
         if r < 0.45:                                   # in order: a workload sent up front
             t += rng.random()
-            entry = (t, seq, object())
+            entry = (t, seq, _req())
         elif r < 0.6:                                  # out of order: a pull's end, a load's end, an equal time
-            entry = (t - rng.choice([0.0, rng.random() * 5]), seq, object())
+            entry = (t - rng.choice([0.0, rng.random() * 5]), seq, _req())
         else:
             if len(q):
-                assert q.first() is heap[0]
+                assert q.first() == heap[0]     # the same entry (Request compares by identity)
                 popped.append(q.pop())
                 expected.append(heapq.heappop(heap))
             continue

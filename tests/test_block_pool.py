@@ -47,7 +47,7 @@ def _drive(pool: BlockPool, lazy: bool, seed: int, rounds: int) -> tuple[list, l
         if hits:
             pool.touch(hits)
         new = pool.allocate(need)
-        owner = rng.random()
+        owner = int(rng.random() * 2**53)      # an id: the draw as before, as an int (a compiled pool's owner type)
         start = len(hits)
         split = start + rng.randrange(need + 1)
         before = len(pool.cached)

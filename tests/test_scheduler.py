@@ -7,10 +7,11 @@ from collections import Counter
 
 import pytest
 
-from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, PREEMPTED, TOKENS
+from kernelsight.simcore.engine import FINISHED, FIRST_TOKEN, PREEMPTED, TOKENS, Engine
+from kernelsight.simcore.engine_config import build_step_model
 from kernelsight.simcore.kv_cache import KVCacheManager
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
-from tests.conftest import make_engine
+from tests.conftest import make_config, make_engine
 
 
 def check_block_accounting(engine) -> None:
@@ -79,33 +80,30 @@ def test_invariants_under_kv_pressure(use_group, max_steps):
     assert steps > 100
 
 
-def test_preemption_only_when_blocks_run_out():
-    engine = make_engine(num_gpu_blocks_override=70, max_num_batched_tokens=512, max_num_seqs=64,
-                         max_model_len=1024)
-    kv = engine.kv
-    failures = []
-    original = kv.allocate_slots
+class _AllocationLog(KVCacheManager):
+    """Logs each allocation: the preemptions counted when it was asked, whether it succeeded, the free blocks.
+    (A subclass, not a patched method: compiled by ``kernelsight.accel`` the manager takes no instance attributes.)"""
 
-    def spy(req, num_new, *a, **kw):
-        ok = original(req, num_new, *a, **kw)
-        if not ok:
-            failures.append(engine.scheduler.num_preemptions)
+    def allocate_slots(self, req, num_new, *a, **kw):
+        ok = super().allocate_slots(req, num_new, *a, **kw)
+        self.log.append((self.scheduler.num_preemptions, ok, self.num_free_blocks))
         return ok
 
-    kv.allocate_slots = spy
-    preempt = engine.scheduler._preempt
 
-    def checked_preempt(req):
-        # the allocation that triggered this must have just failed for lack of blocks
-        assert failures and failures[-1] == engine.scheduler.num_preemptions
-        assert kv.num_free_blocks < 64
-        preempt(req)
-
-    engine.scheduler._preempt = checked_preempt
+def test_preemption_only_when_blocks_run_out():
+    cfg = make_config(num_gpu_blocks_override=70, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024)
+    kv = _AllocationLog(cfg.num_gpu_blocks, cfg.scheduler.block_size, cfg.scheduler.enable_prefix_caching)
+    kv.log = []
+    engine = Engine(cfg.scheduler, cfg.num_gpu_blocks, build_step_model(cfg), seed=cfg.args.seed, kv_cache=kv)
+    kv.scheduler = engine.scheduler
     random_workload(engine, 80, seed=11)
     while engine.step(max_steps=16) is not None:
         pass
     assert engine.scheduler.num_preemptions > 0
+    # each preemption follows an allocation that failed for lack of blocks (the count rises only after a failure)
+    for (before, ok, free), (after, _, _) in zip(kv.log, kv.log[1:], strict=False):
+        if after > before:
+            assert not ok and free < 64
 
     roomy = make_engine(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048)
     random_workload(roomy, 80, seed=11)

@@ -12,6 +12,7 @@ pytest.importorskip("fastapi")
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("smg_grpc_proto")
 
+from conftest import EngineSpy  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -34,7 +35,7 @@ def srv():
             s.items.append(tuple(kwargs.get("mm_items", ())))
             return add(request_id, prompt, *args, **kwargs)
 
-        s.bridge.engine.add_request = recording
+        s.bridge.engine = EngineSpy(s.bridge.engine, recording)
         yield s
 
 

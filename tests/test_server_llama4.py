@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
+from conftest import EngineSpy
 from PIL import Image  # noqa: E402
 
 from kernelsight.server.runner import ServerThread  # noqa: E402
@@ -53,7 +54,7 @@ def srv():
             s.added_prompts.append((list(prompt), tuple(kwargs.get("mm_items", ()))))
             return add(request_id, prompt, *args, **kwargs)
 
-        engine.add_request = recording
+        s.bridge.engine = EngineSpy(engine, recording)
         yield s
 
 

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
+from conftest import EngineSpy  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from kernelsight.server.runner import ServerThread  # noqa: E402
@@ -53,7 +54,7 @@ def srv(tmp_path_factory):
             s.added_prompts.append((list(prompt), tuple(kwargs.get("mm_items", ()))))
             return add(request_id, prompt, *args, **kwargs)
 
-        engine.add_request = counting
+        s.bridge.engine = EngineSpy(engine, counting)
         yield s
 
 

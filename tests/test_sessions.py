@@ -101,14 +101,15 @@ def test_each_turn_prompt_is_the_last_prompt_and_answer_then_the_new_message():
     sent: dict[str, tuple[np.ndarray, list[int]]] = {}
 
     def make(engine):
-        add = engine.add_request
+        sender = _SessionSender(wl, engine, True, 0, config.model.vocab_size)
+        add = sender.add_request        # the engine's (a compiled Engine takes no instance attributes: wrap here)
 
         def recording(rid, prompt, *a, **kw):
             sent[rid] = (np.asarray(prompt).copy(), list(kw["output_token_ids"]))
             return add(rid, prompt, *a, **kw)
 
-        engine.add_request = recording
-        return _SessionSender(wl, engine, True, 0, config.model.vocab_size)
+        sender.add_request = recording
+        return sender
 
     res = run_fast_forward(config, [], [], make_sender=make)
     assert len(res.records) == 12 and all(r.success for r in res.records)

@@ -14,6 +14,7 @@ import zipfile
 from collections import OrderedDict
 
 import pytest
+from conftest import EngineSpy
 
 from kernelsight.multimodal import VideoInfo, loader_frames, processor_for_model
 from kernelsight.multimodal.qwen_video import VideoSizeError
@@ -199,7 +200,7 @@ def srv(tmp_path_factory):
             s.added.append((list(prompt), tuple(kwargs.get("mm_items", ()))))
             return add(request_id, prompt, *args, **kwargs)
 
-        s.bridge.engine.add_request = counting
+        s.bridge.engine = EngineSpy(s.bridge.engine, counting)
         yield s
 
 

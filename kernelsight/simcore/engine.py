@@ -29,7 +29,7 @@ from kernelsight.simcore.output_len import OutputLengthModel
 from kernelsight.simcore.request import FinishReason, Request, RequestStatus
 from kernelsight.simcore.scheduler import Scheduler, SchedulerConfig
 from kernelsight.simcore.spec_decode import SpecDecoder
-from kernelsight.simcore.step_model import StepModel
+from kernelsight.simcore.step_model import StepPricer
 
 SCHEDULED = "scheduled"
 FIRST_TOKEN = "first_token"
@@ -126,7 +126,7 @@ class EngineStats:
 class Engine:
     """vLLM's engine core on a virtual clock."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, step_model: StepModel,
+    def __init__(self, scheduler_config: SchedulerConfig, num_gpu_blocks: int, step_model: StepPricer,
                  seed: int = 0, output_length_model: OutputLengthModel | None = None,
                  per_token_events: bool = True, use_decode_group: bool = True,
                  kv_cache: KVCacheManager | None = None, spec_decoder: SpecDecoder | None = None) -> None:
@@ -176,7 +176,7 @@ class Engine:
                     min_tokens: int = 0, ignore_eos: bool = False, n: int = 1, priority: int = 0,
                     arrival_s: float | None = None, extra_keys: tuple | None = None,
                     output_token_ids: Sequence[int] | None = None, hold_kv: bool = False,
-                    remote_prefill: bool = False, mm_items: tuple[MultimodalItem, ...] = ()) -> list[str]:
+                    remote_prefill: bool = False, mm_items: Sequence[MultimodalItem] = ()) -> list[str]:
         """Queue a request (arriving now, or at ``arrival_s`` on the virtual clock). Returns sequence ids.
 
         ``n > 1`` fans out into n sequences sharing the prompt (ids ``"{i}_{request_id}"`` as in vLLM).

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
@@ -300,8 +299,6 @@ def fused_moe_kernel(tokens: int, hidden: int, inter: int, top_k: int, num_exper
     code = MOE_FORMAT_CODES[fmt]
     compute, w, a_in = MOE_FORMATS[code]
     load = routing_load(tokens, top_k, num_experts, ep_size, distribution)
-    slots: Any                # a float, or an int once rounded to whole local top-k groups (the η features keep it)
-    all_slots: Any
     slots, active, most = load.slots, load.active_experts, load.max_expert_slots
     if load_imbalance is not None and load.mean_slots > 0:
         scale = load.mean_slots * load_imbalance / slots if slots > 0 else 1.0

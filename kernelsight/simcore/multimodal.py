@@ -7,6 +7,7 @@ engine only needs counts: how many prompt positions an item occupies, and how ma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -72,7 +73,7 @@ class MultimodalItem:
         return self.offset + self.num_tokens
 
 
-def check_mm_items(items: tuple[MultimodalItem, ...], prompt_len: int) -> None:
+def check_mm_items(items: Sequence[MultimodalItem], prompt_len: int) -> None:
     """Items must lie in the prompt, in order, without overlapping (ValueError otherwise)."""
     end = 0
     for it in items:

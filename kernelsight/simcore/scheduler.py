@@ -12,7 +12,8 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kernelsight.simcore.encoder_cache import EncoderCacheManager
 from kernelsight.simcore.kernels import BatchShape, PrefillChunk
@@ -43,6 +44,11 @@ class SchedulerConfig:
     # grown to any larger item), and whether a chunk may end inside an item (--disable-chunked-mm-input: no)
     encoder_budget_tokens: int = 0
     disable_chunked_mm_input: bool = False
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        # rebuilt through __init__ (plan's and --replica-processes' workers get it pickled): compiled by mypyc
+        # (kernelsight.accel) a frozen class refuses the field-by-field __setstate__ of a slots dataclass
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass(slots=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -94,6 +95,11 @@ class StepConfig:
     moe_ep_size: int = 1              # > 1: experts split whole over the TP group (EP at one DP rank)
     expert_load_imbalance: float | None = None     # with moe_ep_size: the busiest rank's share, as an override
 
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        # rebuilt through __init__ (plan's and --replica-processes' workers get it pickled): compiled by mypyc
+        # (kernelsight.accel) a frozen class refuses the field-by-field __setstate__ of a slots dataclass
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
+
 
 _SNAP_PER_OCTAVE = 64      # context-length grid for η lookups: ≤ 1.1% apart
 
@@ -160,6 +166,16 @@ def eta_lookup_features(family: str, features: tuple[float, ...]) -> tuple[float
     if family in (K.ATTN_PREFILL, K.MLA_PREFILL):
         return (features[0], _snap_log(features[1]), _snap_log(features[2])) + features[3:]
     return features
+
+
+class StepPricer(Protocol):
+    """What the engine asks of its step model: a StepModel, or anything that prices steps as one does (the
+    server's ScaledStepModel wraps one; a protocol, so that a compiled engine takes it too)."""
+
+    def step(self, batch: BatchShape) -> tuple[np.ndarray, float]: ...
+
+    def decode_window(self, num_decodes: int, context_tokens_start: int, num_steps: int,
+                      top: tuple[int, ...] = ()) -> tuple[list[float], np.ndarray]: ...
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)    # dp_group, spec_decode_step, mtp price some kernels their own way
