@@ -81,7 +81,7 @@ from kernelsight.loadgen.fastforward import run_fast_forward
 from kernelsight.simcore.engine_config import EngineArgs
 assert accel.__file__.startswith(sys.argv[1]), accel.__file__
 cfg = create_engine_config(EngineArgs(model="meta-llama/Llama-3.1-8B", hardware="h100", seed=3,
-                                      num_gpu_blocks_override=3000))
+                                      num_gpu_blocks_override=3000, max_model_len=8192))
 samples = prefix_repetition_dataset(400, 1024, 400, 8, 120, cfg.model.vocab_size, seed=3)
 res = run_fast_forward(cfg, samples, arrival_times_s(400, 40.0, 1.0, seed=3).tolist())
 h = hashlib.sha256()
