@@ -46,6 +46,15 @@ def cpu_jiffies() -> list[int]:
         return []
 
 
+def steal_busy_pct(j0: list[int], j1: list[int]) -> tuple[float, float]:
+    """(steal %, busy %) of the machine between two :func:`cpu_jiffies` readings (nan where unavailable)."""
+    d = [b - a for a, b in zip(j0, j1, strict=True)] if j0 and j1 else []
+    if not d:
+        return float("nan"), float("nan")
+    total = sum(d) or 1
+    return 100.0 * d[7] / total, 100.0 * (total - d[3] - d[4]) / total
+
+
 def steal_s() -> float:
     """CPU time the hypervisor gave to other guests (all CPUs), from /proc/stat; 0 where unavailable. On a
     shared VM it is the one disturbance no server can do anything about: reported beside every timing."""

@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import ROOT, cpu_jiffies, machine, write_result  # noqa: E402
+from _common import ROOT, cpu_jiffies, machine, steal_busy_pct, write_result  # noqa: E402
 
 WORKLOADS = {
     "startup": ["simulate", "--num-prompts", "10"],
@@ -74,10 +74,7 @@ def main() -> int:
             for name, root in order:
                 runs[w][name].append(run_once(root, WORKLOADS[w]))
     j1 = cpu_jiffies()
-    d = [b - a for a, b in zip(j0, j1, strict=True)] if j0 and j1 else []
-    total = sum(d) or 1
-    steal = 100.0 * d[7] / total if d else float("nan")
-    busy = 100.0 * (total - d[3] - d[4]) / total if d else float("nan")
+    steal, busy = steal_busy_pct(j0, j1)
     rows = []
     for w in ns.only:
         for name in trees:

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import cpu_jiffies, machine, write_result  # noqa: E402
+from _common import cpu_jiffies, machine, steal_busy_pct, write_result  # noqa: E402
 
 from kernelsight.engine_args import create_engine_config  # noqa: E402
 from kernelsight.loadgen.arrivals import arrival_times_s  # noqa: E402
@@ -104,10 +104,7 @@ def main() -> int:
 
             ray.shutdown()
     j1 = cpu_jiffies()
-    d = [b - a for a, b in zip(j0, j1, strict=True)] if j0 and j1 else []
-    total = sum(d) or 1
-    steal = 100.0 * d[7] / total if d else float("nan")
-    busy = 100.0 * (total - d[3] - d[4]) / total if d else float("nan")
+    steal, busy = steal_busy_pct(j0, j1)
     rows = []
     for name in modes:
         base = baseline[name]
