@@ -262,7 +262,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelSpec, hw: HardwareSpec,
     quant = args.quantization or model.quantization
     if quant == "fp8":
         error = block_shape_error(     # MLA's projections are not split by heads × head_dim: its check is left out
-            model.fp8_scheme, hidden=model.hidden_size, q_heads=0 if model.mla else model.num_attention_heads,
+            model.fp8_scheme, q_heads=0 if model.mla else model.num_attention_heads,
             kv_heads=model.num_kv_heads, head_dim=model.head_dim,
             intermediate=model.intermediate_size if model.num_layers > model.num_moe_layers else 0,
             moe_intermediate=model.moe_intermediate_size if model.is_moe else 0, tp=tp,

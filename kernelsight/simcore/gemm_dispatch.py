@@ -229,7 +229,7 @@ __all__ = [
 ]
 
 
-def block_shape_error(scheme: Fp8Scheme | None, *, hidden: int, q_heads: int, kv_heads: int, head_dim: int,
+def block_shape_error(scheme: Fp8Scheme | None, *, q_heads: int, kv_heads: int, head_dim: int,
                       intermediate: int, moe_intermediate: int, tp: int, moe_tp: int) -> str | None:
     """vLLM's refusal to load a block-quantized FP8 checkpoint whose TP shards split a weight block, or None.
 
